@@ -1,0 +1,1 @@
+"""Circuit breakers around provider upstreams and the degradation policy."""

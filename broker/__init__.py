@@ -1,0 +1,1 @@
+"""mergebroker service: HTTP API, admission, queues, workers, settings, logging, CLI."""

@@ -1,0 +1,164 @@
+"""The one exception hierarchy of mergebroker, and the OpenAI-shaped error envelope.
+
+    BrokerError                      status, type, code, message, param, headers
+    ├── InvalidRequest               400 invalid_request_error
+    ├── Unauthorized                 401 invalid_api_key
+    ├── Forbidden                    403 tier_not_allowed
+    ├── NotFound                     404 model_not_found / not_found
+    ├── MethodNotAllowed             405
+    ├── PayloadTooLarge              413
+    ├── UnsupportedMediaType         415
+    ├── RateLimited                  429 (retry_after)
+    ├── Overloaded                   503 queue full / shutting down (retry_after)
+    ├── UpstreamUnavailable          503 every upstream's breaker open (retry_after)
+    ├── DeadlineExceeded             504 the request's own deadline passed
+    └── UpstreamError                an upstream call failed (after retries, if any)
+        ├── UpstreamHTTPError        upstream answered an error status (status, retry_after, body)
+        ├── UpstreamConnectionError  could not connect / connection dropped  -> 502
+        ├── UpstreamTimeout          upstream did not answer in time          -> 504
+        └── UpstreamBadResponse      upstream answered 2xx with an unusable body -> 502
+
+Foreign exceptions (aiohttp, redis, pybreaker) are translated at the boundary with
+`raise Mapped(...) from exc`; HTTP errors leave the service through `error_body` only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class BrokerError(Exception):
+    """Base of every error the broker raises on purpose; knows how to present itself to a client."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers (Retry-After in whole seconds, rounded up, at least 1)."""
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error envelope."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error envelope: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class InvalidRequest(BrokerError):
+    status, type = 400, "invalid_request_error"
+
+
+class Unauthorized(BrokerError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class Forbidden(BrokerError):
+    status, type, code = 403, "permission_error", "tier_not_allowed"
+
+
+class NotFound(BrokerError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class MethodNotAllowed(BrokerError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class PayloadTooLarge(BrokerError):
+    status, type, code = 413, "invalid_request_error", "payload_too_large"
+
+
+class UnsupportedMediaType(BrokerError):
+    status, type, code = 415, "invalid_request_error", "unsupported_media_type"
+
+
+class RateLimited(BrokerError):
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+
+class Overloaded(BrokerError):
+    status, type, code = 503, "service_unavailable", "overloaded"
+
+
+class UpstreamUnavailable(BrokerError):
+    """Every upstream able to serve the model is known to be down (breakers open)."""
+
+    status, type, code = 503, "service_unavailable", "upstream_unavailable"
+
+    def __init__(self, retry_after: float, message: str = "AI service busy, please retry later") -> None:
+        super().__init__(message, retry_after=retry_after)
+
+
+class DeadlineExceeded(BrokerError):
+    status, type, code = 504, "timeout_error", "deadline_exceeded"
+
+
+class UpstreamError(BrokerError):
+    """An upstream call failed. `retryable` tells retry and breaker logic whether to try again."""
+
+    status, type, code = 502, "upstream_error", "upstream_error"
+    retryable: bool = True
+
+
+class UpstreamHTTPError(UpstreamError):
+    """The upstream answered with an error status; 4xx other than 408/409/429 are the caller's fault."""
+
+    def __init__(self, upstream_status: int, message: str, *, retry_after: float | None = None,
+                 body: dict[str, Any] | None = None) -> None:
+        caller_fault = 400 <= upstream_status < 500 and upstream_status not in (408, 409, 429)
+        status = upstream_status if (caller_fault or upstream_status == 429) else 502
+        super().__init__(message, status=status, retry_after=retry_after)
+        self.upstream_status = upstream_status
+        self.upstream_body = body
+        self.retryable = not caller_fault
+        if caller_fault or upstream_status == 429:
+            error = (body or {}).get("error") if isinstance(body, dict) else None
+            if isinstance(error, dict):
+                self.type = str(error.get("type") or "invalid_request_error")
+                self.code = error.get("code")
+                self.param = error.get("param")
+            elif upstream_status == 429:
+                self.type, self.code = "rate_limit_error", "rate_limit_exceeded"
+            else:
+                self.type, self.code = "invalid_request_error", None
+
+    @property
+    def caller_fault(self) -> bool:
+        """True for 4xx caused by the request itself: these never trip a breaker."""
+        return not self.retryable
+
+
+class UpstreamConnectionError(UpstreamError):
+    code = "upstream_connection_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status, type, code = 504, "timeout_error", "upstream_timeout"
+
+
+class UpstreamBadResponse(UpstreamError):
+    code = "upstream_bad_response"

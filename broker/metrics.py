@@ -1,0 +1,80 @@
+"""Every Prometheus metric the broker exports, in one registry per broker instance.
+
+One `Metrics` object is built by `create_app` and handed to the components that record;
+a per-instance registry keeps two brokers in one process (tests) from mixing their counts.
+The Grafana dashboard and alert rules in `configs/` query exactly these names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128)
+
+
+class Metrics:
+    """The broker's metric families; attribute names follow the exported names without the prefix."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "mergebroker_"
+        # Foundation: requests and upstream calls.
+        self.requests = Counter(p + "requests", "Requests answered, by endpoint, tier and HTTP status.",
+                                ["endpoint", "tier", "status"], registry=r)
+        self.request_latency = Histogram(p + "request_latency_seconds", "Time from request to answer.",
+                                         ["endpoint", "tier"], buckets=LATENCY_BUCKETS, registry=r)
+        self.upstream_calls = Counter(p + "upstream_calls", "Upstream calls by provider and outcome.",
+                                      ["provider", "outcome"], registry=r)
+        self.upstream_latency = Histogram(p + "upstream_latency_seconds", "Upstream call latency.",
+                                          ["provider"], buckets=LATENCY_BUCKETS, registry=r)
+        self.retries = Counter(p + "retries", "Upstream retries by provider and reason.",
+                               ["provider", "reason"], registry=r)
+        # Tiers and queues.
+        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting in a tier's queue.", ["tier"], registry=r)
+        self.queue_wait = Histogram(p + "queue_wait_seconds", "Time a request waited before dispatch.",
+                                    ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter(p + "rejected", "Requests refused, by tier and reason "
+                                "(rate_limited, queue_full, deadline, unauthorized, forbidden).",
+                                ["tier", "reason"], registry=r)
+        self.forced_flush = Counter(p + "forced_flush", "Windows flushed early because the queue was full.",
+                                    ["tier"], registry=r)
+        # Merge engine.
+        self.merged_requests = Counter(p + "merged_requests", "Requests answered from a merged call.",
+                                       ["tier"], registry=r)
+        self.batches = Counter(p + "batches", "Upstream dispatches (a batch of one is a passthrough).",
+                               ["tier"], registry=r)
+        self.batch_size = Histogram(p + "batch_size", "Members per dispatched batch.", ["tier"],
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.cache_events = Counter(p + "cache_events", "Chat response cache results (hit, miss, coalesced).",
+                                    ["result"], registry=r)
+        self.tokens_saved = Counter(p + "tokens_saved", "Estimated prompt tokens not sent thanks to merging.",
+                                    registry=r)
+        self.upstream_calls_saved = Counter(p + "upstream_calls_saved",
+                                            "Upstream calls not made thanks to merging, coalescing and caching.",
+                                            registry=r)
+        self.split_fallback = Counter(p + "split_fallback", "Merged members re-sent alone, by reason.",
+                                      ["reason"], registry=r)
+        self.embedding_seconds = Histogram(p + "embedding_seconds", "Similarity-embedding time per window batch.",
+                                           buckets=LATENCY_BUCKETS, registry=r)
+        # Breakers and degradation.
+        self.breaker_state = Gauge(p + "breaker_state", "Breaker state per provider: 0 closed, 1 half-open, 2 open.",
+                                   ["provider"], registry=r)
+        self.breaker_transitions = Counter(p + "breaker_transitions", "Breaker state changes.",
+                                           ["provider", "to"], registry=r)
+        self.degraded = Gauge(p + "degraded", "1 while merging is paused for a model.", ["model"], registry=r)
+        self.fast_fail = Counter(p + "fast_fail", "Requests answered 503 at once because no upstream is healthy.",
+                                 ["model"], registry=r)
+        # Embeddings endpoint.
+        self.embedding_cache_events = Counter(p + "embedding_cache_events", "Embedding cache lookups per text.",
+                                              ["level", "result"], registry=r)
+        self.embedding_coalesced = Counter(p + "embedding_coalesced", "Embedding texts that joined a pending one.",
+                                           registry=r)
+        self.embedding_batch_size = Histogram(p + "embedding_batch_size", "Texts per upstream embedding call.",
+                                              buckets=BATCH_BUCKETS, registry=r)
+        self.embedding_window_pending = Gauge(p + "embedding_window_pending",
+                                              "Embedding texts waiting in the batching window.", registry=r)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""Fingerprints, coalescing, caches, similarity grouping, combined prompts and splitting."""

@@ -1,0 +1,1 @@
+"""Upstream clients and pools, and the simulated upstream used by tests, demo and benchmarks."""

@@ -1,0 +1,40 @@
+"""The provider seam: what the broker needs from one upstream, whatever speaks behind it.
+
+A provider is one upstream endpoint (one base URL, one key). Pools (`providers.pool`) choose
+among several providers serving a model; breakers and retries wrap the calls made here.
+Implementations raise only `broker.errors.UpstreamError` subclasses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Protocol
+
+
+class Provider(Protocol):
+    """One upstream endpoint speaking (at least) the OpenAI chat and embeddings API.
+
+    Contract:
+    - `chat` posts a chat-completions body (already stripped of broker-only fields) and returns the
+      parsed JSON body of a 2xx answer; any other outcome raises an `UpstreamError` subclass
+      (`UpstreamHTTPError` with the upstream status and Retry-After, `UpstreamTimeout`,
+      `UpstreamConnectionError`, `UpstreamBadResponse`). It makes exactly one attempt: retries,
+      failover and breakers live outside.
+    - `stream_chat` yields the raw SSE bytes as the upstream sends them (lines included), after a
+      2xx status; errors before the first byte raise like `chat`.
+    - `embeddings` behaves like `chat` for `/embeddings`.
+    - `timeout` is the whole-call budget in seconds.
+    """
+
+    name: str
+
+    async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]: ...
+
+    def stream_chat(self, body: dict[str, Any], *, timeout: float) -> AsyncIterator[bytes]: ...
+
+    async def embeddings(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]: ...
+
+    async def list_models(self, *, timeout: float) -> list[str]: ...
+
+    async def warm_up(self, connections: int) -> None: ...
+
+    async def close(self) -> None: ...
