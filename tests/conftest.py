@@ -77,3 +77,76 @@ def redis_server() -> Iterator[RedisServer]:
     finally:
         server.stop()
         shutil.rmtree(server.dir, ignore_errors=True)
+
+
+@pytest.fixture
+async def simulator():
+    """The simulated upstream as a real server on a free loopback port."""
+    from providers.simulator import start_simulator
+
+    sim = await start_simulator()
+    try:
+        yield sim
+    finally:
+        await sim.close()
+
+
+class BrokerUnderTest:
+    """A broker running as a real aiohttp server on 127.0.0.1, with an HTTP session and an OpenAI client."""
+
+    def __init__(self, runner, broker, port: int) -> None:
+        import aiohttp
+        import openai
+
+        self.runner, self.broker, self.port = runner, broker, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.http = aiohttp.ClientSession(base_url=self.url)
+        self.openai = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="test-key", max_retries=0)
+
+    async def chat(self, content: str, *, model: str = "sim-small", headers: dict | None = None,
+                   system: str | None = None, **extra):
+        """POST one chat completion; returns (status, json body, headers)."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        async with self.http.post("/v1/chat/completions", json={"model": model, "messages": messages, **extra},
+                                  headers=headers or {}) as resp:
+            return resp.status, await resp.json(), resp.headers
+
+    async def close(self) -> None:
+        await self.http.close()
+        await self.openai.close()
+        await self.runner.cleanup()
+
+
+@pytest.fixture
+async def start_broker():
+    """Factory: `await start_broker(settings_dict)` runs a broker on a free port; all are stopped at the end."""
+    from aiohttp import web
+
+    from broker.app import BROKER, create_app
+    from broker.settings import load_settings
+
+    started: list[BrokerUnderTest] = []
+
+    async def start(config: dict | None = None, *, clock=None) -> BrokerUnderTest:
+        settings = load_settings(None, environ={}, overrides=config or {})
+        app = create_app(settings, **({"clock": clock} if clock else {}))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        b = BrokerUnderTest(runner, app[BROKER], port)
+        started.append(b)
+        return b
+
+    yield start
+    for b in started:
+        await b.close()
+
+
+def provider_for(sim, name: str = "sim", **extra) -> dict:
+    """Provider settings pointing at a simulator."""
+    return {"name": name, "base_url": sim.url, **extra}
+
+
+NO_MERGE_MODEL = {"merge": {"embedder": "none"}}

@@ -1,0 +1,60 @@
+"""The degradation policy: when to pause merging for a model, and when to refuse at once because no upstream is up.
+
+Merging multiplies the cost of an upstream failure (one failed merged call fails every member), so it
+pauses as soon as any provider of the model looks unwell, well before its breaker opens. Called per
+request: it only reads breaker state, never waits.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from breaker.circuit import BreakerState, CircuitBreaker
+from broker.metrics import Metrics
+
+WILDCARD = "*"
+"""The routes key whose providers serve every model."""
+
+MIN_RETRY_AFTER_S = 0.1
+
+
+class DegradationPolicy:
+    """Reads the breakers of a model's providers to decide on merging and fast failure.
+
+    `routes` maps a model to its provider names; providers under `"*"` serve every model, after the
+    model's own. A provider without a breaker in `breakers` counts as healthy.
+    """
+
+    def __init__(self, routes: Mapping[str, Sequence[str]], breakers: Mapping[str, CircuitBreaker],
+                 metrics: Metrics | None = None) -> None:
+        self._routes = {model: tuple(names) for model, names in routes.items()}
+        self._breakers = dict(breakers)
+        self._metrics = metrics
+
+    def providers_for(self, model: str) -> list[str]:
+        """The providers able to serve `model`: its own routes, then the wildcard's, without repeats."""
+        names = self._routes.get(model, ()) + self._routes.get(WILDCARD, ())
+        return list(dict.fromkeys(names))
+
+    def merging_allowed(self, model: str) -> bool:
+        """False while any breaker of the model's providers is degraded, half-open or open."""
+        allowed = not any(breaker.degraded for breaker in self._breakers_of(model))
+        if self._metrics is not None:
+            self._metrics.degraded.labels(model=model).set(0 if allowed else 1)
+        return allowed
+
+    def fast_fail_retry_after(self, model: str) -> float | None:
+        """When every provider of the model is open: seconds until the first probe (at least 0.1); else None."""
+        names = self.providers_for(model)
+        if not names or any(name not in self._breakers for name in names):
+            return None
+        waits = []
+        for name in names:
+            breaker = self._breakers[name]
+            if breaker.state is not BreakerState.OPEN:
+                return None
+            waits.append(breaker.seconds_until_probe())
+        return max(MIN_RETRY_AFTER_S, min(waits))
+
+    def _breakers_of(self, model: str) -> list[CircuitBreaker]:
+        return [self._breakers[name] for name in self.providers_for(model) if name in self._breakers]

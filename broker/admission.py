@@ -1,0 +1,113 @@
+"""Who is calling and in which tier: API keys, gateway headers, or open (development) mode.
+
+Keys are stored as SHA-256 hashes and compared in constant time; the gateway mode trusts
+`X-Broker-Tenant` / `X-Broker-Tier` only next to the shared secret in `X-Broker-Gateway-Secret`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Mapping
+
+from broker.errors import Forbidden, Unauthorized
+from broker.settings import AuthSettings
+
+TENANT_HEADER = "X-Broker-Tenant"
+TIER_HEADER = "X-Broker-Tier"
+USER_HEADER = "X-Broker-User"
+GATEWAY_SECRET_HEADER = "X-Broker-Gateway-Secret"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated caller: its tenant, the tier it runs in, and its key's own limits."""
+
+    tenant: str
+    tier: str
+    key_id: str | None = None
+    key_rpm: int | None = None
+    key_tpm: int | None = None
+    user: str | None = None
+
+
+@dataclass(frozen=True)
+class _Key:
+    digest: bytes
+    tenant: str
+    tiers: tuple[str, ...]
+    default_tier: str
+    rpm: int | None
+    tpm: int | None
+
+
+class Authenticator:
+    """Maps request headers to a `Caller`, or raises 401/403."""
+
+    def __init__(self, settings: AuthSettings, *, tiers: tuple[str, ...], default_tier: str) -> None:
+        self._mode = settings.mode
+        self._tiers = tiers
+        self._default_tier = default_tier
+        self._default_tenant = settings.default_tenant
+        self._secret = settings.gateway_secret.get_secret_value().encode() if settings.gateway_secret else b""
+        self._keys = [
+            _Key(bytes.fromhex(k.sha256), k.tenant, tuple(k.tiers), k.default_tier or k.tiers[0], k.rpm, k.tpm)
+            for k in settings.keys
+        ]
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    def authenticate(self, headers: Mapping[str, str], *, body_tier: str | None = None,
+                     body_user: str | None = None) -> Caller:
+        """Identify the caller and its tier; `body_tier` is the request's `broker.tier`, if any."""
+        requested = headers.get(TIER_HEADER) or body_tier
+        if self._mode == "keys":
+            return self._by_key(headers, requested, body_user)
+        if self._mode == "gateway":
+            return self._by_gateway(headers, requested, body_user)
+        tier = self._known_tier(requested or self._default_tier)
+        return Caller(tenant=self._default_tenant, tier=tier, user=headers.get(USER_HEADER) or body_user)
+
+    def _by_key(self, headers: Mapping[str, str], requested: str | None, user: str | None) -> Caller:
+        token = _bearer(headers)
+        if not token:
+            raise Unauthorized("Missing API key. Send it as 'Authorization: Bearer <key>'.")
+        digest = hashlib.sha256(token.encode()).digest()
+        match = None
+        for key in self._keys:  # compare against every key so timing does not reveal which one matched
+            if hmac.compare_digest(key.digest, digest):
+                match = key
+        if match is None:
+            raise Unauthorized("Incorrect API key provided.")
+        tier = requested or match.default_tier
+        self._known_tier(tier)
+        if tier not in match.tiers:
+            raise Forbidden(f"This API key may not use tier '{tier}'.", param="X-Broker-Tier")
+        return Caller(tenant=match.tenant, tier=tier, key_id=digest.hex()[:12], key_rpm=match.rpm,
+                      key_tpm=match.tpm, user=headers.get(USER_HEADER) or user)
+
+    def _by_gateway(self, headers: Mapping[str, str], requested: str | None, user: str | None) -> Caller:
+        given = headers.get(GATEWAY_SECRET_HEADER, "").encode()
+        if not self._secret or not hmac.compare_digest(given, self._secret):
+            raise Unauthorized("Missing or wrong gateway secret.", code="invalid_gateway_secret")
+        tenant = headers.get(TENANT_HEADER)
+        if not tenant:
+            raise Unauthorized(f"The gateway must set {TENANT_HEADER}.", code="missing_tenant")
+        tier = self._known_tier(requested or self._default_tier)
+        return Caller(tenant=tenant, tier=tier, user=headers.get(USER_HEADER) or user)
+
+    def _known_tier(self, tier: str) -> str:
+        if tier not in self._tiers:
+            raise Forbidden(f"Unknown tier '{tier}'.", param="X-Broker-Tier", code="unknown_tier")
+        return tier
+
+
+def _bearer(headers: Mapping[str, str]) -> str | None:
+    value = headers.get("Authorization", "")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None

@@ -1,0 +1,267 @@
+"""`create_app(settings)`: builds every component and wires the request path; nothing reads globals.
+
+Components are built at start-up inside the app's cleanup context (the simulated upstream, when no
+provider is configured, has to be listening before the pools can point at it) and stored under typed
+`web.AppKey`s. Background parts (workers, model loading, ledger, shared breaker state) start and stop
+there too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import structlog
+from aiohttp import web
+
+from breaker.circuit import BreakerSettings, CircuitBreaker
+from breaker.policy import DegradationPolicy
+from breaker.shared_state import SharedBreakerState
+from broker.admission import Authenticator
+from broker.chat import ChatService
+from broker.clock import Clock, monotonic
+from broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
+from broker.embeddings import EmbeddingService, build_embedding_service
+from broker.jobs import ChatJob
+from broker.metrics import Metrics
+from broker.middleware import SETTINGS_MAX_BODY, error_middleware
+from broker.queue import MergeQueue, TierWindow
+from broker.ratelimit import RateLimiter
+from broker.ratelimit_redis import RedisRateLimiter
+from broker.settings import ProviderSettings, Settings
+from broker.upstream_limiter import UpstreamLimiter
+from broker.workers import WorkerPool
+from merge.cache import TwoLevelCache
+from merge.embedder import CachingEmbedder, LocalEmbedder, SentenceModelHost
+from merge.lru import LruCache
+from merge.quality_guard import GuardSettings, QualityGuard
+from merge.redis_cache import RedisCache, make_redis_client
+from providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from providers.pool import ProviderPools, Upstream
+from providers.retry import RetryPolicy
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Broker:
+    """Everything a running broker holds; built once per app."""
+
+    settings: Settings
+    metrics: Metrics
+    auth: Authenticator
+    pools: ProviderPools
+    queue: MergeQueue[ChatJob]
+    chat: ChatService
+    embeddings: EmbeddingService
+    policy: DegradationPolicy
+    breakers: dict[str, CircuitBreaker]
+    model_host: SentenceModelHost | None
+    workers: WorkerPool
+    simulated_upstream: Any = None
+    redis: Any = None
+    shared_breakers: Any = None
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        """Ready to serve: providers configured, workers running, the embedding model loaded (if used)."""
+        model_loaded = self.model_host is None or self.model_host.ready
+        checks = {
+            "providers": len(self.pools.upstreams) > 0,
+            "workers": True,
+            "embedding_model": model_loaded,
+        }
+        return all(checks.values()), checks
+
+
+    def stats(self) -> dict[str, Any]:
+        """A JSON snapshot for gateways and humans without Prometheus."""
+        m = self.metrics
+        tiers = {}
+        for t in self.settings.tiers:
+            batches = _sample(m, "mergebroker_batches_total", tier=t.name)
+            merged = _sample(m, "mergebroker_merged_requests_total", tier=t.name)
+            requests = sum(_sample(m, "mergebroker_requests_total", endpoint="chat", tier=t.name, status=s)
+                           for s in _statuses(m))
+            tiers[t.name] = {"queue_depth": self.queue.depth(t.name), "requests": requests,
+                             "merge_rate": merged / requests if requests else 0.0,
+                             "mean_batch_size": _mean(m, "mergebroker_batch_size", tier=t.name),
+                             "batches": batches}
+        providers = {u.name: {"in_flight": u.in_flight,
+                              **(u.breaker.snapshot() if u.breaker else {"state": "closed"})}
+                     for u in self.pools.upstreams}
+        return {"tiers": tiers, "providers": providers}
+
+
+def _sample(metrics: Metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return float(value or 0.0)
+
+
+def _mean(metrics: Metrics, name: str, **labels: str) -> float:
+    count = _sample(metrics, name + "_count", **labels)
+    return _sample(metrics, name + "_sum", **labels) / count if count else 0.0
+
+
+def _statuses(metrics: Metrics) -> set[str]:
+    return {s.labels["status"] for family in metrics.requests.collect() for s in family.samples
+            if "status" in s.labels}
+
+
+BROKER = web.AppKey("broker", Broker)
+
+
+def create_app(settings: Settings, *, clock: Clock = monotonic) -> web.Application:
+    """The aiohttp application for `settings`; components are built when it starts."""
+    from broker.routes import add_routes
+
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
+    app[SETTINGS_MAX_BODY] = settings.server.max_body_bytes
+    add_routes(app)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        broker = await build_broker(settings, clock=clock)
+        app[BROKER] = broker
+        try:
+            yield
+        finally:
+            await stop_broker(broker)
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+async def build_broker(settings: Settings, *, clock: Clock = monotonic) -> Broker:
+    metrics = Metrics()
+    simulated = None
+    providers = list(settings.providers)
+    if not providers:
+        from providers.simulator import start_simulator
+
+        simulated = await start_simulator()
+        providers = [ProviderSettings(name="simulated", base_url=simulated.url)]
+        log.warning("simulated_upstream", url=simulated.url,
+                    message="No provider configured: serving from the built-in simulated upstream "
+                            "(answers are synthetic). Configure providers or pass --upstream URL.")
+    redis = make_redis_client(settings.redis.url) if settings.redis.url else None
+    breakers = {p.name: CircuitBreaker(p.name, _breaker_settings(p), clock=clock, metrics=metrics)
+                for p in providers if p.kind == "openai"}
+    upstreams = [_upstream(p, breakers[p.name], clock) for p in providers if p.kind == "openai"]
+    pools = ProviderPools(upstreams, strategy=settings.routing, retry=RetryPolicy(**settings.retry.model_dump()),
+                          clock=clock, metrics=metrics)
+    routes: dict[str, list[str]] = {}
+    for p in providers:
+        for model in p.models:
+            routes.setdefault(model, []).append(p.name)
+    policy = DegradationPolicy(routes, breakers, metrics)
+    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
+             for t in settings.tiers]
+    queue: MergeQueue[ChatJob] = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock,
+                                            metrics=metrics)
+    needs_model = settings.merge.enabled and settings.merge.embedder == "local" and any(
+        t.merge and t.similarity_threshold > 0 for t in settings.tiers)
+    serves_local = any(p.kind == "local" for p in providers)
+    host = SentenceModelHost() if (needs_model or serves_local) else None
+    embedder = CachingEmbedder(LocalEmbedder(host)) if host is not None and needs_model else None
+    dispatcher = Dispatcher(
+        pools,
+        tiers={t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged")
+               for t in settings.tiers},
+        options=MergeOptions(settings.merge.header, settings.merge.leak_min_words, settings.merge.context_tokens,
+                             settings.merge.default_context_tokens),
+        embedder=embedder,
+        guard=QualityGuard(GuardSettings(settings.merge.quality_guard_ratio, settings.merge.quality_guard_min_batches,
+                                         settings.merge.quality_guard_cooldown_s), clock=clock),
+        merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock)
+    limiter: Any = RateLimiter(clock)
+    if redis is not None and settings.redis.share_limits:
+        limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
+    chat_cache = None
+    if settings.cache.enabled:
+        l2 = None
+        if redis is not None:
+            l2 = RedisCache(redis, prefix=f"mb:chat:{settings.merge.cache_version}:", ttl_s=settings.cache.ttl_s,
+                            jitter_ratio=settings.cache.jitter_ratio)
+        chat_cache = TwoLevelCache(LruCache(max_entries=settings.cache.max_entries, max_bytes=settings.cache.max_bytes,
+                                            ttl_s=settings.cache.ttl_s, clock=clock), l2)
+    chat = ChatService(settings, queue=queue, pools=pools, limiter=limiter, cache=chat_cache, metrics=metrics,
+                       clock=clock)
+    embeddings = build_embedding_service(settings, pools=pools, host=host, redis=redis, limiter=limiter,
+                                         metrics=metrics, providers=providers, clock=clock)
+    workers = WorkerPool(queue, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
+    auth = Authenticator(settings.auth, tiers=tuple(t.name for t in settings.tiers), default_tier=settings.default_tier)
+    shared = None
+    if redis is not None and settings.redis.share_breakers:
+        shared = SharedBreakerState(redis, clock=clock)
+        for b in breakers.values():
+            shared.attach(b)
+    broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host, workers,
+                    simulated_upstream=simulated, redis=redis, shared_breakers=shared)
+    await _start(broker, providers)
+    return broker
+
+
+async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
+    broker.workers.start()
+    if broker.shared_breakers is not None:
+        await broker.shared_breakers.start()
+    if broker.model_host is not None:
+        _background(broker, broker.model_host.load(), "model_load")
+    for p, u in zip([p for p in providers if p.kind == "openai"], broker.pools.upstreams):
+        if p.warmup_connections:
+            _background(broker, u.provider.warm_up(p.warmup_connections), "warmup")
+    if broker.auth.mode == "open":
+        log.warning("auth_open", message="Authentication is off (auth.mode=open): every caller is tenant "
+                    f"'{broker.settings.auth.default_tenant}'. Use mode 'keys' or 'gateway' in production.")
+    await broker.embeddings.start()
+    log.info("broker_started", providers=[u.name for u in broker.pools.upstreams],
+             tiers=[t.name for t in broker.settings.tiers], auth=broker.auth.mode,
+             redis=broker.redis is not None)
+
+
+def _background(broker: Broker, coro: Any, name: str) -> None:
+    task = asyncio.get_running_loop().create_task(coro, name=name)
+    broker.background.add(task)
+
+    def done(t: asyncio.Task[Any]) -> None:
+        broker.background.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.error("background_task_failed", task=name, error=repr(t.exception()))
+
+    task.add_done_callback(done)
+
+
+async def stop_broker(broker: Broker) -> None:
+    from broker.errors import Overloaded
+
+    for job in broker.queue.close():
+        job.fail(Overloaded("The broker is shutting down.", retry_after=1))
+    await broker.workers.stop()
+    if broker.shared_breakers is not None:
+        await broker.shared_breakers.stop()
+    for task in list(broker.background):
+        task.cancel()
+    await asyncio.gather(*broker.background, return_exceptions=True)
+    await broker.embeddings.stop()
+    await broker.pools.close()
+    if broker.model_host is not None:
+        broker.model_host.close()
+    if broker.redis is not None:
+        await broker.redis.aclose()
+    if broker.simulated_upstream is not None:
+        await broker.simulated_upstream.close()
+
+
+def _breaker_settings(p: ProviderSettings) -> BreakerSettings:
+    return BreakerSettings(**p.breaker.model_dump())
+
+
+def _upstream(p: ProviderSettings, breaker: CircuitBreaker, clock: Clock) -> Upstream:
+    provider = OpenAICompatProvider(HttpProviderSettings(
+        name=p.name, base_url=p.base_url.rstrip("/"),
+        api_key=p.api_key.get_secret_value() if p.api_key else None,
+        max_connections=p.max_connections, connect_timeout_s=p.connect_timeout_s))
+    limiter = UpstreamLimiter(p.rpm, p.tpm, clock=clock) if (p.rpm or p.tpm) else None
+    return Upstream(provider, models=tuple(p.models), weight=p.weight, breaker=breaker, limiter=limiter,
+                    max_in_flight=p.max_in_flight, token_rate=p.token_rate)

@@ -1,0 +1,104 @@
+"""`mergebroker` command line: serve, simulate, report, warm-cache, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download model weights at run time
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mergebroker",
+        description="An OpenAI-compatible LLM request-merge broker: coalesces, caches and merges similar "
+                    "requests before they reach your providers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the broker", description=(
+        "Run the broker. Without --config, --upstream or configured providers it serves from the built-in "
+        "simulated upstream (synthetic answers) so you can try it with no API key."))
+    serve.add_argument("--config", metavar="FILE", help="YAML config file (default: $MERGEBROKER_CONFIG)")
+    serve.add_argument("--host", help="listen address (default from config: 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="listen port (default from config: 8080)")
+    serve.add_argument("--upstream", action="append", metavar="URL", default=[],
+                       help="OpenAI-compatible base URL (e.g. https://api.example.com/v1) serving every model; "
+                            "repeat for a pool with failover. API key from $MERGEBROKER_UPSTREAM_API_KEY.")
+
+    from providers.simulator import add_simulate_arguments
+
+    simulate = sub.add_parser("simulate", help="run the simulated OpenAI-compatible upstream",
+                              description="Run the simulated upstream used by tests, demos and benchmarks.")
+    add_simulate_arguments(simulate)
+
+    from broker.report import add_report_arguments
+
+    report = sub.add_parser("report", help="summarise the usage ledger",
+                            description="Requests, merge rate, cache rates, tokens and calls saved, cost per tenant.")
+    add_report_arguments(report)
+
+    warm = sub.add_parser("warm-cache", help="pre-fill the embedding caches from a file of texts",
+                          description="Embed every line of FILE through the broker's own embedding path.")
+    warm.add_argument("file", metavar="FILE", help="texts, one per line")
+    warm.add_argument("--config", metavar="FILE")
+    warm.add_argument("--model", default="all-MiniLM-L6-v2", help="embedding model (default: %(default)s)")
+    warm.add_argument("--batch", type=int, default=64, help="texts per request (default: %(default)s)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "simulate":
+        from providers.simulator import serve_simulator
+
+        try:
+            asyncio.run(serve_simulator(args))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    if args.command == "report":
+        from broker.report import run_report
+
+        return run_report(args)
+    if args.command == "warm-cache":
+        from broker.warm_cache import run_warm_cache
+
+        return run_warm_cache(args)
+    return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from broker.app import create_app
+    from broker.logging import configure_logging
+    from broker.settings import ConfigError, load_settings
+
+    overrides: dict = {}
+    try:
+        settings = load_settings(args.config)
+        server = settings.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port))
+                                                   if v is not None})
+        overrides["server"] = server.model_dump()
+        if args.upstream:
+            overrides["providers"] = [
+                {"name": f"upstream-{i}", "base_url": url, "api_key_env": "MERGEBROKER_UPSTREAM_API_KEY"}
+                for i, url in enumerate(args.upstream)]
+        settings = load_settings(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"mergebroker: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
+    app = create_app(settings)
+    web.run_app(app, host=settings.server.host, port=settings.server.port, print=None, access_log=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""`/v1/embeddings` after validation: limits, then the batcher (cache, coalescing, window batching).
+
+Models listed in `embeddings.local_models` are served by the built-in sentence-transformers model
+(the same loaded copy the merge engine uses); every other model goes to the provider pools. Token-array
+inputs skip the cache and go straight upstream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from broker.admission import Caller
+from broker.clock import Clock, monotonic
+from broker.metrics import Metrics
+from broker.ratelimit import LimitSpec
+from broker.schemas import EmbeddingRequest
+from broker.settings import ProviderSettings, Settings
+from broker.tokens import count_text_tokens, estimate_embedding_tokens
+from merge.cache import TwoLevelCache
+from merge.embedder import SentenceModelHost
+from merge.embedding_batcher import EmbedResult, EmbeddingBatcher
+from merge.lru import LruCache
+from merge.redis_cache import RedisCache
+from merge.vector_codec import to_base64
+from providers.local_embeddings import LocalEmbeddingBackend
+from providers.pool import ProviderPools
+
+
+@dataclass(frozen=True)
+class EmbeddingResponse:
+    body: dict[str, Any]
+    cache_summary: str  # "hit" when every text came from cache, "coalesced"/"miss" otherwise
+    upstream_s: float
+    limit_headers: dict[str, str]
+
+
+class EmbeddingService:
+    """Admits embedding requests and answers them through the batcher."""
+
+    def __init__(self, settings: Settings, *, batcher: EmbeddingBatcher, pools: ProviderPools, limiter: Any,
+                 local_models: list[str], clock: Clock = monotonic) -> None:
+        self._settings = settings
+        self._batcher = batcher
+        self._pools = pools
+        self._limiter = limiter
+        self._local = local_models
+        self._clock = clock
+
+    def serves(self, model: str) -> bool:
+        return model in self._local or self._pools.serves(model)
+
+    def local_models(self) -> list[str]:
+        return list(self._local)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        close = getattr(self._batcher, "close", None)
+        if close is not None:
+            await close()
+
+    async def create(self, caller: Caller, parsed: EmbeddingRequest, body: dict[str, Any]) -> EmbeddingResponse:
+        tier = self._settings.tier(caller.tier)
+        tokens = estimate_embedding_tokens(parsed.input)
+        specs = [LimitSpec(f"tier:{tier.name}", tier.rpm, tier.tpm)]
+        if caller.key_id and (caller.key_rpm or caller.key_tpm):
+            specs.append(LimitSpec(f"key:{caller.key_id}", caller.key_rpm, caller.key_tpm))
+        reservation = await self._limiter.reserve(specs, tokens)
+        started = self._clock()
+        texts = [parsed.input] if isinstance(parsed.input, str) else parsed.input
+        if not all(isinstance(t, str) for t in texts):
+            if parsed.model in self._local:
+                from broker.errors import InvalidRequest
+                raise InvalidRequest("Token-array input is not supported by local embedding models.", param="input")
+            reply, _ = await self._pools.embeddings(parsed.model, body, deadline=self._clock() + tier.request_timeout_s,
+                                                    tokens=tokens)
+            await reservation.settle(int((reply.get("usage") or {}).get("prompt_tokens", tokens)))
+            return EmbeddingResponse(reply, "miss", self._clock() - started, reservation.headers())
+        result = await self._batcher.embed(parsed.model, list(texts), dimensions=parsed.dimensions)
+        await reservation.settle(result.prompt_tokens)
+        summary = "hit" if result.cached == len(texts) else ("coalesced" if result.coalesced else "miss")
+        body_out = _response_body(parsed, result)
+        return EmbeddingResponse(body_out, summary, self._clock() - started, reservation.headers())
+
+
+def _response_body(parsed: EmbeddingRequest, result: EmbedResult) -> dict[str, Any]:
+    data = []
+    for index, vector in enumerate(result.vectors):
+        embedding: Any = to_base64(vector) if parsed.encoding_format == "base64" else np.asarray(
+            vector, dtype=np.float32).tolist()
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return {"object": "list", "data": data, "model": parsed.model, "usage": usage}
+
+
+def build_embedding_service(settings: Settings, *, pools: ProviderPools, host: SentenceModelHost | None, redis: Any,
+                            limiter: Any, metrics: Metrics, providers: list[ProviderSettings],
+                            clock: Clock = monotonic) -> EmbeddingService:
+    """Wire the batcher with its cache levels and its backends (local model or provider pools)."""
+    emb = settings.embeddings
+    local_models = list(emb.local_models) if host is not None else []
+    local = LocalEmbeddingBackend(host, model_names=tuple(local_models)) if host is not None else None
+
+    async def backend(model: str, texts: list[str], dimensions: int | None) -> EmbedResult:
+        if local is not None and model in local_models:
+            return await local(model, texts, dimensions)
+        body: dict[str, Any] = {"model": model, "input": texts, "encoding_format": "float"}
+        if dimensions:
+            body["dimensions"] = dimensions
+        reply, _ = await pools.embeddings(model, body, deadline=clock() + 60.0,
+                                          tokens=sum(count_text_tokens(t) for t in texts))
+        rows = sorted(reply.get("data") or [], key=lambda d: d.get("index", 0))
+        vectors = [np.asarray(r["embedding"], dtype=np.float32) for r in rows]
+        return EmbedResult(vectors=vectors, prompt_tokens=int((reply.get("usage") or {}).get("prompt_tokens", 0)),
+                           cached=0, coalesced=0)
+
+    l2 = RedisCache(redis, prefix="emb:", ttl_s=settings.cache.ttl_s,
+                    jitter_ratio=settings.cache.jitter_ratio) if redis is not None else None
+    cache = TwoLevelCache(LruCache(max_entries=1_000_000, max_bytes=settings.cache.max_bytes, ttl_s=settings.cache.ttl_s,
+                                   clock=clock), l2,
+                          metrics_hook=lambda level, result: metrics.embedding_cache_events.labels(level, result).inc())
+    batcher = EmbeddingBatcher(backend, cache=cache, cache_version=emb.cache_version, window_s=emb.window_ms / 1000,
+                               max_batch_size=emb.max_batch_size, max_batch_tokens=emb.max_batch_tokens,
+                               count_tokens=count_text_tokens, dtype=emb.dtype, ttl_s=settings.cache.ttl_s,
+                               metrics=metrics)
+    return EmbeddingService(settings, batcher=batcher, pools=pools, limiter=limiter, local_models=local_models,
+                            clock=clock)

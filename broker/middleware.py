@@ -1,0 +1,95 @@
+"""The one place HTTP errors leave the service, in OpenAI's envelope; request IDs; per-request log events.
+
+Every response carries `X-Request-ID` (the caller's, or a generated one) and `X-Broker-Overhead-Ms`
+(time in the broker minus time waiting on upstreams, which handlers note in `request["upstream_s"]`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from broker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
+
+log = structlog.get_logger("mergebroker.access")
+
+
+@dataclass
+class RequestInfo:
+    """What handlers learn about a request, for its headers, log event and metrics."""
+
+    request_id: str
+    upstream_s: float = 0.0
+    tenant: str | None = None
+    tier: str = ""
+    model: str | None = None
+    batch_size: int | None = None
+    batch_id: str | None = None
+    cache: str | None = None
+
+
+INFO = web.RequestKey("info", RequestInfo)
+SETTINGS_MAX_BODY = web.AppKey("max_body_bytes", int)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings", "/v1/models": "models"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    started = time.perf_counter()
+    given = request.headers.get("X-Request-ID", "")
+    request_id = given if 0 < len(given) <= 128 and given.isprintable() else "req_" + uuid.uuid4().hex
+    info = request[INFO] = RequestInfo(request_id)
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        response = await handler(request)
+    except BrokerError as exc:
+        response = _error_response(exc)
+    except web.HTTPRequestEntityTooLarge:
+        response = _error_response(PayloadTooLarge(
+            f"Request body too large: the limit is {request.app[SETTINGS_MAX_BODY]} bytes."))
+    except web.HTTPMethodNotAllowed as exc:
+        response = _error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}; "
+                                                    f"use {', '.join(sorted(exc.allowed_methods))}."))
+    except web.HTTPNotFound:
+        response = _error_response(NotFound(f"Unknown route: {request.method} {request.path}."))
+    except web.HTTPException as exc:
+        response = _error_response(BrokerError(exc.reason, status=exc.status))
+    except Exception:  # noqa: BLE001 - never a traceback to the client
+        log.exception("unhandled_error", path=request.path)
+        response = _error_response(BrokerError("The broker failed to handle the request.", status=500))
+    elapsed = time.perf_counter() - started
+    if not response.prepared:
+        response.headers["X-Request-ID"] = request_id
+        response.headers["X-Broker-Overhead-Ms"] = f"{max(0.0, elapsed - info.upstream_s) * 1000:.2f}"
+    _observe(request, info, response, elapsed)
+    return response
+
+
+def _error_response(exc: BrokerError) -> web.Response:
+    response = web.json_response(exc.body(), status=exc.status, headers=exc.headers())
+    for name, value in getattr(exc, "extra_headers", {}).items():
+        response.headers[name] = value
+    return response
+
+
+def _observe(request: web.Request, info: RequestInfo, response: web.StreamResponse, elapsed: float) -> None:
+    endpoint = _ENDPOINTS.get(request.path)
+    if endpoint is None:
+        return
+    from broker.app import BROKER
+
+    broker = request.app.get(BROKER)
+    if broker is not None:
+        broker.metrics.requests.labels(endpoint, info.tier, str(response.status)).inc()
+        broker.metrics.request_latency.labels(endpoint, info.tier).observe(elapsed)
+    log.info("request", endpoint=endpoint, status=response.status, tenant=info.tenant, tier=info.tier,
+             model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
+             batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache)

@@ -1,0 +1,196 @@
+"""Per-tier merge windows and the priority hand-off to workers.
+
+A request waits in an open *group* (same tier, same merge key) until the group's window expires, the
+group reaches `max_batch`, or the tier's queue reaches `max_queue` (forced flush). Released groups wait
+in their tier's ready line; workers take from the tier with the highest effective priority, where
+effective priority = tier priority + `aging_per_s` x seconds the oldest released group has waited. So a
+released batch-tier group overtakes fresh realtime traffic after at most
+(priority_realtime - priority_batch) / aging_per_s seconds: the starvation bound.
+
+Windows are timers (`loop.call_at`), never polling. Requests whose future is already done (deadline,
+client gone) are dropped when their group is taken. Past the tier's hard cap, `submit` refuses at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+import structlog
+
+from broker.clock import Clock, monotonic
+from broker.errors import Overloaded
+from broker.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+
+class Queued(Protocol):
+    """What the queue needs from a request: its tier, merge key (None: never waits) and future."""
+
+    tier: str
+    merge_key: str | None
+    future: asyncio.Future
+
+
+T = TypeVar("T", bound=Queued)
+
+
+@dataclass(frozen=True)
+class TierWindow:
+    """The queue-relevant part of a tier's settings."""
+
+    name: str
+    priority: int
+    window_s: float
+    max_batch: int
+    max_queue: int
+    hard_cap: int
+
+
+@dataclass
+class _Group(Generic[T]):
+    key: str | None
+    opened_at: float
+    items: list[T] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(frozen=True)
+class ReleasedGroup(Generic[T]):
+    """A group handed to a worker: same tier, same merge key; members still waiting for an answer."""
+
+    tier: str
+    key: str | None
+    items: list[T]
+    released_at: float
+
+
+class MergeQueue(Generic[T]):
+    """Bounded per-tier queues with merge windows; `take()` hands out groups by effective priority."""
+
+    def __init__(self, tiers: list[TierWindow], *, aging_per_s: float = 10.0, clock: Clock = monotonic,
+                 metrics: Metrics | None = None) -> None:
+        self._tiers = {t.name: t for t in tiers}
+        self._aging = aging_per_s
+        self._clock = clock
+        self._metrics = metrics
+        self._open: dict[str, dict[str | None, _Group[T]]] = {t.name: {} for t in tiers}
+        self._open_count = dict.fromkeys(self._tiers, 0)
+        self._ready: dict[str, collections.deque[ReleasedGroup[T]]] = {t.name: collections.deque() for t in tiers}
+        self._ready_count = dict.fromkeys(self._tiers, 0)
+        self._idle_workers: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closed = False
+
+    def depth(self, tier: str) -> int:
+        """Requests of a tier not yet taken by a worker."""
+        return self._open_count[tier] + self._ready_count[tier]
+
+    def submit(self, item: T) -> None:
+        """Place a request in its tier's window; raises `Overloaded` past the hard cap."""
+        tier = self._tiers[item.tier]
+        if self._closed:
+            raise Overloaded("The broker is shutting down.", retry_after=1)
+        if self.depth(tier.name) >= tier.hard_cap:
+            if self._metrics:
+                self._metrics.rejected.labels(tier.name, "queue_full").inc()
+            raise Overloaded(f"Tier '{tier.name}' queue is full; retry later.", retry_after=1, code="queue_full")
+        if item.merge_key is None or tier.window_s <= 0 or tier.max_batch <= 1:
+            self._make_ready(tier.name, None, [item])
+        else:
+            self._add_to_window(tier, item)
+        self._observe_depth(tier.name)
+
+    def _add_to_window(self, tier: TierWindow, item: T) -> None:
+        groups = self._open[tier.name]
+        group = groups.get(item.merge_key)
+        if group is None:
+            group = groups[item.merge_key] = _Group(item.merge_key, self._clock())
+            loop = asyncio.get_running_loop()
+            group.timer = loop.call_later(tier.window_s, self._release, tier.name, item.merge_key)
+        group.items.append(item)
+        self._open_count[tier.name] += 1
+        if len(group.items) >= tier.max_batch:
+            self._release(tier.name, item.merge_key)
+        elif self._open_count[tier.name] >= tier.max_queue:
+            self._forced_flush(tier.name)
+
+    def release_due(self) -> None:
+        """Release every open group whose window has passed on the injected clock (for tests and timers)."""
+        now = self._clock()
+        for name, tier in self._tiers.items():
+            for key, group in list(self._open[name].items()):
+                if now - group.opened_at >= tier.window_s:
+                    self._release(name, key)
+
+    def _forced_flush(self, tier: str) -> None:
+        if self._metrics:
+            self._metrics.forced_flush.labels(tier).inc()
+        log.warning("queue_forced_flush", tier=tier, depth=self._open_count[tier])
+        for key in list(self._open[tier]):
+            self._release(tier, key)
+
+    def _release(self, tier: str, key: str | None) -> None:
+        group = self._open[tier].pop(key, None)
+        if group is None:
+            return
+        if group.timer is not None:
+            group.timer.cancel()
+        self._open_count[tier] -= len(group.items)
+        self._make_ready(tier, key, group.items)
+
+    def _make_ready(self, tier: str, key: str | None, items: list[T]) -> None:
+        self._ready[tier].append(ReleasedGroup(tier, key, items, self._clock()))
+        self._ready_count[tier] += len(items)
+        while self._idle_workers:  # wake exactly one idle worker, not all of them
+            waiter = self._idle_workers.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
+    def pick(self) -> ReleasedGroup[T] | None:
+        """The released group with the highest effective priority, or None. Pure decision + pop."""
+        now = self._clock()
+        best, best_score = None, float("-inf")
+        for name, line in self._ready.items():
+            if not line:
+                continue
+            score = self._tiers[name].priority + self._aging * (now - line[0].released_at)
+            if score > best_score:
+                best, best_score = name, score
+        if best is None:
+            return None
+        group = self._ready[best].popleft()
+        self._ready_count[best] -= len(group.items)
+        self._observe_depth(best)
+        live = [item for item in group.items if not item.future.done()]
+        return ReleasedGroup(group.tier, group.key, live, group.released_at)
+
+    async def take(self) -> ReleasedGroup[T]:
+        """Wait for the next released group that still has live members."""
+        while True:
+            group = self.pick()
+            if group is not None and group.items:
+                return group
+            if group is None:
+                waiter = asyncio.get_running_loop().create_future()
+                self._idle_workers.append(waiter)
+                await waiter
+
+    def _observe_depth(self, tier: str) -> None:
+        if self._metrics:
+            self._metrics.queue_depth.labels(tier).set(self.depth(tier))
+
+    def close(self) -> list[T]:
+        """Stop accepting; return every request still waiting (to be answered with an error)."""
+        self._closed = True
+        left: list[T] = []
+        for tier in self._tiers:
+            for key in list(self._open[tier]):
+                self._release(tier, key)
+            while self._ready[tier]:
+                left.extend(self._ready[tier].popleft().items)
+            self._ready_count[tier] = 0
+        return left

@@ -1,0 +1,152 @@
+"""Thin HTTP handlers: parse, authenticate, call the service, shape the response and its headers."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from broker.admission import Caller
+from broker.app import BROKER, Broker
+from broker.chat import CacheControl
+from broker.errors import InvalidRequest, NotFound, UnsupportedMediaType
+from broker.middleware import INFO
+from broker.schemas import parse_chat, parse_embeddings
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/broker/stats", broker_stats)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+
+
+async def _json_body(request: web.Request) -> Any:
+    content_type = request.headers.get("Content-Type", "")
+    if content_type and not content_type.lower().startswith("application/json"):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got '{content_type}'.")
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("We could not parse the JSON body of your request.", code="invalid_json") from None
+
+
+def _authenticate(request: web.Request, broker: Broker, options: Any, user: str | None) -> Caller:
+    try:
+        caller = broker.auth.authenticate(request.headers, body_tier=options.tier if options else None,
+                                          body_user=user)
+    except Exception as exc:
+        reason = "unauthorized" if getattr(exc, "status", 0) == 401 else "forbidden"
+        broker.metrics.rejected.labels(request.headers.get("X-Broker-Tier", ""), reason).inc()
+        raise
+    request[INFO].tenant, request[INFO].tier = caller.tenant, caller.tier
+    return caller
+
+
+def _check_model(broker: Broker, model: str) -> None:
+    if not broker.pools.serves(model) and not broker.embeddings.serves(model):
+        raise NotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model",
+                       code="model_not_found")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    broker = request.app[BROKER]
+    parsed, body = parse_chat(await _json_body(request))
+    caller = _authenticate(request, broker, parsed.broker, parsed.user)
+    request[INFO].model = parsed.model
+    if not broker.pools.serves(parsed.model):
+        _check_model(broker, parsed.model)
+    options = parsed.broker
+    timeout_s = options.timeout_s if options else None
+    if parsed.stream:
+        return await _stream(request, broker, caller, body, timeout_s)
+    result = await broker.chat.complete(
+        caller, request[INFO].request_id, body, timeout_s=timeout_s,
+        merge_opt_out=bool(options and options.merge is False),
+        cache_control=CacheControl.from_header(request.headers.get("Cache-Control")))
+    outcome = result.outcome
+    info = request[INFO]
+    info.upstream_s, info.batch_size, info.batch_id, info.cache = (outcome.upstream_s, outcome.batch_size,
+                                                                   outcome.batch_id, result.cache)
+    headers = {"X-Broker-Batch-Size": str(outcome.batch_size), "X-Broker-Cache": result.cache, **result.limit_headers}
+    if outcome.batch_id:
+        headers["X-Broker-Batch-Id"] = outcome.batch_id
+    if outcome.fallback:
+        headers["X-Broker-Fallback"] = outcome.fallback
+    return web.json_response(outcome.body, headers=headers)
+
+
+async def _stream(request: web.Request, broker: Broker, caller: Caller, body: dict[str, Any],
+                  timeout_s: float | None) -> web.StreamResponse:
+    started = time.perf_counter()
+    chunks, provider, reservation = await broker.chat.stream(caller, body, timeout_s=timeout_s)
+    request[INFO].batch_size, request[INFO].cache = 1, "miss"
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-ID": request[INFO].request_id,
+        "X-Broker-Batch-Size": "1", "X-Broker-Cache": "miss",
+        "X-Broker-Overhead-Ms": f"{(time.perf_counter() - started) * 1000:.2f}", **reservation.headers()})
+    await response.prepare(request)
+    try:
+        async for chunk in chunks:
+            await response.write(chunk)
+    finally:
+        await reservation.settle(_reserved(reservation))
+    await response.write_eof()
+    return response
+
+
+def _reserved(reservation: Any) -> int:
+    """Streams report usage only when asked; keep the reservation as spent rather than guess lower."""
+    return int(getattr(reservation, "tokens", 0))
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    parsed, body = parse_embeddings(await _json_body(request))
+    caller = _authenticate(request, broker, parsed.broker, parsed.user)
+    request[INFO].model = parsed.model
+    _check_model(broker, parsed.model)
+    result = await broker.embeddings.create(caller, parsed, body)
+    info = request[INFO]
+    info.cache, info.batch_size, info.upstream_s = result.cache_summary, 1, result.upstream_s
+    return web.json_response(result.body, headers={"X-Broker-Cache": result.cache_summary,
+                                                   "X-Broker-Batch-Size": "1", **result.limit_headers})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    names = broker.pools.explicit_models() + broker.embeddings.local_models()
+    if not names:
+        names = await broker.pools.upstream_models()
+    data = [{"id": n, "object": "model", "created": 0, "owned_by": "mergebroker"} for n in dict.fromkeys(names)]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    broker = request.app.get(BROKER)
+    if broker is None:
+        return web.json_response({"ready": False}, status=503)
+    ready, checks = broker.ready()
+    body = {"ready": ready, "checks": checks,
+            "providers": {name: b.snapshot() for name, b in broker.breakers.items()}}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    return web.Response(body=broker.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def broker_stats(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    return web.json_response(broker.stats())

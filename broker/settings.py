@@ -1,0 +1,289 @@
+"""Settings: one YAML file plus `MERGEBROKER_*` environment overrides (`__` for nesting).
+
+This is the only module that reads the environment. Provider API keys and the gateway secret come
+from the environment only (their variable names are configured); a key written into the YAML file is
+refused at start-up. Components receive plain values from these models, never the models' sources.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+HARD_MAX_BATCH = 8
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Requests over this size get 413.")
+    workers: int = Field(64, gt=0, description="Concurrent dispatches taken from the tier queues.")
+    aging_per_s: float = Field(10.0, ge=0, description="Priority points a released group gains per second waited.")
+
+
+class BreakerConfig(_Strict):
+    window_s: float = Field(30.0, gt=0)
+    min_calls: int = Field(10, gt=0)
+    error_ratio: float = Field(0.10, gt=0, le=1)
+    slow_ratio: float = Field(0.30, gt=0, le=1)
+    slow_call_s: float = Field(10.0, gt=0)
+    open_s: float = Field(10.0, gt=0)
+    open_backoff: float = Field(2.0, ge=1)
+    open_max_s: float = Field(120.0, gt=0)
+    half_open_probes: int = Field(1, gt=0)
+    degrade_error_ratio: float = Field(0.05, ge=0, le=1)
+
+
+class ProviderSettings(_Strict):
+    name: str
+    kind: Literal["openai", "local"] = "openai"
+    base_url: str = ""
+    models: list[str] = Field(default_factory=lambda: ["*"], description='Model names served; "*" = any.')
+    api_key_env: str | None = Field(None, description="Environment variable holding this provider's API key.")
+    api_key: SecretStr | None = Field(None, exclude=True)
+    weight: int = Field(1, gt=0)
+    max_connections: int = Field(100, gt=0)
+    max_in_flight: int | None = Field(None, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    token_rate: float = Field(50.0, gt=0, description="Expected output tokens/s; read timeout = max_tokens/rate + 5 s.")
+    rpm: int | None = Field(None, gt=0)
+    tpm: int | None = Field(None, gt=0)
+    warmup_connections: int = Field(0, ge=0)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+
+
+class RetrySettings(_Strict):
+    attempts: int = Field(3, ge=1, le=10)
+    backoff_base_s: float = Field(0.1, ge=0)
+    backoff_max_s: float = Field(5.0, ge=0)
+    max_retry_after_s: float = Field(30.0, ge=0)
+
+
+class TierSettings(_Strict):
+    name: str
+    priority: int = 0
+    window_ms: float = Field(50.0, ge=0)
+    max_batch: int = Field(4, ge=1, le=HARD_MAX_BATCH)
+    max_queue: int = Field(200, gt=0)
+    hard_cap: int | None = Field(None, gt=0, description="Queue size past which requests get 503; default 2x max_queue.")
+    rpm: int | None = Field(None, gt=0)
+    tpm: int | None = Field(None, gt=0)
+    request_timeout_s: float = Field(60.0, gt=0)
+    merge: bool = True
+    similarity_threshold: float = Field(0.85, ge=0, le=1)
+    omitted_temperature_is_zero: bool = False
+    system_prompts: Literal["exact", "tagged"] = "exact"
+
+    @property
+    def queue_hard_cap(self) -> int:
+        return self.hard_cap or 2 * self.max_queue
+
+
+def default_tiers() -> list[TierSettings]:
+    return [
+        TierSettings(name="realtime", priority=100, window_ms=10, max_batch=4, request_timeout_s=30),
+        TierSettings(name="standard", priority=50, window_ms=50, max_batch=4, request_timeout_s=60),
+        TierSettings(name="batch", priority=0, window_ms=250, max_batch=8, request_timeout_s=300,
+                     similarity_threshold=0.0),
+    ]
+
+
+class ApiKeySettings(_Strict):
+    sha256: str = Field(description="Hex SHA-256 of the API key; the key itself is never stored.")
+    tenant: str
+    tiers: list[str] = Field(default_factory=lambda: ["standard"])
+    default_tier: str | None = None
+    rpm: int | None = Field(None, gt=0)
+    tpm: int | None = Field(None, gt=0)
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex64(cls, value: str) -> str:
+        value = value.lower()
+        if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+            raise ValueError("must be 64 hex characters (sha256 of the key)")
+        return value
+
+
+class AuthSettings(_Strict):
+    mode: Literal["open", "keys", "gateway"] = "open"
+    keys: list[ApiKeySettings] = Field(default_factory=list)
+    default_tenant: str = "default"
+    gateway_secret_env: str = "MERGEBROKER_GATEWAY_SECRET"
+    gateway_secret: SecretStr | None = Field(None, exclude=True)
+
+
+class MergeSettings(_Strict):
+    enabled: bool = True
+    scope: Literal["tenant", "user", "tier", "global"] = "tenant"
+    lowercase: bool = True
+    cache_version: str = "1"
+    header: str | None = Field(None, description="Combined-prompt header template with {n}; default built in.")
+    leak_min_words: int = Field(8, ge=3)
+    default_max_tokens: int = Field(256, gt=0)
+    context_tokens: dict[str, int] = Field(default_factory=dict, description="Per-model context limit.")
+    default_context_tokens: int = Field(8192, gt=0)
+    quality_guard_ratio: float = Field(0.10, ge=0, le=1)
+    quality_guard_min_batches: int = Field(20, gt=0)
+    quality_guard_cooldown_s: float = Field(300.0, ge=0)
+    embedder: Literal["local", "none"] = "local"
+
+
+class CacheSettings(_Strict):
+    enabled: bool = True
+    max_entries: int = Field(10_000, gt=0)
+    max_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    ttl_s: float = Field(3600.0, gt=0)
+    jitter_ratio: float = Field(0.1, ge=0, lt=1)
+    cache_nondeterministic: bool = False
+
+
+class RedisSettings(_Strict):
+    url: str | None = None
+    share_limits: bool = True
+    share_breakers: bool = True
+
+
+class EmbeddingSettings(_Strict):
+    window_ms: float = Field(5.0, ge=0)
+    max_batch_size: int = Field(64, gt=0)
+    max_batch_tokens: int = Field(16_384, gt=0)
+    dtype: Literal["float32", "float16"] = "float32"
+    cache_version: str = "1"
+    local_models: list[str] = Field(default_factory=lambda: ["all-MiniLM-L6-v2", "local-minilm"])
+
+
+class LoggingSettings(_Strict):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json_lines: bool = True
+
+
+class LedgerSettings(_Strict):
+    path: str | None = None
+    postgres_dsn_env: str | None = None
+
+
+class Settings(BaseSettings):
+    """Everything configurable. Precedence: environment > YAML file > defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="MERGEBROKER_", env_nested_delimiter="__", extra="forbid")
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    providers: list[ProviderSettings] = Field(default_factory=list)
+    routing: Literal["least_in_flight", "round_robin"] = "least_in_flight"
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+    tiers: list[TierSettings] = Field(default_factory=default_tiers)
+    default_tier: str = "standard"
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    merge: MergeSettings = Field(default_factory=MergeSettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    embeddings: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    ledger: LedgerSettings = Field(default_factory=LedgerSettings)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource) -> tuple:
+        # The YAML file arrives as init kwargs; the environment must win over it.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Settings":
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError("tiers: tier names must be unique")
+        if self.default_tier not in names:
+            raise ValueError(f"default_tier: {self.default_tier!r} is not a configured tier")
+        for key in self.auth.keys:
+            for tier in key.tiers + ([key.default_tier] if key.default_tier else []):
+                if tier not in names:
+                    raise ValueError(f"auth.keys: tier {tier!r} of tenant {key.tenant!r} is not configured")
+        provider_names = [p.name for p in self.providers]
+        if len(set(provider_names)) != len(provider_names):
+            raise ValueError("providers: provider names must be unique")
+        for p in self.providers:
+            if p.kind == "openai" and not p.base_url.startswith(("http://", "https://")):
+                raise ValueError(f"providers.{p.name}.base_url: must be an http(s) URL, got {p.base_url!r}")
+        if self.auth.mode == "keys" and not self.auth.keys:
+            raise ValueError("auth.keys: mode 'keys' needs at least one key")
+        return self
+
+    def tier(self, name: str) -> TierSettings:
+        return next(t for t in self.tiers if t.name == name)
+
+
+class ConfigError(Exception):
+    """Invalid configuration; the message names the field and the problem."""
+
+
+SECRET_FIELDS = ("api_key", "gateway_secret")
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, *, environ: dict[str, str] | None = None,
+                  overrides: dict[str, Any] | None = None) -> Settings:
+    """Build Settings from a YAML file (or `MERGEBROKER_CONFIG`), the environment and CLI overrides."""
+    env = os.environ if environ is None else environ
+    path = path or env.get("MERGEBROKER_CONFIG")
+    data: dict[str, Any] = _read_yaml(Path(path)) if path else {}
+    _refuse_secrets_in_file(data)
+    for key, value in (overrides or {}).items():
+        data[key] = value
+    try:
+        settings = Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from exc
+    _resolve_secrets(settings, env)
+    return settings
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping")
+    return data
+
+
+def _refuse_secrets_in_file(data: dict[str, Any]) -> None:
+    for i, provider in enumerate(data.get("providers") or []):
+        if isinstance(provider, dict) and "api_key" in provider:
+            raise ConfigError(f"providers.{i}.api_key: secrets may only come from the environment; "
+                              "set api_key_env to the name of an environment variable instead")
+    if isinstance(data.get("auth"), dict) and "gateway_secret" in data["auth"]:
+        raise ConfigError("auth.gateway_secret: secrets may only come from the environment; "
+                          "set auth.gateway_secret_env instead")
+
+
+def _resolve_secrets(settings: Settings, env: dict[str, str] | os._Environ[str]) -> None:
+    for provider in settings.providers:
+        if provider.api_key_env and env.get(provider.api_key_env):
+            provider.api_key = SecretStr(env[provider.api_key_env])
+    secret = env.get(settings.auth.gateway_secret_env)
+    if secret:
+        settings.auth.gateway_secret = SecretStr(secret)
+    if settings.auth.mode == "gateway" and settings.auth.gateway_secret is None:
+        raise ConfigError(f"auth.gateway_secret_env: mode 'gateway' needs the shared secret in "
+                          f"${settings.auth.gateway_secret_env}")
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(part) for part in err["loc"]) or "config"
+        lines.append(f"{field}: {err['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)

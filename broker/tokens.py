@@ -1,0 +1,151 @@
+"""Token estimates made before dispatch, close to what the provider will count.
+
+Text is counted with the real o200k_base tokenizer (`bpe_openai`, offline, loaded once on first use).
+Only if that package cannot be imported does counting fall back to `fallback_text_tokens`, a
+characters/4 estimate. Chat messages follow OpenAI's accounting rule for chat models: every message
+costs 3 tokens of framing plus its role, content and name (a name costs 1 more), and the reply is
+primed with 3 tokens. Parts that are not text have no text to count and get flat estimates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+TOKENS_PER_MESSAGE = 3
+TOKENS_PER_NAME = 1
+REPLY_PRIMING_TOKENS = 3
+IMAGE_TOKENS_LOW_DETAIL = 85
+"""OpenAI's fixed price for an image sent with detail "low"."""
+IMAGE_TOKENS_DEFAULT = 765
+"""An image at "high"/"auto" detail is priced by its size, which is unknown here; 765 is the price of a
+1024x1024 image, the common case."""
+OTHER_PART_TOKENS = 85
+"""Any other non-text part (audio, files): a flat guess, since its size is not visible in the body."""
+
+_encode: Callable[[str], Sequence[int]] | None = None
+_loaded = False
+_load_lock = threading.Lock()
+
+
+def _encoder() -> Callable[[str], Sequence[int]] | None:
+    """The o200k_base encoder, or None when the tokenizer package is unavailable; loaded once."""
+    global _encode, _loaded
+    if _loaded:
+        return _encode
+    with _load_lock:  # counting may happen in worker threads; load the tables only once
+        if not _loaded:
+            try:
+                with warnings.catch_warnings():  # its table loader uses a deprecated importlib call
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    import bpe_openai
+
+                    encoding = bpe_openai.get_encoding("o200k_base")
+                # encode_ordinary: user text that spells a special token is plain text to the provider.
+                _encode = encoding.encode_ordinary
+            except ImportError as exc:
+                log.warning("tokenizer_unavailable", error=type(exc).__name__, fallback="chars_div_4")
+                _encode = None
+            _loaded = True
+    return _encode
+
+
+def fallback_text_tokens(text: str) -> int:
+    """Estimate without a tokenizer: one token per 4 characters, rounded up (OpenAI's rule of thumb).
+
+    Good to roughly a third on English prose; it undercounts scripts that take a token per character.
+    """
+    return math.ceil(len(text) / 4)
+
+
+def count_text_tokens(text: str) -> int:
+    """Tokens in `text` under o200k_base (or the fallback estimate when the tokenizer is missing)."""
+    if not text:
+        return 0
+    encode = _encoder()
+    if encode is None:
+        return fallback_text_tokens(text)
+    return len(encode(text))
+
+
+def _part_tokens(part: Any) -> int:
+    """Tokens for one element of a content list."""
+    if isinstance(part, str):
+        return count_text_tokens(part)
+    if not isinstance(part, Mapping):
+        return 0
+    kind = part.get("type")
+    if kind in ("text", "input_text") or (kind is None and isinstance(part.get("text"), str)):
+        return count_text_tokens(str(part.get("text") or ""))
+    if kind == "image_url":
+        image = part.get("image_url")
+        detail = image.get("detail") if isinstance(image, Mapping) else None
+        return IMAGE_TOKENS_LOW_DETAIL if detail == "low" else IMAGE_TOKENS_DEFAULT
+    return OTHER_PART_TOKENS
+
+
+def _content_tokens(content: Any) -> int:
+    """Tokens for a message's `content`: a string, a list of parts, or nothing."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return count_text_tokens(content)
+    if isinstance(content, Sequence):
+        return sum(_part_tokens(part) for part in content)
+    return 0
+
+
+def _tool_call_tokens(tool_calls: Any) -> int:
+    """Tokens for an assistant message's tool calls: the function names and argument text."""
+    if not isinstance(tool_calls, Sequence) or isinstance(tool_calls, str):
+        return 0
+    total = 0
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping):
+            arguments = function.get("arguments")
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments)
+            total += count_text_tokens(str(function.get("name") or "")) + count_text_tokens(arguments)
+    return total
+
+
+def estimate_prompt_tokens(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Prompt tokens of a chat request: 3 per message plus its role, content and name, plus 3 priming."""
+    total = REPLY_PRIMING_TOKENS
+    for message in messages:
+        total += TOKENS_PER_MESSAGE
+        total += count_text_tokens(str(message.get("role") or ""))
+        total += _content_tokens(message.get("content"))
+        name = message.get("name")
+        if isinstance(name, str) and name:
+            total += count_text_tokens(name) + TOKENS_PER_NAME
+        total += _tool_call_tokens(message.get("tool_calls"))
+    return total
+
+
+def estimate_embedding_tokens(inputs: str | Sequence[Any]) -> int:
+    """Tokens of an embeddings `input`: a string, a list of strings, a token array, or a list of them.
+
+    Token arrays are already tokens, so they count by length; embeddings add no per-input framing.
+    """
+    if isinstance(inputs, str):
+        return count_text_tokens(inputs)
+    if not inputs:
+        return 0
+    if all(isinstance(item, int) for item in inputs):
+        return len(inputs)
+    total = 0
+    for item in inputs:
+        if isinstance(item, str):
+            total += count_text_tokens(item)
+        elif isinstance(item, Sequence):
+            total += len(item)
+    return total

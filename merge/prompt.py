@@ -1,0 +1,119 @@
+"""Build the combined prompt of a merged call (the wire format in docs/architecture.md).
+
+The group's system message is kept unchanged and one user message carries a header and one
+`<request id="ID">` block per member. Member text is neutralised first, so no member can close its own
+block or forge another's, and the IDs are random per batch, so a member cannot guess them.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+# The header names the request tag only in words: a literal `<request` here would look like one more
+# block to anyone parsing the combined prompt (the simulated upstream does).
+DEFAULT_HEADER = (
+    "{n} independent requests follow, each in a request block with its own id. "
+    "Answer each one separately and completely, as if it had been asked alone. "
+    "Never mention, quote or use the other requests in an answer. "
+    "Reply only with blocks of the form <response id=\"ID\">...</response>, one per request, in any order, "
+    "each carrying the id of the request it answers."
+)
+TAGGED_HEADER = DEFAULT_HEADER + (
+    " A request may start with a system section: follow it as the system instructions for that "
+    "request only."
+)
+
+_ID_ALPHABET = "0123456789abcdef"
+_ID_LENGTH = 6
+_BLOCK_TAGS = ("request", "response")
+_TAGGED_TAGS = ("request", "response", "system")
+
+
+@dataclass(frozen=True)
+class MergeMember:
+    """One member of a merged call: its batch ID, its question, its own token budget and,
+    in tagged mode only, its own system prompt."""
+
+    id: str
+    user_text: str
+    max_tokens: int
+    system_prompt: str | None = None
+
+
+def new_batch_ids(n: int, rng: random.Random | None = None) -> list[str]:
+    """Return `n` distinct IDs of 6 lowercase hex characters (from `secrets` unless `rng` is given)."""
+    if n > len(_ID_ALPHABET) ** _ID_LENGTH:
+        raise ValueError(f"cannot make {n} distinct ids")
+    choice = rng.choice if rng is not None else secrets.choice
+    ids: list[str] = []
+    seen: set[str] = set()
+    while len(ids) < n:
+        new = "".join(choice(_ID_ALPHABET) for _ in range(_ID_LENGTH))
+        if new not in seen:
+            seen.add(new)
+            ids.append(new)
+    return ids
+
+
+def neutralize_tags(text: str, tags: Sequence[str] = _BLOCK_TAGS) -> str:
+    """Replace the `<` of every opening or closing `request`/`response` tag (any case, whitespace
+    allowed after `<` and `/`) with `&lt;`; `tags` widens the set (tagged mode adds `system`)."""
+    return _tag_pattern(tuple(tags)).sub("&lt;", text)
+
+
+def build_combined_messages(
+    members: Sequence[MergeMember],
+    *,
+    system_prompt: str | None,
+    header: str | None = None,
+    tagged_system: bool = False,
+) -> list[dict]:
+    """Return the messages of the merged call: the system message (if any), then the combined user message.
+
+    `header` is a template with `{n}`; None means `DEFAULT_HEADER` (`TAGGED_HEADER` in tagged mode).
+    In tagged mode (`tagged_system=True`) no shared system message is sent and `system_prompt` is
+    ignored: each block starts with its member's own `<system>` section instead.
+    """
+    if not members:
+        raise ValueError("a merged call needs at least one member")
+    if len({m.id for m in members}) != len(members):
+        raise ValueError("member ids must be distinct")
+    if header is None:
+        header = TAGGED_HEADER if tagged_system else DEFAULT_HEADER
+    blocks = [_request_block(m, tagged_system) for m in members]
+    messages: list[dict] = []
+    if system_prompt is not None and not tagged_system:
+        messages.append({"role": "system", "content": system_prompt})
+    # str.replace rather than str.format: an operator's header may contain other braces.
+    intro = header.replace("{n}", str(len(members)))
+    messages.append({"role": "user", "content": "\n\n".join([intro, *blocks])})
+    return messages
+
+
+def merged_max_tokens(
+    members: Sequence[MergeMember], *, model_limit: int | None, per_member_overhead: int = 0
+) -> int:
+    """Token budget of the merged call: the members' budgets (plus an optional per-block overhead for
+    the response tags) summed, capped by the model's output limit."""
+    total = sum(m.max_tokens + per_member_overhead for m in members)
+    return total if model_limit is None else min(total, model_limit)
+
+
+def _request_block(member: MergeMember, tagged_system: bool) -> str:
+    tags = _TAGGED_TAGS if tagged_system else _BLOCK_TAGS
+    body = neutralize_tags(member.user_text, tags)
+    if tagged_system and member.system_prompt is not None:
+        body = f"<system>\n{neutralize_tags(member.system_prompt, tags)}\n</system>\n{body}"
+    return f'<request id="{member.id}">\n{body}\n</request>'
+
+
+@functools.lru_cache(maxsize=8)
+def _tag_pattern(tags: tuple[str, ...]) -> re.Pattern[str]:
+    # A lookahead keeps everything but the `<` itself, so the text stays readable to the model.
+    names = "|".join(re.escape(t) for t in tags)
+    return re.compile(rf"<(?=\s*(?:/\s*)?(?:{names}))", re.IGNORECASE)

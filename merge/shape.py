@@ -1,0 +1,110 @@
+"""Which chat requests may be merged, and which of them may share one merged call.
+
+Only single-turn text requests merge: an optional system (or developer) message and exactly one user
+message with non-empty text, no tools, no structured output, no logprobs, one choice, no streaming and
+no audio or images. Everything else goes upstream on its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from merge.fingerprint import canonical_stop, canonical_value
+
+# Body fields whose presence (non-null, non-false) makes a request unmergeable.
+_BLOCKING_FIELDS = (
+    "tools", "functions", "tool_choice", "function_call", "response_format", "logprobs",
+    "top_logprobs", "stream", "audio", "prediction",
+)
+_SYSTEM_ROLES = ("system", "developer")
+_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+
+# One merged call carries one value of each sampling knob, so requests must agree on all of them.
+# The brief names model, temperature, top_p and stop; the rest change generation just as much.
+_SAMPLING_FIELDS = (
+    "model", "temperature", "top_p", "frequency_penalty", "presence_penalty", "logit_bias", "seed",
+    "reasoning_effort",
+)
+
+
+@dataclass(frozen=True)
+class MergeShape:
+    """The parts of a mergeable request the merge engine needs: its system prompt and its question."""
+
+    system_prompt: str | None
+    user_text: str
+
+
+def merge_shape(body: Mapping[str, Any]) -> MergeShape | None:
+    """Return the request's `MergeShape` when it is a single-turn text request, else None."""
+    if any(_is_set(body.get(field)) for field in _BLOCKING_FIELDS):
+        return None
+    if body.get("n") not in (None, 1):
+        return None
+    if body.get("modalities") not in (None, ["text"]):
+        return None
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not 1 <= len(messages) <= 2:
+        return None
+    if not all(isinstance(m, Mapping) and _plain_message(m) for m in messages):
+        return None
+    *system, user = messages
+    system_prompt = None
+    if system:
+        if system[0].get("role") not in _SYSTEM_ROLES:
+            return None
+        system_prompt = _text_of(system[0].get("content"))
+        if system_prompt is None:
+            return None
+    if user.get("role") != "user":
+        return None
+    user_text = _text_of(user.get("content"))
+    if user_text is None or not user_text.strip():
+        return None
+    return MergeShape(system_prompt=system_prompt, user_text=user_text)
+
+
+def compatibility_key(
+    body: Mapping[str, Any], shape: MergeShape, *, scope_value: str, include_system: bool = True
+) -> str:
+    """Hex hash that is equal for requests allowed to share one merged call.
+
+    It covers `scope_value` (chosen by the caller: a tenant, tenant+user, a tier or "global"), the
+    model, the sampling parameters and stop sequences, and the exact system prompt unless
+    `include_system=False` (the `system_prompts: tagged` mode, where each member carries its own).
+    """
+    canonical: dict[str, Any] = {field: canonical_value(body.get(field)) for field in _SAMPLING_FIELDS}
+    canonical["scope"] = scope_value
+    canonical["stop"] = canonical_stop(body.get("stop"))
+    if include_system:
+        canonical["system"] = shape.system_prompt
+    payload = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def _plain_message(message: Mapping[str, Any]) -> bool:
+    """True when the message carries nothing but role, content and name (tool turns, audio do not merge)."""
+    return all(value is None for key, value in message.items() if key not in _MESSAGE_FIELDS)
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None and value is not False and value != [] and value != {}
+
+
+def _text_of(content: Any) -> str | None:
+    """The text of a string content or of a list of text parts only; None for anything else."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        return None
+    texts = []
+    for part in content:
+        is_text = isinstance(part, Mapping) and part.get("type") == "text"
+        if not is_text or not isinstance(part.get("text"), str):
+            return None
+        texts.append(part["text"])
+    # Parts are joined with a newline so neighbouring parts cannot run their words together.
+    return "\n".join(texts)

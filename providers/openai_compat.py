@@ -1,0 +1,231 @@
+"""One upstream speaking the OpenAI HTTP API, over one pooled aiohttp session per provider.
+
+Every aiohttp failure is translated here into the `broker.errors.UpstreamError` family, so nothing
+above this module sees aiohttp. Each call is exactly one attempt; retries live in `providers.retry`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import aiohttp
+import structlog
+
+from broker.errors import (
+    UpstreamBadResponse,
+    UpstreamConnectionError,
+    UpstreamError,
+    UpstreamHTTPError,
+    UpstreamTimeout,
+)
+from providers.retry import parse_retry_after
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_TOKEN_RATE = 50.0
+"""Generation speed (tokens/s) assumed when sizing a read timeout: slow enough for a loaded hosted model."""
+
+
+@dataclass(frozen=True)
+class HttpProviderSettings:
+    """Where one upstream lives and how its connection pool behaves.
+
+    `base_url` ends before the endpoint ("http://127.0.0.1:8001/v1"). `api_key` is sent as a Bearer
+    token; it and `extra_headers` (which may hold other credentials) stay out of `repr`.
+    """
+
+    name: str
+    base_url: str
+    api_key: str | None = field(default=None, repr=False)
+    max_connections: int = 100
+    keepalive_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    extra_headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+
+
+def read_timeout_for(max_tokens: int | None, *, token_rate: float = DEFAULT_TOKEN_RATE, base_s: float = 5.0,
+                     default_tokens: int = 1024) -> float:
+    """A call budget for generating `max_tokens` at `token_rate` tokens/s, plus `base_s` for queueing and prefill.
+
+    A missing or non-positive `max_tokens` counts as `default_tokens`.
+    """
+    if token_rate <= 0:
+        raise ValueError("token_rate must be positive")
+    tokens = max_tokens if max_tokens is not None and max_tokens > 0 else default_tokens
+    return tokens / token_rate + base_s
+
+
+@contextlib.contextmanager
+def _translated(provider: str, endpoint: str) -> Iterator[None]:
+    """Map aiohttp's exceptions onto ours; `UpstreamError`s and cancellation pass through untouched."""
+    try:
+        yield
+    except UpstreamError:
+        raise
+    except asyncio.TimeoutError as exc:  # before ClientConnectionError: ServerTimeoutError is both
+        log.debug("provider_call_failed", provider=provider, endpoint=endpoint, error="timeout")
+        raise UpstreamTimeout(f"upstream {endpoint} timed out") from exc
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.InvalidURL) as exc:
+        # A truncated body means the connection dropped mid-answer; a bad URL can never connect.
+        log.debug("provider_call_failed", provider=provider, endpoint=endpoint, error=type(exc).__name__)
+        raise UpstreamConnectionError(f"upstream {endpoint} connection failed: {type(exc).__name__}") from exc
+    except aiohttp.ClientError as exc:
+        log.debug("provider_call_failed", provider=provider, endpoint=endpoint, error=type(exc).__name__)
+        raise UpstreamBadResponse(f"upstream {endpoint} sent a malformed HTTP answer") from exc
+
+
+def _decode_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _http_error(status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
+    """The error for a non-2xx answer, with the upstream's envelope message and Retry-After when present."""
+    body = _decode_json(raw)
+    body = body if isinstance(body, dict) else None
+    error = body.get("error") if body else None
+    message = f"upstream answered HTTP {status}"
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        message = error["message"]
+    elif isinstance(error, str):
+        message = error
+    retry_after = parse_retry_after(headers.get("Retry-After"))
+    retry_after_ms = parse_retry_after(headers.get("retry-after-ms"))  # OpenAI's finer-grained variant
+    if retry_after_ms is not None:
+        retry_after = retry_after_ms / 1000.0
+    return UpstreamHTTPError(status, message, retry_after=retry_after, body=body)
+
+
+def _split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events (each ending in a blank line) from `buffer`, and the unfinished rest."""
+    buffer = buffer.replace(b"\r\n", b"\n")
+    events = []
+    while (end := buffer.find(b"\n\n")) != -1:
+        events.append(buffer[: end + 2])
+        buffer = buffer[end + 2:]
+    return events, buffer
+
+
+class OpenAICompatProvider:
+    """A `providers.base.Provider` over HTTP: one `aiohttp.ClientSession` (keep-alive pool) per upstream.
+
+    The session is created on first use, inside the running loop, and closed by `close()`.
+    """
+
+    def __init__(self, settings: HttpProviderSettings) -> None:
+        self.name = settings.name
+        self._settings = settings
+        self._base_url = settings.base_url.rstrip("/")
+        self._session: aiohttp.ClientSession | None = None
+
+    def __repr__(self) -> str:
+        return f"OpenAICompatProvider(name={self.name!r}, base_url={self._base_url!r})"
+
+    def _client(self) -> aiohttp.ClientSession:
+        # No await between the check and the assignment, so concurrent first calls share one session.
+        if self._session is None or self._session.closed:
+            s = self._settings
+            headers = dict(s.extra_headers)
+            if s.api_key:
+                headers["Authorization"] = f"Bearer {s.api_key}"
+            connector = aiohttp.TCPConnector(limit=s.max_connections, keepalive_timeout=s.keepalive_timeout_s)
+            self._session = aiohttp.ClientSession(connector=connector, headers=headers)
+        return self._session
+
+    def _call_timeout(self, timeout: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=timeout, connect=min(timeout, self._settings.connect_timeout_s))
+
+    async def _request_json(self, method: str, endpoint: str, body: dict[str, Any] | None,
+                            timeout: float) -> dict[str, Any]:
+        """One request; the parsed JSON object of a 2xx answer, or an `UpstreamError`."""
+        with _translated(self.name, endpoint):
+            async with self._client().request(method, self._base_url + endpoint, json=body,
+                                              timeout=self._call_timeout(timeout)) as resp:
+                raw = await resp.read()
+                if not 200 <= resp.status < 300:
+                    log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=resp.status)
+                    raise _http_error(resp.status, resp.headers, raw)
+        data = _decode_json(raw)
+        if not isinstance(data, dict):
+            raise UpstreamBadResponse(f"upstream {endpoint} answered 2xx without a JSON object")
+        return data
+
+    async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        """POST /chat/completions; `timeout` bounds the whole call (connect to last byte)."""
+        data = await self._request_json("POST", "/chat/completions", body, timeout)
+        if not isinstance(data.get("choices"), list):
+            raise UpstreamBadResponse("upstream chat answer has no choices")
+        return data
+
+    async def embeddings(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        """POST /embeddings; `timeout` bounds the whole call."""
+        data = await self._request_json("POST", "/embeddings", body, timeout)
+        if not isinstance(data.get("data"), list):
+            raise UpstreamBadResponse("upstream embeddings answer has no data")
+        return data
+
+    async def list_models(self, *, timeout: float) -> list[str]:
+        """GET /models: the ids of the models the upstream serves."""
+        data = await self._request_json("GET", "/models", None, timeout)
+        models = data.get("data")
+        if not isinstance(models, list) or not all(isinstance(m, dict) and "id" in m for m in models):
+            raise UpstreamBadResponse("upstream models answer has no data")
+        return [str(m["id"]) for m in models]
+
+    async def stream_chat(self, body: dict[str, Any], *, timeout: float) -> AsyncIterator[bytes]:
+        """POST /chat/completions with `stream: true`; yield each complete SSE event as it arrives.
+
+        Events are relayed one by one (never the whole response buffered), with "\\n" line endings
+        and each ending in a blank line. `timeout` bounds the connect phase and every gap between
+        chunks, the first byte included, but not the stream's total length: a long answer that keeps
+        flowing is healthy, and the caller ends the stream early by closing the generator.
+        Failures before the first event raise like `chat`; later ones raise the same errors mid-stream.
+        """
+        client_timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout,
+                                               connect=min(timeout, self._settings.connect_timeout_s))
+        endpoint = "/chat/completions"
+        with _translated(self.name, endpoint):
+            async with self._client().post(self._base_url + endpoint, json={**body, "stream": True},
+                                           headers={"Accept": "text/event-stream"},
+                                           timeout=client_timeout) as resp:
+                if not 200 <= resp.status < 300:
+                    raise _http_error(resp.status, resp.headers, await resp.read())
+                if resp.content_type == "application/json":
+                    raise UpstreamBadResponse("upstream answered JSON to a streaming request")
+                buffer = b""
+                async for chunk in resp.content.iter_any():
+                    events, buffer = _split_events(buffer + chunk)
+                    for event in events:
+                        yield event
+                if buffer.strip():
+                    # The upstream closed without the final blank line; relay what it sent, terminated.
+                    yield buffer.rstrip(b"\n") + b"\n\n"
+
+    async def warm_up(self, connections: int, *, timeout: float = 10.0) -> None:
+        """Open up to `connections` keep-alive connections with concurrent `GET /models`; never raises."""
+        count = max(0, min(connections, self._settings.max_connections))
+        if count == 0:
+            return
+        results = await asyncio.gather(*(self.list_models(timeout=timeout) for _ in range(count)),
+                                       return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for failure in failures:
+            if not isinstance(failure, Exception):  # cancellation is not a warm-up failure to swallow
+                raise failure
+        if failures:
+            log.warning("provider_warmup_failed", provider=self.name, attempted=count, failed=len(failures),
+                        error=type(failures[0]).__name__)
+        else:
+            log.debug("provider_warmed_up", provider=self.name, connections=count)
+
+    async def close(self) -> None:
+        """Close the connection pool; a later call opens a new one."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

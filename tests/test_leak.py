@@ -1,0 +1,66 @@
+"""An answer that quotes another member's question or names its ID is flagged as a leak; shared phrasing is not."""
+
+from __future__ import annotations
+
+import pytest
+
+from merge.leak import find_leaks
+
+REQUESTS = {
+    "aaa111": "Please explain in simple terms how photosynthesis turns sunlight into chemical energy for plants.",
+    "bbb222": "What were the main economic causes of the French Revolution in the late eighteenth century?",
+}
+
+
+def test_clean_answers_are_not_flagged():
+    answers = {
+        "aaa111": "Plants capture light with chlorophyll and store its energy in sugars.",
+        "bbb222": "Debt from wars, bad harvests and an unfair tax system.",
+    }
+    assert find_leaks(answers, REQUESTS) == set()
+
+
+def test_copied_eight_word_span_of_another_question_is_flagged():
+    copied = "the main economic causes of the French Revolution in the late eighteenth century"
+    answers = {"aaa111": f"Also, regarding {copied.upper()}: debt.", "bbb222": "Debt and taxes."}
+    assert find_leaks(answers, REQUESTS) == {"aaa111"}
+
+
+def test_comparison_ignores_case_and_punctuation():
+    answers = {"aaa111": "What were the main, economic causes; of the French-Revolution?", "bbb222": "Debt."}
+    assert find_leaks(answers, REQUESTS) == {"aaa111"}
+
+
+def test_seven_word_span_is_below_the_default_threshold():
+    answers = {"aaa111": "the main economic causes of the French", "bbb222": "Debt."}
+    assert find_leaks(answers, REQUESTS) == set()
+    assert find_leaks(answers, REQUESTS, min_words=5) == {"aaa111"}
+
+
+def test_quoting_its_own_question_is_fine():
+    answers = {"aaa111": "You asked how photosynthesis turns sunlight into chemical energy for plants: ...",
+               "bbb222": "Debt."}
+    assert find_leaks(answers, REQUESTS) == set()
+
+
+def test_phrasing_shared_by_both_questions_does_not_trigger():
+    shared = "could you please give me a short and clear summary of"
+    requests = {
+        "aaa111": f"{shared} the history of the Roman empire?",
+        "bbb222": f"{shared} how vaccines train the immune system?",
+    }
+    answers = {
+        "aaa111": f"You asked: {shared} the Roman empire. It rose and fell.",
+        "bbb222": "Vaccines show the immune system a harmless piece of a pathogen.",
+    }
+    assert find_leaks(answers, requests) == set()
+
+
+def test_naming_another_members_id_is_flagged():
+    answers = {"aaa111": "As in request BBB222, light matters.", "bbb222": "Debt (see aaa111x for more)."}
+    assert find_leaks(answers, REQUESTS) == {"aaa111"}
+
+
+def test_min_words_must_be_positive():
+    with pytest.raises(ValueError):
+        find_leaks({}, {}, min_words=0)
