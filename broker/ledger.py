@@ -10,10 +10,11 @@ settles with what the provider reported):
 
 - miss, batch of one (passthrough): `prompt_tokens`/`completion_tokens` are the provider's usage;
   `tokens_saved` is 0.
-- miss, merged (`batch_size > 1`): the merged call's usage is split among members with `apportion`
-  (prompt tokens weighted by each member's `alone_prompt_tokens`, completion tokens by each member's
-  answer), so members' shares add up exactly to the call; `tokens_saved = alone_prompt_tokens -
-  prompt_tokens`, signed: a merge whose overhead outweighed the shared prefix shows as negative.
+- miss, merged (`batch_size > 1`): the merged call's usage as split among members by
+  `merge.usage.apportion_usage` (the dispatcher's rule), so members' shares add up exactly to the call;
+  `tokens_saved = alone_prompt_tokens - prompt_tokens`, signed, so a batch's savings add up to
+  (sum of alone estimates - the call's prompt tokens) even when merging cost more (the Prometheus
+  counter `tokens_saved` cannot go negative and is floored at 0 per batch instead).
 - cache hit or coalesced follower: nothing was billed for it, so `prompt_tokens = completion_tokens = 0`,
   `batch_id = None`, `batch_size = 0`, and `tokens_saved = alone_prompt_tokens + the completion tokens
   of the reused answer` (what it would have cost alone). The coalescing leader is an ordinary miss.
@@ -98,25 +99,6 @@ def saved_tokens(cache: CacheOutcome, batch_size: int, alone_prompt_tokens: int,
     if batch_size > 1:
         return alone_prompt_tokens - prompt_tokens
     return 0
-
-
-def apportion(total: int, weights: Sequence[int]) -> list[int]:
-    """Split `total` into integer shares proportional to `weights` that add up to exactly `total`.
-
-    Largest remainder: each share is floored, and the units left over go to the largest fractional
-    parts (ties to the earlier member). All-zero weights split evenly.
-    """
-    if not weights:
-        return []
-    if sum(weights) <= 0:
-        weights = [1] * len(weights)
-    whole = sum(weights)
-    shares = [total * w // whole for w in weights]
-    remainders = [total * w % whole for w in weights]
-    order = sorted(range(len(weights)), key=lambda i: (-remainders[i], i))
-    for i in order[: total - sum(shares)]:
-        shares[i] += 1
-    return shares
 
 
 class LedgerStore(Protocol):

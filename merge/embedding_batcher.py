@@ -150,6 +150,11 @@ class EmbeddingBatcher:
         """Distinct texts waiting in a window or in a backend call (their futures not yet cleaned up)."""
         return len(self._inflight)
 
+    @property
+    def waiting(self) -> int:
+        """Caller-text pairs waiting on those pending texts (a text two callers wait for counts twice)."""
+        return sum(pending.waiters for pending in self._inflight.values())
+
     async def embed(self, model: str, texts: Sequence[str], *, dimensions: int | None = None) -> EmbedResult:
         """One unit vector per text, in input order, with the request's usage; raises the batch's `BrokerError`."""
         texts = list(texts)
@@ -176,6 +181,13 @@ class EmbeddingBatcher:
         finally:
             self._release(held.values())
         return self._assemble(texts, keys, cached, fresh, joined)
+
+    async def drain(self) -> None:
+        """Send every open window now and wait until all running batches are done (graceful shutdown)."""
+        for group in list(self._windows):
+            self._close_window(group)
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
 
     async def close(self) -> None:
         """Fail every waiting text with `Overloaded` and stop running batches; call once, at shutdown."""

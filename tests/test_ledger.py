@@ -9,8 +9,9 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from broker.ledger import Ledger, LedgerRecord, MemoryLedgerStore, apportion, saved_tokens
+from broker.ledger import Ledger, LedgerRecord, MemoryLedgerStore, saved_tokens
 from broker.ledger_store import LedgerStoreError, SqliteLedgerStore, open_store
+from merge.usage import apportion_usage
 
 
 def rec(request_id: str, **fields: object) -> LedgerRecord:
@@ -22,15 +23,18 @@ def rec(request_id: str, **fields: object) -> LedgerRecord:
     return LedgerRecord(request_id=request_id, **base)  # type: ignore[arg-type]
 
 
-def merged_batch(batch_id: str, call_prompt: int, call_completion: int, alone: list[int],
+def merged_batch(batch_id: str, call_prompt: int, call_completion: int, own: list[int], alone: list[int],
                  answers: list[int]) -> list[LedgerRecord]:
     """Members of one merged call, with the provider's usage apportioned as the dispatcher does."""
-    prompts = apportion(call_prompt, alone)
-    completions = apportion(call_completion, answers)
-    return [rec(f"{batch_id}-{i}", batch_id=batch_id, batch_size=len(alone), prompt_tokens=p,
-                completion_tokens=c, alone_prompt_tokens=a,
-                tokens_saved=saved_tokens("miss", len(alone), a, p))
-            for i, (p, c, a) in enumerate(zip(prompts, completions, alone))]
+    ids = [f"{batch_id}-{i}" for i in range(len(own))]
+    usage = apportion_usage({"prompt_tokens": call_prompt, "completion_tokens": call_completion},
+                            shared_prompt_tokens=max(0, call_prompt - sum(own)),
+                            member_prompt_tokens=dict(zip(ids, own)),
+                            member_completion_weights=dict(zip(ids, answers)))
+    return [rec(i, batch_id=batch_id, batch_size=len(ids), prompt_tokens=usage[i]["prompt_tokens"],
+                completion_tokens=usage[i]["completion_tokens"], alone_prompt_tokens=a,
+                tokens_saved=saved_tokens("miss", len(ids), a, usage[i]["prompt_tokens"]))
+            for i, a in zip(ids, alone)]
 
 
 class GatedSleep:
@@ -63,14 +67,6 @@ class SignallingStore(MemoryLedgerStore):
             self.wrote.set()
 
 
-def test_apportion_shares_add_up_to_the_total_and_follow_the_weights() -> None:
-    assert apportion(250, [100, 100, 100]) == [84, 83, 83]
-    assert apportion(1000, [1, 3]) == [250, 750]
-    assert sum(apportion(997, [13, 7, 29, 1])) == 997
-    assert apportion(5, [0, 0]) == [3, 2]
-    assert apportion(7, []) == []
-
-
 def test_saved_tokens_follow_the_documented_rules() -> None:
     assert saved_tokens("miss", 3, alone_prompt_tokens=100, prompt_tokens=84) == 16
     assert saved_tokens("miss", 1, alone_prompt_tokens=100, prompt_tokens=100) == 0
@@ -82,7 +78,10 @@ def test_saved_tokens_follow_the_documented_rules() -> None:
 async def test_merged_cached_coalesced_and_failed_records_add_up_in_sqlite(tmp_path) -> None:
     store = SqliteLedgerStore(str(tmp_path / "ledger.db"))
     ledger = Ledger(store, flush_interval_s=3600)
-    batch = merged_batch("b1", call_prompt=250, call_completion=300, alone=[100, 120, 80], answers=[90, 110, 100])
+    # Alone, each member costs a 40-token system prompt plus its own text (60/80/40 -> 100/120/80); merged,
+    # the system prompt and a header are sent once (250 - 180 own = 70 shared), saving 300 - 250 = 50.
+    batch = merged_batch("b1", call_prompt=250, call_completion=300, own=[60, 80, 40], alone=[100, 120, 80],
+                         answers=[90, 110, 100])
     others = [
         rec("hit", cache="hit", batch_size=0, prompt_tokens=0, completion_tokens=0, alone_prompt_tokens=40,
             tokens_saved=saved_tokens("hit", 0, 40, 0, reused_completion_tokens=10)),
@@ -99,7 +98,8 @@ async def test_merged_cached_coalesced_and_failed_records_add_up_in_sqlite(tmp_p
     members = [stored[f"b1-{i}"] for i in range(3)]
     assert sum(m.prompt_tokens for m in members) == 250
     assert sum(m.completion_tokens for m in members) == 300
-    assert sum(m.tokens_saved for m in members) == 300 - 250
+    assert sum(m.tokens_saved for m in members) == 300 - 250 == 50
+    assert [m.prompt_tokens for m in members] == [84, 103, 63]
     assert [m.prompt_tokens_saved for m in members] == [m.alone_prompt_tokens - m.prompt_tokens for m in members]
     assert stored["hit"].prompt_tokens_saved == 40 and stored["hit"].completion_tokens_saved == 10
     assert stored["follower"].tokens_saved == 90

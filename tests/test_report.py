@@ -9,10 +9,11 @@ import json
 
 import pytest
 
-from broker.ledger import LedgerRecord, apportion
+from broker.ledger import LedgerRecord
 from broker.ledger_store import SqliteLedgerStore
 from broker.report import (ModelPrice, add_report_arguments, build_report, parse_duration, render_json,
                            render_table, run_report)
+from merge.usage import largest_remainder
 
 NOW = 1_700_000_000.0
 PRICES = {"gpt-4o-mini": ModelPrice(input_per_m=2.0, output_per_m=8.0)}
@@ -34,7 +35,7 @@ def fixture_ledger() -> list[LedgerRecord]:
           saving 50) and a coalesced follower (alone 60 + reused answer 30 -> saves 90).
     beta: a passthrough (50/20), a cache hit (alone 40 + reused answer 10 -> saves 50), a failed call (502).
     """
-    shares = apportion(250, [100, 100, 100])
+    shares = largest_remainder(250, [100, 100, 100])
     batch = [rec(f"m{i}", "acme", batch_id="b1", batch_size=3, prompt_tokens=p, completion_tokens=100,
                  alone_prompt_tokens=100, tokens_saved=100 - p) for i, p in enumerate(shares)]
     return batch + [
