@@ -24,6 +24,8 @@ from broker.clock import Clock, monotonic
 from broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from broker.embeddings import EmbeddingService, build_embedding_service
 from broker.jobs import ChatJob
+from broker.ledger import Ledger
+from broker.ledger_store import open_store
 from broker.metrics import Metrics
 from broker.middleware import SETTINGS_MAX_BODY, error_middleware
 from broker.queue import MergeQueue, TierWindow
@@ -62,6 +64,7 @@ class Broker:
     simulated_upstream: Any = None
     redis: Any = None
     shared_breakers: Any = None
+    ledger: Ledger | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
@@ -196,14 +199,21 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic) -> Broke
         shared = SharedBreakerState(redis, clock=clock)
         for b in breakers.values():
             shared.attach(b)
+    ledger = None
+    dsn = settings.ledger.postgres_dsn
+    target = dsn.get_secret_value() if dsn else settings.ledger.path
+    if target:
+        ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s)
     broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host, workers,
-                    simulated_upstream=simulated, redis=redis, shared_breakers=shared)
+                    simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger)
     await _start(broker, providers)
     return broker
 
 
 async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
     broker.workers.start()
+    if broker.ledger is not None:
+        await broker.ledger.start()
     if broker.shared_breakers is not None:
         await broker.shared_breakers.start()
     if broker.model_host is not None:
@@ -244,6 +254,8 @@ async def stop_broker(broker: Broker) -> None:
         task.cancel()
     await asyncio.gather(*broker.background, return_exceptions=True)
     await broker.embeddings.stop()
+    if broker.ledger is not None:
+        await broker.ledger.stop()
     await broker.pools.close()
     if broker.model_host is not None:
         broker.model_host.close()

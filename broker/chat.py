@@ -8,6 +8,7 @@ for the others, and a job nobody waits for any more is dropped before dispatch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -39,6 +40,7 @@ class ChatResult:
     outcome: ChatOutcome
     cache: str  # "hit" | "coalesced" | "miss"
     limit_headers: dict[str, str]
+    prompt_estimate: int = 0  # estimated prompt tokens had it been sent alone
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class ChatService:
         usage = result.outcome.body.get("usage") or {}
         spent = 0 if result.cache == "hit" else int(usage.get("total_tokens") or prompt_tokens + max_tokens)
         await reservation.settle(spent)
-        return result
+        return dataclasses.replace(result, prompt_estimate=prompt_tokens)
 
     async def _answer(self, caller: Caller, tier: TierSettings, request_id: str, body: dict[str, Any],
                       deadline: float, prompt_tokens: int, max_tokens: int, merge_opt_out: bool,

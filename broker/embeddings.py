@@ -21,7 +21,7 @@ from broker.settings import ProviderSettings, Settings
 from broker.tokens import count_text_tokens, estimate_embedding_tokens
 from merge.cache import TwoLevelCache
 from merge.embedder import SentenceModelHost
-from merge.embedding_batcher import EmbedResult, EmbeddingBatcher
+from merge.embedding_batcher import EmbedResult, EmbeddingBatcher, cache_metrics_hook
 from merge.lru import LruCache
 from merge.redis_cache import RedisCache
 from merge.vector_codec import to_base64
@@ -59,9 +59,9 @@ class EmbeddingService:
         return None
 
     async def stop(self) -> None:
-        close = getattr(self._batcher, "close", None)
-        if close is not None:
-            await close()
+        """Send what waits in open windows, then fail anything left (shutdown never strands a caller)."""
+        await self._batcher.drain()
+        await self._batcher.close()
 
     async def create(self, caller: Caller, parsed: EmbeddingRequest, body: dict[str, Any]) -> EmbeddingResponse:
         tier = self._settings.tier(caller.tier)
@@ -122,7 +122,7 @@ def build_embedding_service(settings: Settings, *, pools: ProviderPools, host: S
                     jitter_ratio=settings.cache.jitter_ratio) if redis is not None else None
     cache = TwoLevelCache(LruCache(max_entries=1_000_000, max_bytes=settings.cache.max_bytes, ttl_s=settings.cache.ttl_s,
                                    clock=clock), l2,
-                          metrics_hook=lambda level, result: metrics.embedding_cache_events.labels(level, result).inc())
+                          metrics_hook=cache_metrics_hook(metrics))
     batcher = EmbeddingBatcher(backend, cache=cache, cache_version=emb.cache_version, window_s=emb.window_ms / 1000,
                                max_batch_size=emb.max_batch_size, max_batch_tokens=emb.max_batch_tokens,
                                count_tokens=count_text_tokens, dtype=emb.dtype, ttl_s=settings.cache.ttl_s,

@@ -15,6 +15,7 @@ import structlog
 from aiohttp import web
 
 from broker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
+from broker.ledger import LedgerRecord, saved_tokens
 
 log = structlog.get_logger("mergebroker.access")
 
@@ -31,6 +32,9 @@ class RequestInfo:
     batch_size: int | None = None
     batch_id: str | None = None
     cache: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    alone_prompt_tokens: int = 0
 
 
 INFO = web.RequestKey("info", RequestInfo)
@@ -90,6 +94,25 @@ def _observe(request: web.Request, info: RequestInfo, response: web.StreamRespon
     if broker is not None:
         broker.metrics.requests.labels(endpoint, info.tier, str(response.status)).inc()
         broker.metrics.request_latency.labels(endpoint, info.tier).observe(elapsed)
+    if broker is not None and broker.ledger is not None and endpoint != "models":
+        broker.ledger.record(ledger_record(info, endpoint, response.status, elapsed))
     log.info("request", endpoint=endpoint, status=response.status, tenant=info.tenant, tier=info.tier,
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
              batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache)
+
+
+def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float) -> LedgerRecord:
+    """The ledger's account of one answered request (token rules in `broker.ledger`)."""
+    cache = info.cache if info.cache in ("hit", "coalesced") else "miss"
+    reused = cache != "miss"
+    prompt = 0 if reused else info.prompt_tokens
+    completion = 0 if reused else info.completion_tokens
+    batch_size = 0 if reused or status >= 400 and not info.batch_size else (info.batch_size or 1)
+    saved = saved_tokens(cache, batch_size, info.alone_prompt_tokens, prompt,  # type: ignore[arg-type]
+                         info.completion_tokens if reused else 0, status)
+    return LedgerRecord(
+        request_id=info.request_id, ts=time.time(), tenant=info.tenant or "", tier=info.tier, model=info.model or "",
+        batch_id=None if reused else info.batch_id, batch_size=batch_size, cache=cache,  # type: ignore[arg-type]
+        prompt_tokens=prompt, completion_tokens=completion, alone_prompt_tokens=info.alone_prompt_tokens,
+        tokens_saved=saved, status=status, latency_ms=round(elapsed * 1000, 3),
+        endpoint="embeddings" if endpoint == "embeddings" else "chat")

@@ -74,6 +74,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     info = request[INFO]
     info.upstream_s, info.batch_size, info.batch_id, info.cache = (outcome.upstream_s, outcome.batch_size,
                                                                    outcome.batch_id, result.cache)
+    usage = outcome.body.get("usage") or {}
+    info.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    info.completion_tokens = int(usage.get("completion_tokens") or 0)
+    info.alone_prompt_tokens = result.prompt_estimate
     headers = {"X-Broker-Batch-Size": str(outcome.batch_size), "X-Broker-Cache": result.cache, **result.limit_headers}
     if outcome.batch_id:
         headers["X-Broker-Batch-Id"] = outcome.batch_id
@@ -115,6 +119,7 @@ async def embeddings(request: web.Request) -> web.Response:
     result = await broker.embeddings.create(caller, parsed, body)
     info = request[INFO]
     info.cache, info.batch_size, info.upstream_s = result.cache_summary, 1, result.upstream_s
+    info.prompt_tokens = info.alone_prompt_tokens = int(result.body["usage"]["prompt_tokens"])
     return web.json_response(result.body, headers={"X-Broker-Cache": result.cache_summary,
                                                    "X-Broker-Batch-Size": "1", **result.limit_headers})
 

@@ -168,8 +168,10 @@ class LoggingSettings(_Strict):
 
 
 class LedgerSettings(_Strict):
-    path: str | None = None
-    postgres_dsn_env: str | None = None
+    path: str | None = Field(None, description="SQLite file for the usage ledger; off when unset.")
+    postgres_dsn_env: str | None = Field(None, description="Environment variable holding a PostgreSQL DSN.")
+    postgres_dsn: SecretStr | None = Field(None, exclude=True)
+    flush_interval_s: float = Field(1.0, gt=0)
 
 
 class Settings(BaseSettings):
@@ -273,6 +275,8 @@ def _resolve_secrets(settings: Settings, env: dict[str, str] | os._Environ[str])
     for provider in settings.providers:
         if provider.api_key_env and env.get(provider.api_key_env):
             provider.api_key = SecretStr(env[provider.api_key_env])
+    if settings.ledger.postgres_dsn_env and env.get(settings.ledger.postgres_dsn_env):
+        settings.ledger.postgres_dsn = SecretStr(env[settings.ledger.postgres_dsn_env])
     secret = env.get(settings.auth.gateway_secret_env)
     if secret:
         settings.auth.gateway_secret = SecretStr(secret)

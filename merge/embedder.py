@@ -131,7 +131,10 @@ class SentenceModelHost:
 
             torch.set_num_threads(self._threads)
         from sentence_transformers import SentenceTransformer
+        from transformers.utils import logging as transformers_logging
 
+        # Its weight-loading progress bar would write raw terminal output into the broker's structured logs.
+        transformers_logging.disable_progress_bar()
         path = self._model_path or default_model_path()
         self._model = SentenceTransformer(path, device=self._device, local_files_only=True)
         log.info("embedding_model_loaded", device=self._device, dimension=self.dimension)

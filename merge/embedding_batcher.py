@@ -166,17 +166,17 @@ class EmbeddingBatcher:
         cached = await self._lookup(list(first_text))
         held: dict[str, _Pending] = {}
         joined: set[str] = set()
-        for key, text in first_text.items():
-            if key in cached:
-                continue
-            pending = self._inflight.get(key)
-            if pending is None:
-                pending = self._enqueue((model, dimensions), key, text)
-            else:
-                joined.add(key)
-            pending.waiters += 1
-            held[key] = pending
         try:
+            for key, text in first_text.items():
+                if key in cached:
+                    continue
+                pending = self._inflight.get(key)
+                if pending is None:
+                    pending = self._enqueue((model, dimensions), key, text)
+                else:
+                    joined.add(key)
+                pending.waiters += 1
+                held[key] = pending
             fresh = await self._wait(held) if held else {}
         finally:
             self._release(held.values())
@@ -398,39 +398,3 @@ class EmbeddingBatcher:
         if self._metrics is not None and delta:
             self._metrics.embedding_window_pending.inc(delta)
 
-
-class ManualTimer:
-    """A `CallLater` for tests: nothing fires until `fire_all()`; `delays` records what was asked."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-        self._handles: list[_ManualHandle] = []
-
-    def __call__(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
-        self.delays.append(delay)
-        handle = _ManualHandle(callback)
-        self._handles.append(handle)
-        return handle
-
-    @property
-    def active(self) -> int:
-        """Timers scheduled and neither fired nor cancelled."""
-        return sum(1 for h in self._handles if h.live)
-
-    def fire_all(self) -> int:
-        """Run every live callback once; returns how many ran."""
-        live = [h for h in self._handles if h.live]
-        self._handles = []
-        for handle in live:
-            handle.live = False
-            handle.callback()
-        return len(live)
-
-
-@dataclass(eq=False, slots=True)
-class _ManualHandle:
-    callback: Callable[[], None]
-    live: bool = True
-
-    def cancel(self) -> None:
-        self.live = False

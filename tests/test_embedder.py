@@ -1,4 +1,4 @@
-"""The embedder seam's wrappers and fakes: unit rows in input order, cached texts never re-embedded, bad replies refused."""
+"""The embedder wrappers and fake give unit rows in input order, never re-embed cached texts and refuse bad replies."""
 
 from __future__ import annotations
 

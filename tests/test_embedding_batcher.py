@@ -1,8 +1,9 @@
-"""The embeddings engine sends each distinct missing text once, in shared batches, and keeps every caller's answer right."""
+"""The embeddings engine sends each distinct missing text once, in shared batches, and answers every caller right."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -13,7 +14,7 @@ from broker.errors import Overloaded, UpstreamBadResponse, UpstreamHTTPError, Up
 from broker.metrics import Metrics
 from merge.cache import LruCache, RedisCache, TwoLevelCache, make_redis_client
 from merge.embedder import fake_vector
-from merge.embedding_batcher import (EmbeddingBatcher, EmbedResult, ManualTimer, cache_metrics_hook, share_tokens,
+from merge.embedding_batcher import (EmbeddingBatcher, EmbedResult, TimerHandle, cache_metrics_hook, share_tokens,
                                      window_decision)
 
 DIM = 16
@@ -21,6 +22,43 @@ DIM = 16
 
 def expected(text: str, model: str = "m") -> np.ndarray:
     return fake_vector(f"{model}|{text}", DIM)
+
+
+class ManualTimer:
+    """A `CallLater` seam for tests: nothing fires until `fire_all()`; `delays` records what was asked."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+        self._handles: list[_ManualHandle] = []
+
+    def __call__(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
+        self.delays.append(delay)
+        handle = _ManualHandle(callback)
+        self._handles.append(handle)
+        return handle
+
+    @property
+    def active(self) -> int:
+        """Timers scheduled and neither fired nor cancelled."""
+        return sum(1 for h in self._handles if h.live)
+
+    def fire_all(self) -> int:
+        """Run every live callback once; returns how many ran."""
+        live = [h for h in self._handles if h.live]
+        self._handles = []
+        for handle in live:
+            handle.live = False
+            handle.callback()
+        return len(live)
+
+
+@dataclass(eq=False, slots=True)
+class _ManualHandle:
+    callback: Callable[[], None]
+    live: bool = True
+
+    def cancel(self) -> None:
+        self.live = False
 
 
 class FakeBackend:
@@ -208,8 +246,7 @@ async def test_a_backend_reply_with_missing_vectors_fails_the_batch() -> None:
     async def short_backend(model: str, texts: list[str], dimensions: int | None) -> EmbedResult:
         return EmbedResult([expected(texts[0])], prompt_tokens=1)
 
-    batcher = make_batcher(FakeBackend(), max_batch_size=2)
-    batcher._backend = short_backend  # noqa: SLF001 - swap the backend of an otherwise identical batcher
+    batcher = make_batcher(short_backend, max_batch_size=2)  # type: ignore[arg-type]
     with pytest.raises(UpstreamBadResponse):
         await batcher.embed("m", ["a", "b"])
     assert batcher.pending == 0
