@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -208,3 +209,202 @@ async def processes(*starters: Awaitable[Process]) -> AsyncIterator[list[Process
     finally:
         for p in started:
             p.stop()
+
+
+# Additions for the passthrough, tiers and chaos benchmarks. Existing functions above keep their signatures.
+
+
+def sim_base_url(sim: Process) -> str:
+    """The simulator's OpenAI base URL (what a provider's `base_url` and the proxy's --upstream take)."""
+    return sim.url + "/v1"
+
+
+def passthrough_config(upstream_base: str, **provider: Any) -> dict[str, Any]:
+    """A broker config with one provider and neither merging nor caching: every request goes straight through.
+
+    `provider` adds provider fields (e.g. `rpm=600`, `breaker={...}`).
+    """
+    return {"providers": [{"name": "sim", "base_url": upstream_base, **provider}],
+            "merge": {"enabled": False}, "cache": {"enabled": False}}
+
+
+async def start_proxy(upstream_base: str) -> Process:
+    """`bench.proxy_baseline` (the minimal reverse proxy) on a free port in front of `upstream_base`."""
+    port = free_port()
+    proc, log = _spawn([sys.executable, "-m", "bench.proxy_baseline", "--port", str(port),
+                        "--upstream", upstream_base], "proxy")
+    p = Process(proc, port, log)
+    await _wait_http(p.url + "/healthz")
+    return p
+
+
+@contextlib.asynccontextmanager
+async def processes_together(*starters: Awaitable[Process]) -> AsyncIterator[list[Process]]:
+    """Like `processes`, but starts them concurrently (start-up is mostly imports); stops all on exit."""
+    results = await asyncio.gather(*starters, return_exceptions=True)
+    started = [r for r in results if isinstance(r, Process)]
+    try:
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+        yield started
+    finally:
+        for p in started:
+            p.stop()
+
+
+async def set_faults(sim: Process, **fields: Any) -> dict[str, Any]:
+    """Change the simulator's fault/latency fields now (POST /control/faults); returns all of them."""
+    return await post_json(sim.url + "/control/faults", fields)
+
+
+@dataclass
+class CpuWindow:
+    """CPU seconds a process spends from construction on; `ms_per(n)` spreads them over n requests."""
+
+    process: Process
+    started: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.started = self.process.cpu()
+
+    def seconds(self) -> float:
+        """CPU seconds since the window opened (Linux ticks: 10 ms resolution)."""
+        return self.process.cpu() - self.started
+
+    def ms_per(self, count: int) -> float:
+        """CPU milliseconds per request over `count` requests (NaN for none)."""
+        return self.seconds() * 1000 / count if count else float("nan")
+
+
+def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float]:
+    """p50, p90, p99, max and mean of latencies in ms (NaN when empty)."""
+    if not latencies_ms:
+        return {"p50_ms": float("nan"), "p90_ms": float("nan"), "p99_ms": float("nan"),
+                "max_ms": float("nan"), "mean_ms": float("nan")}
+    return {"p50_ms": percentile(latencies_ms, 50), "p90_ms": percentile(latencies_ms, 90),
+            "p99_ms": percentile(latencies_ms, 99), "max_ms": max(latencies_ms),
+            "mean_ms": sum(latencies_ms) / len(latencies_ms)}
+
+
+@dataclass
+class TimedSample(Sample):
+    """A Sample that also records when it was sent (perf_counter seconds) and the error code of a failure.
+
+    `status` 0 means no HTTP answer arrived (connection error or client timeout); `error_code` is then
+    "transport:<exception>". For an HTTP error it is the envelope's `error.code`; for a 200 whose body has
+    no choices it is "bad_body".
+    """
+
+    sent_at: float = 0.0
+    error_code: str | None = None
+
+    @property
+    def done_at(self) -> float:
+        """When the answer (or the failure) arrived, perf_counter seconds."""
+        return self.sent_at + self.latency_s
+
+
+def tolerant_chat_request(url: str, body_for: Callable[[int], tuple[dict[str, Any], dict[str, str], str]],
+                          *, timeout_s: float = 60.0) -> RequestFn:
+    """Like `chat_request`, but never raises: every request yields exactly one `TimedSample`."""
+
+    async def send(session: aiohttp.ClientSession, i: int) -> Sample:
+        body, headers, tag = body_for(i)
+        started = time.perf_counter()
+        try:
+            async with session.post(url + "/v1/chat/completions", json=body, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                data = await resp.json(content_type=None)
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            return TimedSample(time.perf_counter() - started, 0, tag=tag, sent_at=started,
+                               error_code=f"transport:{type(exc).__name__}")
+        elapsed = time.perf_counter() - started
+        return TimedSample(elapsed, status, tag=tag, sent_at=started, error_code=_error_code(status, data))
+
+    return send
+
+
+def _error_code(status: int, data: Any) -> str | None:
+    if status == 200:
+        ok = isinstance(data, dict) and bool(data.get("choices"))
+        return None if ok else "bad_body"
+    error = data.get("error") if isinstance(data, dict) else None
+    return str(error.get("code") or error.get("type")) if isinstance(error, dict) else f"http_{status}"
+
+
+async def closed_loop_until(send: RequestFn, *, concurrency: int, stop: asyncio.Event,
+                            first_index: int = 0) -> tuple[list[Sample], float]:
+    """`concurrency` workers sending back to back until `stop` is set; requests in flight then finish."""
+    counter = itertools.count(first_index)
+    samples: list[Sample] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def worker() -> None:
+            while not stop.is_set():
+                samples.append(await send(session, next(counter)))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return samples, time.perf_counter() - started
+
+
+async def open_loop_for(send: RequestFn, *, rate: float, duration_s: float,
+                        seed: int = 7) -> tuple[list[Sample], int, float]:
+    """Poisson arrivals at `rate` req/s for `duration_s`; every request runs to completion.
+
+    Returns the samples, how many requests were sent, and the wall seconds until the last one finished.
+    """
+    rng = random.Random(seed)
+    samples: list[Sample] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one(i: int) -> None:
+            samples.append(await send(session, i))
+
+        tasks = []
+        started = time.perf_counter()
+        next_at = started
+        while True:
+            next_at += rng.expovariate(rate)
+            if next_at - started >= duration_s:
+                break
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)  # the arrival process itself
+            tasks.append(asyncio.create_task(one(len(tasks))))
+        await asyncio.gather(*tasks)
+        return samples, len(tasks), time.perf_counter() - started
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """Rows as a fixed-width text table; floats with 2 decimals (3 significant digits below 1)."""
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return "nan" if value != value else (f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}")
+        return "-" if value is None else str(value)
+
+    table = [list(columns)] + [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def results_path(name: str) -> Path:
+    """Where a benchmark writes its JSON by default: bench/results/NAME (git-ignored)."""
+    return Path(__file__).resolve().parent / "results" / name
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_results(path: str | Path, data: Any) -> None:
+    """`write_json`, with NaN written as null so that any JSON reader accepts the file."""
+    write_json(path, _json_safe(data))

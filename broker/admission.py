@@ -2,6 +2,9 @@
 
 Keys are stored as SHA-256 hashes and compared in constant time; the gateway mode trusts
 `X-Broker-Tenant` / `X-Broker-Tier` only next to the shared secret in `X-Broker-Gateway-Secret`.
+Open mode (development) makes every caller the default tenant, in the default tier unless
+`X-Broker-Tier` names another. A missing or wrong credential is 401; a tier the caller may not use, or
+that does not exist, is 403.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import hmac
 from dataclasses import dataclass
 from typing import Mapping
 
+from multidict import CIMultiDict, CIMultiDictProxy
+
 from broker.errors import Forbidden, Unauthorized
-from broker.settings import AuthSettings
+from broker.settings import ApiKeySettings, AuthSettings
 
 TENANT_HEADER = "X-Broker-Tenant"
 TIER_HEADER = "X-Broker-Tier"
@@ -51,18 +56,21 @@ class Authenticator:
         self._default_tier = default_tier
         self._default_tenant = settings.default_tenant
         self._secret = settings.gateway_secret.get_secret_value().encode() if settings.gateway_secret else b""
-        self._keys = [
-            _Key(bytes.fromhex(k.sha256), k.tenant, tuple(k.tiers), k.default_tier or k.tiers[0], k.rpm, k.tpm)
-            for k in settings.keys
-        ]
+        self._keys = [_key(k, default_tier) for k in settings.keys]
 
     @property
     def mode(self) -> str:
+        """"open", "keys" or "gateway"."""
         return self._mode
 
     def authenticate(self, headers: Mapping[str, str], *, body_tier: str | None = None,
                      body_user: str | None = None) -> Caller:
-        """Identify the caller and its tier; `body_tier` is the request's `broker.tier`, if any."""
+        """Identify the caller and its tier; `body_tier` is the request's `broker.tier`, if any.
+
+        Header names are matched case-insensitively, whatever mapping is passed.
+        """
+        if not isinstance(headers, (CIMultiDict, CIMultiDictProxy)):
+            headers = CIMultiDict(headers)
         requested = headers.get(TIER_HEADER) or body_tier
         if self._mode == "keys":
             return self._by_key(headers, requested, body_user)
@@ -103,6 +111,14 @@ class Authenticator:
         if tier not in self._tiers:
             raise Forbidden(f"Unknown tier '{tier}'.", param="X-Broker-Tier", code="unknown_tier")
         return tier
+
+
+def _key(k: ApiKeySettings, fallback_tier: str) -> _Key:
+    # An explicit default_tier is a grant even when `tiers` forgets to name it; a key naming no tier at
+    # all may use none (every request 403) rather than silently getting the broker's default tier.
+    tiers = tuple(dict.fromkeys([*k.tiers, *([k.default_tier] if k.default_tier else [])]))
+    default = k.default_tier or (k.tiers[0] if k.tiers else fallback_tier)
+    return _Key(bytes.fromhex(k.sha256), k.tenant, tiers, default, k.rpm, k.tpm)
 
 
 def _bearer(headers: Mapping[str, str]) -> str | None:

@@ -32,6 +32,7 @@ from broker.queue import MergeQueue, TierWindow
 from broker.ratelimit import RateLimiter
 from broker.ratelimit_redis import RedisRateLimiter
 from broker.settings import ProviderSettings, Settings
+from broker.tokens import count_text_tokens
 from broker.upstream_limiter import UpstreamLimiter
 from broker.workers import WorkerPool
 from merge.cache import TwoLevelCache
@@ -211,6 +212,7 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic) -> Broke
 
 
 async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
+    await asyncio.to_thread(count_text_tokens, "load the tokenizer before the first request")
     broker.workers.start()
     if broker.ledger is not None:
         await broker.ledger.start()

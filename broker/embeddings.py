@@ -63,6 +63,10 @@ class EmbeddingService:
         await self._batcher.drain()
         await self._batcher.close()
 
+    async def embed_texts(self, model: str, texts: list[str]) -> EmbedResult:
+        """Embed texts through the cache path without admission (used by `mergebroker warm-cache`)."""
+        return await self._batcher.embed(model, texts)
+
     async def create(self, caller: Caller, parsed: EmbeddingRequest, body: dict[str, Any]) -> EmbeddingResponse:
         tier = self._settings.tier(caller.tier)
         tokens = estimate_embedding_tokens(parsed.input)
@@ -102,7 +106,8 @@ def build_embedding_service(settings: Settings, *, pools: ProviderPools, host: S
                             clock: Clock = monotonic) -> EmbeddingService:
     """Wire the batcher with its cache levels and its backends (local model or provider pools)."""
     emb = settings.embeddings
-    local_models = list(emb.local_models) if host is not None else []
+    declared = [m for p in providers if p.kind == "local" for m in p.models if m != "*"]
+    local_models = (declared or list(emb.local_models)) if host is not None else []
     local = LocalEmbeddingBackend(host, model_names=tuple(local_models)) if host is not None else None
 
     async def backend(model: str, texts: list[str], dimensions: int | None) -> EmbedResult:

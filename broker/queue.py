@@ -1,14 +1,17 @@
 """Per-tier merge windows and the priority hand-off to workers.
 
 A request waits in an open *group* (same tier, same merge key) until the group's window expires, the
-group reaches `max_batch`, or the tier's queue reaches `max_queue` (forced flush). Released groups wait
+group reaches `max_batch`, or the tier's open windows together hold `max_queue` requests (forced flush:
+every open group of the tier is released at once, so windows never hold more than that). Released groups wait
 in their tier's ready line; workers take from the tier with the highest effective priority, where
 effective priority = tier priority + `aging_per_s` x seconds the oldest released group has waited. So a
 released batch-tier group overtakes fresh realtime traffic after at most
 (priority_realtime - priority_batch) / aging_per_s seconds: the starvation bound.
 
-Windows are timers (`loop.call_at`), never polling. Requests whose future is already done (deadline,
-client gone) are dropped when their group is taken. Past the tier's hard cap, `submit` refuses at once.
+Windows are timers (`loop.call_later`), never polling; `release_due()` releases them against the injected
+clock instead. Requests whose future is already done (deadline, client gone) are dropped when their group
+is taken, the others of the group stay. Past the tier's hard cap (everything not yet taken by a worker),
+`submit` refuses at once with `Overloaded` (503 + Retry-After).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ T = TypeVar("T", bound=Queued)
 
 @dataclass(frozen=True)
 class TierWindow:
-    """The queue-relevant part of a tier's settings."""
+    """The queue-relevant part of a tier's settings (`hard_cap`: depth past which `submit` refuses)."""
 
     name: str
     priority: int
@@ -115,6 +118,8 @@ class MergeQueue(Generic[T]):
         if len(group.items) >= tier.max_batch:
             self._release(tier.name, item.merge_key)
         elif self._open_count[tier.name] >= tier.max_queue:
+            # Counting only what waits in windows keeps merging alive while workers lag behind: a long
+            # ready line is no reason to stop merging, a window holding max_queue requests is.
             self._forced_flush(tier.name)
 
     def release_due(self) -> None:
@@ -174,7 +179,7 @@ class MergeQueue(Generic[T]):
             group = self.pick()
             if group is not None and group.items:
                 return group
-            if group is None:
+            if group is None:  # an all-dead group is skipped; look again before sleeping
                 waiter = asyncio.get_running_loop().create_future()
                 self._idle_workers.append(waiter)
                 await waiter
@@ -188,9 +193,13 @@ class MergeQueue(Generic[T]):
         self._closed = True
         left: list[T] = []
         for tier in self._tiers:
-            for key in list(self._open[tier]):
-                self._release(tier, key)
+            for group in self._open[tier].values():
+                if group.timer is not None:
+                    group.timer.cancel()
+                left.extend(group.items)
+            self._open[tier].clear()
             while self._ready[tier]:
                 left.extend(self._ready[tier].popleft().items)
-            self._ready_count[tier] = 0
+            self._open_count[tier] = self._ready_count[tier] = 0
+            self._observe_depth(tier)
         return left

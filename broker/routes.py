@@ -126,9 +126,10 @@ async def embeddings(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    names = broker.pools.explicit_models() + broker.embeddings.local_models()
-    if not names:
-        names = await broker.pools.upstream_models()
+    names = broker.pools.explicit_models()
+    if broker.pools.has_wildcard():
+        names += await broker.pools.upstream_models()
+    names += broker.embeddings.local_models()
     data = [{"id": n, "object": "model", "created": 0, "owned_by": "mergebroker"} for n in dict.fromkeys(names)]
     return web.json_response({"object": "list", "data": data})
 

@@ -4,30 +4,32 @@ One attempt tries the model's upstreams in routing order (least in flight, or sm
 robin), skipping those whose breaker is open and failing over on retryable errors; retries (with
 backoff that honours Retry-After) repeat the attempt until the request's deadline. When every upstream
 of the model is open, the call fails at once with `UpstreamUnavailable` (503 + Retry-After).
-Each upstream's concurrency and declared RPM/TPM are enforced here and only here.
+Each upstream's concurrency and declared RPM/TPM are enforced here and only here: an attempt waits for
+them within the request's deadline, and a successful reply's real usage settles the token estimate.
+Retries are counted per provider and reason, for streams as for plain calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fnmatch
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
 
 import structlog
 
-from breaker.circuit import BreakerOpenError, BreakerState, CircuitBreaker
+from breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError, BreakerState, CircuitBreaker
 from broker.clock import Clock, Sleep, monotonic, sleep
-from broker.errors import DeadlineExceeded, NotFound, UpstreamError, UpstreamUnavailable
+from broker.errors import DeadlineExceeded, NotFound, UpstreamBadResponse, UpstreamError, UpstreamUnavailable
 from broker.metrics import Metrics
 from broker.upstream_limiter import UpstreamLimiter
 from providers.base import Provider
-from providers.retry import RetryPolicy, call_with_retries, retry_reason
+from providers.retry import RetryPolicy, call_with_retries, remaining, retry_reason
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 Strategy = Literal["least_in_flight", "round_robin"]
+EMBEDDINGS_TIMEOUT_S = 30.0
 
 
 @dataclass(eq=False)
@@ -47,13 +49,31 @@ class Upstream:
 
     @property
     def name(self) -> str:
+        """The provider's name (metric label, breaker key)."""
         return self.provider.name
 
     def serves(self, model: str) -> bool:
+        """True when one of `models` (glob patterns) matches `model`."""
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
 
     def is_open(self) -> bool:
+        """True while the breaker refuses every call (an elapsed open time turns it half-open here)."""
         return self.breaker is not None and self.breaker.state is BreakerState.OPEN
+
+
+Attempt = Callable[[Upstream, float], Awaitable[T]]
+"""One call on one upstream, given the upstream and the call's timeout in seconds."""
+
+
+@dataclass(frozen=True)
+class _CallSpec:
+    """What a pooled call needs besides its attempt: budget, pacing, and how long it holds its slot."""
+
+    deadline: float
+    priority: int
+    tokens: int
+    read_timeout: Callable[[Upstream], float]
+    holds_slot: bool = False  # streams keep their upstream slot until the last chunk
 
 
 def order_upstreams(upstreams: list[Upstream], strategy: Strategy) -> list[Upstream]:
@@ -87,17 +107,25 @@ class ProviderPools:
                 u._slots = asyncio.Semaphore(u.max_in_flight)
 
     def for_model(self, model: str) -> list[Upstream]:
+        """The upstreams serving `model`, in configuration order."""
         return [u for u in self.upstreams if u.serves(model)]
 
     def serves(self, model: str) -> bool:
+        """True when some upstream serves `model`."""
         return bool(self.for_model(model))
 
     def explicit_models(self) -> list[str]:
+        """Model names configured without wildcards, sorted."""
         return sorted({m for u in self.upstreams for m in u.models if "*" not in m and "?" not in m})
 
+    def has_wildcard(self) -> bool:
+        return any("*" in m or "?" in m for u in self.upstreams for m in u.models)
+
     async def upstream_models(self) -> list[str]:
-        """Model names reported by the first upstream that answers (for pools serving any model)."""
+        """Model names reported by the first wildcard upstream that answers."""
         for u in self.upstreams:
+            if not any("*" in m or "?" in m for m in u.models):
+                continue
             try:
                 return await u.provider.list_models(timeout=5.0)
             except UpstreamError:
@@ -113,65 +141,135 @@ class ProviderPools:
 
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: int = 0,
                    tokens: int = 0) -> tuple[dict[str, Any], str]:
-        """One chat completion through the pool; returns (body, provider name)."""
+        """One chat completion through the pool; returns (body, provider name).
+
+        `tokens` is the estimate taken from the upstream's token budget; the real usage settles it.
+        """
         async def attempt(u: Upstream, timeout: float) -> dict[str, Any]:
             return await u.provider.chat(body, timeout=timeout)
 
-        return await self._call(model, attempt, deadline=deadline, priority=priority, tokens=tokens,
-                                read_timeout=lambda u: _read_timeout(body, u.token_rate))
+        return await self._call(model, attempt, _CallSpec(deadline, priority, tokens,
+                                                          lambda u: _read_timeout(body, u.token_rate)))
 
     async def embeddings(self, model: str, body: dict[str, Any], *, deadline: float,
                          tokens: int = 0) -> tuple[dict[str, Any], str]:
+        """One embeddings call through the pool; returns (body, provider name)."""
         async def attempt(u: Upstream, timeout: float) -> dict[str, Any]:
             return await u.provider.embeddings(body, timeout=timeout)
 
-        return await self._call(model, attempt, deadline=deadline, priority=0, tokens=tokens,
-                                read_timeout=lambda u: 30.0)
+        return await self._call(model, attempt, _CallSpec(deadline, 0, tokens, lambda u: EMBEDDINGS_TIMEOUT_S))
 
-    async def _call(self, model: str, attempt: Callable[[Upstream, float], Awaitable[T]], *, deadline: float,
-                    priority: int, tokens: int, read_timeout: Callable[[Upstream], float]) -> tuple[T, str]:
+    async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float,
+                          priority: int = 0, tokens: int = 0) -> tuple[AsyncIterator[bytes], str]:
+        """Open a stream on the first healthy upstream that answers; failover happens before the first byte.
+
+        The stream keeps its upstream's concurrency slot until it ends or is closed.
+        """
+        return await self._call(model, _first_chunk_opener(body),
+                                _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
+                                          holds_slot=True))
+
+    async def close(self) -> None:
+        """Close every provider's connections."""
+        for u in self.upstreams:
+            await u.provider.close()
+
+    async def _call(self, model: str, attempt: Attempt[T], spec: _CallSpec) -> tuple[T, str]:
         upstreams = self.for_model(model)
         if not upstreams:
             raise NotFound(f"The model '{model}' does not exist.", param="model", code="model_not_found")
 
-        async def one_attempt() -> tuple[T, str]:
-            return await self._failover(model, upstreams, attempt, deadline, priority, tokens, read_timeout)
+        async def one_round() -> tuple[T, str]:
+            return await self._failover(model, upstreams, attempt, spec)
 
-        def on_retry(exc: BaseException, wait_s: float) -> None:
-            if self._metrics:
-                self._metrics.retries.labels(getattr(exc, "provider", "pool"), retry_reason(exc)).inc()
+        return await call_with_retries(one_round, policy=self._retry, deadline=spec.deadline, clock=self._clock,
+                                       sleep=self._sleep, on_retry=self._count_retry)
 
-        return await call_with_retries(one_attempt, policy=self._retry, deadline=deadline, clock=self._clock,
-                                       sleep=self._sleep, on_retry=on_retry)
+    def _count_retry(self, exc: BaseException, _wait_s: float) -> None:
+        if self._metrics:
+            self._metrics.retries.labels(getattr(exc, "provider", "pool"), retry_reason(exc)).inc()
 
-    async def _failover(self, model: str, upstreams: list[Upstream], attempt: Callable[[Upstream, float], Awaitable[T]],
-                        deadline: float, priority: int, tokens: int,
-                        read_timeout: Callable[[Upstream], float]) -> tuple[T, str]:
+    async def _failover(self, model: str, upstreams: list[Upstream], attempt: Attempt[T],
+                        spec: _CallSpec) -> tuple[T, str]:
+        """One round over the model's upstreams in routing order; the first answer wins.
+
+        A retryable failure moves on to the next upstream and, if none answers, is raised (tagged with
+        its provider) for the retry loop; a caller fault is raised at once. When no upstream could even
+        be tried (breakers open, or a half-open one busy with its probe) the round ends with
+        `UpstreamUnavailable`, which is never retried.
+        """
         retry_after = self.fast_fail_after(model)
         if retry_after is not None:
             raise UpstreamUnavailable(retry_after)
-        last: UpstreamError | None = None
+        failure: UpstreamError | None = None
+        refusals: list[float] = []
         for u in order_upstreams([u for u in upstreams if not u.is_open()], self._strategy):
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                raise DeadlineExceeded("The request's deadline passed before an upstream answered.")
             try:
-                async with self._slot(u, tokens, priority):
-                    result = await self._guarded(u, attempt, min(remaining, read_timeout(u)))
-                return result, u.name
+                return await self._try(u, attempt, spec), u.name
             except BreakerOpenError as exc:
-                last = exc
+                refusals.append(exc.retry_after or PROBE_BUSY_RETRY_S)
             except UpstreamError as exc:
-                exc.provider = u.name  # type: ignore[attr-defined]
-                last = exc
+                exc.provider = u.name  # type: ignore[attr-defined]  # labels the retry this may cause
                 if not exc.retryable:
                     raise
-        if last is None or isinstance(last, BreakerOpenError):
-            retry_after = self.fast_fail_after(model)
-            raise UpstreamUnavailable(retry_after if retry_after is not None else 1.0)
-        raise last
+                failure = exc
+        if failure is not None:
+            raise failure
+        retry_after = self.fast_fail_after(model)
+        raise UpstreamUnavailable(retry_after if retry_after is not None else max(0.1, min(refusals, default=1.0)))
 
-    async def _guarded(self, u: Upstream, attempt: Callable[[Upstream, float], Awaitable[T]], timeout: float) -> T:
+    async def _try(self, u: Upstream, attempt: Attempt[T], spec: _CallSpec) -> T:
+        """One attempt on one upstream: breaker check, rate and concurrency slot, the call, the settlement."""
+        wait_s = remaining(spec.deadline, self._clock)
+        if wait_s <= 0:
+            raise DeadlineExceeded("The request's deadline passed before an upstream answered.")
+        if u.breaker is not None:
+            u.breaker.before_call()  # refuse before queueing for a slot or spending rate budget
+        await self._acquire(u, spec, wait_s)
+        try:
+            timeout = min(remaining(spec.deadline, self._clock), spec.read_timeout(u))
+            if timeout <= 0:
+                raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.")
+            result = await self._guarded(u, attempt, timeout)
+        except BaseException as exc:
+            # A call the breaker refused after the wait was never sent: its tokens go back.
+            self._release(u, unused_tokens=spec.tokens if isinstance(exc, BreakerOpenError) else 0)
+            raise
+        if u.limiter is not None:
+            used = usage_tokens(result)
+            if used is not None:
+                u.limiter.give_back(spec.tokens - used)
+        if spec.holds_slot:
+            return _HeldStream(result, lambda: self._release(u))  # type: ignore[arg-type, return-value]
+        self._release(u)
+        return result
+
+    async def _acquire(self, u: Upstream, spec: _CallSpec, wait_s: float) -> None:
+        """Take `u`'s rate budget and a concurrency slot, waiting at most `wait_s` (the request's budget)."""
+        took_budget = False
+        try:
+            async with asyncio.timeout(wait_s):
+                if u.limiter is not None:
+                    await u.limiter.acquire(spec.tokens, spec.priority)
+                    took_budget = True
+                if u._slots is not None:
+                    await u._slots.acquire()
+        except BaseException as exc:
+            if took_budget:
+                u.limiter.give_back(spec.tokens)  # type: ignore[union-attr]
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.") from None
+            raise
+        u.in_flight += 1
+
+    def _release(self, u: Upstream, *, unused_tokens: int = 0) -> None:
+        u.in_flight -= 1
+        if u._slots is not None:
+            u._slots.release()
+        if unused_tokens and u.limiter is not None:
+            u.limiter.give_back(unused_tokens)
+
+    async def _guarded(self, u: Upstream, attempt: Attempt[T], timeout: float) -> T:
         started = self._clock()
         outcome = "error"
         try:
@@ -197,45 +295,50 @@ class ProviderPools:
                 if outcome != "breaker_open":
                     self._metrics.upstream_latency.labels(u.name).observe(self._clock() - started)
 
-    @asynccontextmanager
-    async def _slot(self, u: Upstream, tokens: int, priority: int) -> AsyncIterator[None]:
-        if u.limiter is not None:
-            await u.limiter.acquire(tokens, priority)
-        if u._slots is not None:
-            await u._slots.acquire()
-        u.in_flight += 1
+
+class _HeldStream:
+    """A stream that holds its upstream slot until it ends, fails, is closed or is dropped; releases once."""
+
+    def __init__(self, stream: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+        self._stream = stream
+        self._release: Callable[[], None] | None = release
+
+    def __aiter__(self) -> _HeldStream:
+        return self
+
+    async def __anext__(self) -> bytes:
         try:
-            yield
-        finally:
-            u.in_flight -= 1
-            if u._slots is not None:
-                u._slots.release()
+            return await self._stream.__anext__()
+        except BaseException:
+            self._done()
+            raise
 
-    async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float,
-                          priority: int = 0, tokens: int = 0) -> tuple[AsyncIterator[bytes], str]:
-        """Open a stream on the first healthy upstream that answers; failover happens before the first byte."""
-        upstreams = self.for_model(model)
-        if not upstreams:
-            raise NotFound(f"The model '{model}' does not exist.", param="model", code="model_not_found")
+    async def aclose(self) -> None:
+        """End the stream early and give its slot back."""
+        self._done()
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
-        async def open_one() -> tuple[AsyncIterator[bytes], str]:
-            return await self._failover(model, upstreams, _first_chunk_opener(body), deadline, priority, tokens,
-                                        lambda u: _read_timeout(body, u.token_rate))
+    def _done(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
-        return await call_with_retries(open_one, policy=self._retry, deadline=deadline, clock=self._clock,
-                                       sleep=self._sleep)
-
-    async def close(self) -> None:
-        for u in self.upstreams:
-            await u.provider.close()
+    def __del__(self) -> None:
+        # A caller that drops the stream without closing it (client gone mid-answer) must not leak the slot.
+        self._done()
 
 
-def _first_chunk_opener(body: dict[str, Any]) -> Callable[[Upstream, float], Awaitable[AsyncIterator[bytes]]]:
+def _first_chunk_opener(body: dict[str, Any]) -> Attempt[AsyncIterator[bytes]]:
     """An attempt that succeeds once the upstream sent its first chunk, returning the rest as an iterator."""
 
     async def attempt(u: Upstream, timeout: float) -> AsyncIterator[bytes]:
         stream = u.provider.stream_chat(body, timeout=timeout)
-        first = await stream.__anext__()
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            raise UpstreamBadResponse("upstream ended the stream before its first chunk") from None
 
         async def relay() -> AsyncIterator[bytes]:
             yield first
@@ -247,7 +350,24 @@ def _first_chunk_opener(body: dict[str, Any]) -> Callable[[Upstream, float], Awa
     return attempt
 
 
+def usage_tokens(reply: Any) -> int | None:
+    """Total tokens an upstream reply says it used (`usage.total_tokens`, else prompt + completion), or None."""
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    total = usage.get("total_tokens")
+    if _is_count(total):
+        return total
+    parts = [usage.get("prompt_tokens"), usage.get("completion_tokens", 0)]
+    return sum(parts) if all(_is_count(p) for p in parts) else None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_budget(body: dict[str, Any]) -> int:
+    """The output tokens a chat body may generate (its max tokens, 1024 when unset)."""
     return int(body.get("max_completion_tokens") or body.get("max_tokens") or 1024)
 
 

@@ -38,8 +38,9 @@ log = structlog.get_logger(__name__)
 DEFAULT_PORT = 8001
 WORDS_PER_CHUNK = 3
 
-__all__ = ["SimulatorConfig", "answer_for", "create_simulator_app", "start_simulator", "RunningSimulator",
-           "Simulator", "SimulatorStats", "add_simulate_arguments", "config_from_args", "serve_simulator"]
+__all__ = ["SimulatorConfig", "answer_for", "count_tokens", "create_simulator_app", "start_simulator",
+           "RunningSimulator", "Simulator", "SimulatorStats", "SIMULATOR_KEY", "add_simulate_arguments",
+           "config_from_args", "serve_simulator"]
 
 
 def _is_int(value: Any) -> bool:
@@ -277,6 +278,7 @@ class Simulator:
         self._faults = FaultInjector(config)
         self._sleep = sleep
         self.stats = SimulatorStats()
+        self.last_request_body: dict[str, Any] | None = None
 
     @property
     def config(self) -> SimulatorConfig:
@@ -315,7 +317,7 @@ class Simulator:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         """POST /chat/completions: answer, answer every block of a merged call, or inject a fault."""
         self.stats.calls["chat_completions"] += 1
-        body = await _json_object(request)
+        body = self.last_request_body = await _json_object(request)
         messages, max_tokens = _chat_params(body)
         stream = bool(body.get("stream"))
         self.stats.chat_calls += 1
@@ -378,7 +380,7 @@ class Simulator:
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         """POST /embeddings: deterministic unit vectors per input, as float lists or base64 float32."""
         self.stats.calls["embeddings"] += 1
-        body = await _json_object(request)
+        body = self.last_request_body = await _json_object(request)
         texts, dim, encoding = _embedding_params(body)
         self.stats.embedding_calls += 1
         self.stats.embedding_inputs += len(texts)
@@ -470,6 +472,10 @@ class RunningSimulator:
     def set_faults(self, **fields: Any) -> dict[str, Any]:
         """Change fault/latency fields now (ValueError for bad ones); returns them all."""
         return self._simulator.set_faults(**fields)
+
+    def last_request_body(self) -> dict[str, Any] | None:
+        """The JSON body of the last chat or embeddings call received (to check what a broker forwarded)."""
+        return self._simulator.last_request_body
 
     def reset_stats(self) -> None:
         """Zero every counter."""

@@ -116,17 +116,30 @@ async def test_when_every_waiter_is_cancelled_the_underlying_call_is_cancelled()
     assert len(sf) == 0 and not sf.in_flight("k")
 
 
-async def test_a_caller_after_an_abandoned_call_starts_afresh() -> None:
+async def test_a_caller_arriving_while_an_abandoned_call_winds_down_starts_afresh() -> None:
     sf: SingleFlight[str, str] = SingleFlight()
-    abandoned = Gated()
-    waiter = asyncio.create_task(sf.run("k", abandoned))
-    await abandoned.started.wait()
+    started, cancelled, let_go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow_to_stop() -> str:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            await let_go.wait()  # clean-up that outlives the cancellation request
+            raise
+        return "never"
+
+    waiter = asyncio.create_task(sf.run("k", slow_to_stop))
+    await started.wait()
     waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    await cancelled.wait()
     fresh = Gated("fresh")
     fresh.release.set()
-    # Joins nothing: the abandoned call was forgotten the moment its last waiter left.
     assert await sf.run("k", fresh) == ("fresh", False)
     assert fresh.calls == 1
+    let_go.set()
 
 
 async def test_an_error_after_all_waiters_left_is_not_reported_as_never_retrieved() -> None:
@@ -150,9 +163,10 @@ async def test_an_error_after_all_waiters_left_is_not_reported_as_never_retrieve
         await started.wait()
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
-        shared_call = asyncio.all_tasks() - {asyncio.current_task()}
-        await asyncio.wait(shared_call)
-        del shared_call
+        still_running = asyncio.all_tasks() - {asyncio.current_task()}
+        if still_running:
+            await asyncio.wait(still_running)
+        del still_running
         gc.collect()
     finally:
         loop.set_exception_handler(None)

@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import base64
 import json
+import random
 import re
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 import aiohttp
@@ -16,8 +18,8 @@ import openai
 import pytest
 
 from providers.simulator import (RunningSimulator, SimulatorConfig, add_simulate_arguments, answer_for,
-                                 config_from_args, count_tokens, serve_simulator, start_simulator)
-from providers.simulator_faults import CHATTER_AFTER, CHATTER_BEFORE
+                                 config_from_args, count_tokens, prompt_tokens, serve_simulator, start_simulator)
+from providers.simulator_faults import CHATTER_AFTER, CHATTER_BEFORE, CallFault, decide_call_fault, render_blocks
 from tests.conftest import free_port
 
 QUESTION = "What is the capital of France?"
@@ -85,6 +87,32 @@ def test_a_neutralised_question_gets_the_answer_of_the_original() -> None:
     assert answer_for("what does </request> do?") == answer_for("what does &lt;/request> do?")
 
 
+def test_fixed_faults_win_over_random_ones_in_a_documented_order() -> None:
+    rng = random.Random(0)
+    everything = SimulatorConfig(down=True, status_override=500, error_rate=1.0, rate_429=1.0)
+    assert decide_call_fault(everything, rng, fail_first_pending=True) is CallFault.DOWN
+    assert decide_call_fault(replace(everything, down=False), rng, fail_first_pending=True) is CallFault.STATUS_OVERRIDE
+    no_fixed = replace(everything, down=False, status_override=None)
+    assert decide_call_fault(no_fixed, rng, fail_first_pending=True) is CallFault.FAIL_FIRST
+    assert decide_call_fault(no_fixed, rng) is CallFault.ERROR
+    assert decide_call_fault(no_fixed, rng, random_faults=False) is None
+
+
+def test_zero_rates_draw_nothing_from_the_rng() -> None:
+    rng = random.Random(3)
+    state = rng.getstate()
+    reply, applied = render_blocks([("a", "x"), ("b", "y")], SimulatorConfig(), rng)
+    assert decide_call_fault(SimulatorConfig(), rng) is None
+    assert rng.getstate() == state
+    assert (reply, applied) == ('<response id="a">\nx\n</response>\n<response id="b">\ny\n</response>', [])
+
+
+def test_prompt_tokens_count_text_parts_and_per_message_overhead() -> None:
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    assert prompt_tokens(messages) == count_tokens("Be brief.") + count_tokens("Hello\nthere") + 2 * 3 + 3
+
+
 async def test_chat_via_openai_sdk_answers_with_answer_for_and_real_usage(sim: RunningSimulator) -> None:
     client = openai.AsyncOpenAI(base_url=sim.url, api_key="x")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
@@ -99,6 +127,13 @@ async def test_chat_via_openai_sdk_answers_with_answer_for_and_real_usage(sim: R
     assert result.usage.prompt_tokens == count_tokens("Be brief.") + count_tokens(QUESTION) + 2 * 3 + 3
     assert result.usage.completion_tokens == count_tokens(content)
     assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+async def test_the_last_request_body_is_kept_as_received(sim: RunningSimulator,
+                                                         http: aiohttp.ClientSession) -> None:
+    assert sim.last_request_body() is None
+    await post(http, sim.url + "/chat/completions", chat_body(vendor_flag=True))
+    assert sim.last_request_body() == chat_body(vendor_flag=True)
 
 
 async def test_chat_ids_are_unique_per_call(sim: RunningSimulator, http: aiohttp.ClientSession) -> None:

@@ -1,0 +1,199 @@
+"""MergeQueue releases groups on window, size and pressure, refuses past its cap, and serves aged priority first."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from structlog.testing import capture_logs
+
+from broker.clock import FakeClock
+from broker.errors import Overloaded
+from broker.metrics import Metrics
+from broker.queue import MergeQueue, TierWindow
+from broker.settings import TierSettings
+
+
+@dataclass(eq=False)
+class Item:
+    """The smallest thing the queue accepts: a tier, a merge key and a future."""
+
+    tier: str
+    merge_key: str | None = "k"
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+def tier(name: str = "std", *, priority: int = 50, window_s: float = 1.0, max_batch: int = 4, max_queue: int = 100,
+         hard_cap: int | None = None) -> TierWindow:
+    return TierWindow(name, priority, window_s, max_batch, max_queue, hard_cap or 2 * max_queue)
+
+
+def queue(*tiers: TierWindow, clock: FakeClock, aging_per_s: float = 10.0,
+          metrics: Metrics | None = None) -> MergeQueue[Item]:
+    return MergeQueue(list(tiers) or [tier()], aging_per_s=aging_per_s, clock=clock, metrics=metrics)
+
+
+async def test_group_is_released_when_its_window_passes_on_the_clock(fake_clock):
+    q = queue(tier(window_s=0.5), clock=fake_clock)
+    a, b = Item("std"), Item("std")
+    q.submit(a)
+    q.submit(b)
+    fake_clock.advance(0.49)
+    q.release_due()
+    assert q.pick() is None
+    fake_clock.advance(0.01)
+    q.release_due()
+    group = q.pick()
+    assert group is not None and group.items == [a, b] and group.key == "k"
+    assert q.depth("std") == 0
+
+
+async def test_window_timer_releases_the_group_without_release_due(fake_clock):
+    q = queue(tier(window_s=0.01), clock=fake_clock)
+    item = Item("std")
+    q.submit(item)
+    group = await asyncio.wait_for(q.take(), timeout=2)
+    assert group.items == [item]
+
+
+async def test_group_is_released_at_once_when_it_reaches_max_batch(fake_clock):
+    q = queue(tier(max_batch=3), clock=fake_clock)
+    items = [Item("std") for _ in range(3)]
+    for item in items[:2]:
+        q.submit(item)
+    assert q.pick() is None
+    q.submit(items[2])
+    group = q.pick()
+    assert group is not None and group.items == items
+
+
+async def test_different_merge_keys_wait_in_separate_groups(fake_clock):
+    q = queue(tier(), clock=fake_clock)
+    a, b = Item("std", "x"), Item("std", "y")
+    q.submit(a)
+    q.submit(b)
+    fake_clock.advance(1)
+    q.release_due()
+    assert [q.pick().items, q.pick().items] == [[a], [b]]
+
+
+async def test_full_windows_are_force_flushed_counted_and_logged(fake_clock):
+    metrics = Metrics()
+    q = queue(tier(max_queue=3, max_batch=8), clock=fake_clock, metrics=metrics)
+    items = [Item("std", f"key{i}") for i in range(3)]
+    with capture_logs() as logs:
+        for item in items:
+            q.submit(item)
+    released = [q.pick(), q.pick(), q.pick()]
+    assert [g.items for g in released if g] == [[i] for i in items]
+    assert metrics.registry.get_sample_value("mergebroker_forced_flush_total", {"tier": "std"}) == 1
+    flushes = [e for e in logs if e["event"] == "queue_forced_flush"]
+    assert len(flushes) == 1 and flushes[0]["log_level"] == "warning" and flushes[0]["tier"] == "std"
+
+
+async def test_submit_past_the_hard_cap_raises_overloaded_at_once(fake_clock):
+    metrics = Metrics()
+    q = queue(tier(max_queue=2, max_batch=8), clock=fake_clock, metrics=metrics)
+    for i in range(4):  # the default hard cap is 2 x max_queue
+        q.submit(Item("std", f"key{i}"))
+    with pytest.raises(Overloaded) as refused:
+        q.submit(Item("std"))
+    assert refused.value.status == 503 and refused.value.code == "queue_full"
+    assert refused.value.headers() == {"Retry-After": "1"}
+    assert q.depth("std") == 4
+    assert metrics.registry.get_sample_value("mergebroker_rejected_total",
+                                             {"tier": "std", "reason": "queue_full"}) == 1
+    q.pick()
+    q.submit(Item("std"))  # room again once a worker took a group
+    assert q.depth("std") == 4
+
+
+def test_default_hard_cap_is_twice_max_queue():
+    assert TierSettings(name="t", max_queue=7).queue_hard_cap == 14
+    assert TierSettings(name="t", max_queue=7, hard_cap=9).queue_hard_cap == 9
+
+
+async def test_workers_take_the_highest_priority_first(fake_clock):
+    q = queue(tier("low", priority=0), tier("high", priority=100), tier("mid", priority=50), clock=fake_clock)
+    for name in ("low", "mid", "high"):
+        q.submit(Item(name, None))
+    assert [q.pick().tier for _ in range(3)] == ["high", "mid", "low"]
+
+
+async def test_aged_low_priority_group_overtakes_fresh_high_priority_after_the_bound(fake_clock):
+    # (100 - 0) / 10 per second: the released low group must win after at most 10 s.
+    q = queue(tier("low", priority=0), tier("high", priority=100), clock=fake_clock, aging_per_s=10.0)
+    low = Item("low", None)
+    q.submit(low)
+    fake_clock.advance(9.99)
+    q.submit(Item("high", None))
+    assert q.pick().tier == "high"
+    fake_clock.advance(0.02)
+    q.submit(Item("high", None))
+    assert q.pick().items == [low]
+    assert q.pick().tier == "high"
+
+
+async def test_without_aging_low_priority_never_overtakes(fake_clock):
+    q = queue(tier("low", priority=0), tier("high", priority=100), clock=fake_clock, aging_per_s=0.0)
+    q.submit(Item("low", None))
+    fake_clock.advance(3600)
+    q.submit(Item("high", None))
+    assert q.pick().tier == "high"
+
+
+async def test_done_members_are_dropped_when_taken_and_the_others_stay(fake_clock):
+    q = queue(tier(), clock=fake_clock)
+    gone, timed_out, live = Item("std"), Item("std"), Item("std")
+    for item in (gone, timed_out, live):
+        q.submit(item)
+    gone.future.cancel()
+    timed_out.future.set_exception(TimeoutError())
+    timed_out.future.exception()  # retrieved, so the loop does not warn about it
+    fake_clock.advance(1)
+    q.release_due()
+    group = await asyncio.wait_for(q.take(), timeout=2)
+    assert group.items == [live]
+
+
+async def test_a_group_with_no_live_member_is_skipped(fake_clock):
+    q = queue(tier(), clock=fake_clock)
+    dead, live = Item("std", None), Item("std", None)
+    q.submit(dead)
+    q.submit(live)
+    dead.future.cancel()
+    group = await asyncio.wait_for(q.take(), timeout=2)
+    assert group.items == [live]
+    assert q.depth("std") == 0
+
+
+async def test_non_mergeable_requests_are_released_at_once(fake_clock):
+    q = queue(tier("std", window_s=5.0), tier("nowin", window_s=0.0), clock=fake_clock)
+    alone, unwindowed = Item("std", None), Item("nowin", "k")
+    q.submit(alone)
+    q.submit(unwindowed)
+    assert {q.pick().items[0], q.pick().items[0]} == {alone, unwindowed}
+
+
+async def test_an_idle_worker_is_woken_by_a_release(fake_clock):
+    q = queue(tier(), clock=fake_clock)
+    waiting = asyncio.create_task(q.take())
+    await asyncio.sleep(0)  # one loop turn: the worker parks on its waiter (a yield, not a timed wait)
+    assert not waiting.done()
+    item = Item("std", None)
+    q.submit(item)
+    group = await asyncio.wait_for(waiting, timeout=2)
+    assert group.items == [item]
+
+
+async def test_close_returns_every_waiting_item_and_refuses_new_ones(fake_clock):
+    q = queue(tier(window_s=0.01), tier("other"), clock=fake_clock)
+    windowed, ready, other = Item("std"), Item("std", None), Item("other")
+    for item in (windowed, ready, other):
+        q.submit(item)
+    left = q.close()
+    assert set(left) == {windowed, ready, other} and len(left) == 3
+    assert q.depth("std") == 0 and q.pick() is None
+    with pytest.raises(Overloaded):
+        q.submit(Item("std"))
