@@ -52,6 +52,7 @@ def create_proxy_app(upstream_base: str) -> web.Application:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Serve the proxy until interrupted."""
     parser = argparse.ArgumentParser(prog="python -m bench.proxy_baseline", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)

@@ -96,7 +96,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
     app = create_app(settings)
-    web.run_app(app, host=settings.server.host, port=settings.server.port, print=None, access_log=None)
+    web.run_app(app, host=settings.server.host, port=settings.server.port, print=None, access_log=None,
+               handler_cancellation=True)  # a client that disconnects is dropped from its window
     return 0
 
 

@@ -48,7 +48,7 @@ class SingleFlight(Generic[K, V]):
             if call.waiters == 0 and not call.task.done():
                 # Every waiter was cancelled or timed out: nobody wants the result any more. Forgetting
                 # the key now lets a newcomer start afresh instead of joining a call being cancelled.
-                pass
+                self._forget(key, call)
                 call.task.cancel()
 
     def in_flight(self, key: K) -> bool:

@@ -119,6 +119,7 @@ class ProviderPools:
         return sorted({m for u in self.upstreams for m in u.models if "*" not in m and "?" not in m})
 
     def has_wildcard(self) -> bool:
+        """True when some upstream serves models by pattern (its model list comes from the upstream)."""
         return any("*" in m or "?" in m for u in self.upstreams for m in u.models)
 
     async def upstream_models(self) -> list[str]:
@@ -232,8 +233,9 @@ class ProviderPools:
                 raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.")
             result = await self._guarded(u, attempt, timeout)
         except BaseException as exc:
-            # A call the breaker refused after the wait was never sent: its tokens go back.
-            self._release(u, unused_tokens=spec.tokens if isinstance(exc, BreakerOpenError) else 0)
+            # A call refused after the wait (breaker, deadline) was never sent: its tokens go back.
+            never_sent = isinstance(exc, (BreakerOpenError, DeadlineExceeded))
+            self._release(u, unused_tokens=spec.tokens if never_sent else 0)
             raise
         if u.limiter is not None:
             used = usage_tokens(result)
@@ -341,9 +343,14 @@ def _first_chunk_opener(body: dict[str, Any]) -> Attempt[AsyncIterator[bytes]]:
             raise UpstreamBadResponse("upstream ended the stream before its first chunk") from None
 
         async def relay() -> AsyncIterator[bytes]:
-            yield first
-            async for chunk in stream:
-                yield chunk
+            try:
+                yield first
+                async for chunk in stream:
+                    yield chunk
+            finally:  # a stream closed early frees its upstream connection now, not at garbage collection
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()
 
         return relay()
 

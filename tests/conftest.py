@@ -127,10 +127,10 @@ async def start_broker():
 
     started: list[BrokerUnderTest] = []
 
-    async def start(config: dict | None = None, *, clock=None) -> BrokerUnderTest:
-        settings = load_settings(None, environ={}, overrides=config or {})
+    async def start(config: dict | None = None, *, clock=None, environ: dict | None = None) -> BrokerUnderTest:
+        settings = load_settings(None, environ=environ or {}, overrides=config or {})
         app = create_app(settings, **({"clock": clock} if clock else {}))
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

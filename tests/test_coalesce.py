@@ -1,4 +1,4 @@
-"""SingleFlight shares one pending call among identical callers, never stores outcomes, and cancels only unwanted work."""
+"""SingleFlight shares one pending call among identical callers, stores no outcome, and cancels only unwanted work."""
 
 from __future__ import annotations
 
@@ -137,9 +137,11 @@ async def test_a_caller_arriving_while_an_abandoned_call_winds_down_starts_afres
     await cancelled.wait()
     fresh = Gated("fresh")
     fresh.release.set()
-    assert await sf.run("k", fresh) == ("fresh", False)
-    assert fresh.calls == 1
-    let_go.set()
+    try:
+        assert await asyncio.wait_for(sf.run("k", fresh), 1) == ("fresh", False)
+        assert fresh.calls == 1
+    finally:
+        let_go.set()
 
 
 async def test_an_error_after_all_waiters_left_is_not_reported_as_never_retrieved() -> None:

@@ -1,0 +1,217 @@
+"""Passthrough overhead: the simulator direct vs. a minimal aiohttp proxy vs. mergebroker (no merging, no cache).
+
+Part 1, closed loop: concurrency 1, 16 and 64 against each target with upstream latency 0. Runs go in
+rounds whose target order rotates, so that drift on the shared machine hits every target alike; each
+figure is the median over rounds and each ratio the median of per-round (paired) ratios.
+Part 2, equal load: the same Poisson rate offered to each target, which shows the latency the broker adds
+when it is not saturated (in part 1 each target runs at its own saturation, so by Little's law its latency
+mostly mirrors its throughput).
+
+    python -m bench.passthrough [--quick] [--out FILE]
+
+Targets, reported and not enforced: broker throughput >= 0.7x the proxy's, and broker p99 minus direct p99
+<= 5 ms, both at concurrency 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+from bench.harness import (CpuWindow, Process, chat_request, closed_loop, format_table, latency_summary,
+                           open_loop_for, passthrough_config, processes_together, results_path, sim_base_url,
+                           start_broker, start_proxy, start_simulator, summarize, write_results)
+
+TARGETS = ("direct", "proxy", "broker")
+THROUGHPUT_RATIO_TARGET = 0.7
+ADDED_P99_TARGET_MS = 5.0
+TARGET_CONCURRENCY = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much load: `requests[i]` measured requests per run at `concurrencies[i]`, after `warmup` unmeasured."""
+
+    concurrencies: tuple[int, ...]
+    requests: tuple[int, ...]
+    warmup: int
+    rounds: int
+    open_rate: float
+    open_s: float
+
+
+FULL = Plan((1, 16, 64), (600, 1500, 2000), warmup=100, rounds=3, open_rate=150.0, open_s=8.0)
+QUICK = Plan((1, 16), (16, 32), warmup=4, rounds=1, open_rate=40.0, open_s=0.4)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where requests go, and whose CPU counts as this target's cost."""
+
+    name: str
+    url: str
+    server: Process
+
+
+def body_for(run_id: str) -> Callable[[int], tuple[dict[str, Any], dict[str, str], str]]:
+    """Distinct prompts per run and index, so nothing could coalesce even if caching were on."""
+    def make(i: int) -> tuple[dict[str, Any], dict[str, str], str]:
+        text = f"passthrough {run_id} request {i}: what is {i} squared?"
+        return {"model": "sim-small", "messages": [{"role": "user", "content": text}]}, {}, ""
+
+    return make
+
+
+async def closed_run(target: Target, sim: Process, concurrency: int, requests: int, warmup: int,
+                     round_no: int) -> dict[str, Any]:
+    """One measured closed-loop run against one target."""
+    run_id = uuid.uuid4().hex[:8]
+    send = chat_request(target.url, body_for(run_id))
+    await closed_loop(send, concurrency=concurrency, total=warmup)  # warm code paths and connection pools
+    own, upstream = CpuWindow(target.server), CpuWindow(sim)
+    samples, wall = await closed_loop(send, concurrency=concurrency, total=requests)
+    row = {"round": round_no, "concurrency": concurrency, "target": target.name, **summarize(samples, wall),
+           "cpu_ms_per_req": own.ms_per(len(samples)), "sim_cpu_ms_per_req": upstream.ms_per(len(samples))}
+    return row
+
+
+def rotated(items: Sequence[Target], by: int) -> list[Target]:
+    """`items` rotated left by `by`: each round starts with a different target."""
+    k = by % len(items)
+    return [*items[k:], *items[:k]]
+
+
+def _median(values: Sequence[float]) -> float:
+    clean = [v for v in values if v == v]
+    return statistics.median(clean) if clean else float("nan")
+
+
+def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    """Medians per target and paired ratios/differences for one concurrency level."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if r["concurrency"] == concurrency:
+            by_round.setdefault(r["round"], {})[r["target"]] = r
+    rounds = [t for t in by_round.values() if set(TARGETS) <= set(t)]
+
+    def med(target: str, key: str) -> float:
+        return _median([t[target][key] for t in rounds])
+
+    def paired(fn: Callable[[dict[str, dict[str, Any]]], float]) -> float:
+        return _median([fn(t) for t in rounds])
+
+    out: dict[str, Any] = {"concurrency": concurrency, "rounds": len(rounds)}
+    for name in TARGETS:
+        out[name] = {k: med(name, k) for k in ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req", "sim_cpu_ms_per_req")}
+        out[name]["errors"] = sum(t[name]["requests"] - t[name]["ok"] for t in rounds)
+    out["broker_vs_proxy_rps"] = paired(lambda t: t["broker"]["rps"] / t["proxy"]["rps"])
+    out["broker_vs_direct_rps"] = paired(lambda t: t["broker"]["rps"] / t["direct"]["rps"])
+    out["proxy_vs_direct_rps"] = paired(lambda t: t["proxy"]["rps"] / t["direct"]["rps"])
+    out["broker_added_p50_ms"] = paired(lambda t: t["broker"]["p50_ms"] - t["direct"]["p50_ms"])
+    out["broker_added_p99_ms"] = paired(lambda t: t["broker"]["p99_ms"] - t["direct"]["p99_ms"])
+    out["proxy_added_p99_ms"] = paired(lambda t: t["proxy"]["p99_ms"] - t["direct"]["p99_ms"])
+    out["broker_vs_proxy_cpu"] = paired(lambda t: t["broker"]["cpu_ms_per_req"] / t["proxy"]["cpu_ms_per_req"]
+                                        if t["proxy"]["cpu_ms_per_req"] else float("nan"))
+    return out
+
+
+async def equal_load(targets: list[Target], rate: float, duration_s: float) -> dict[str, Any]:
+    """The same Poisson rate offered to every target; latency and added latency vs direct."""
+    result: dict[str, Any] = {"rate": rate, "duration_s": duration_s}
+    for target in targets:
+        send = chat_request(target.url, body_for(uuid.uuid4().hex[:8]))
+        own = CpuWindow(target.server)
+        samples, sent, wall = await open_loop_for(send, rate=rate, duration_s=duration_s)
+        lat = latency_summary([s.latency_s * 1000 for s in samples])
+        result[target.name] = {"requests": sent, "ok": sum(1 for s in samples if s.status == 200),
+                               "achieved_rps": sent / wall if wall else 0.0, **lat,
+                               "cpu_ms_per_req": own.ms_per(len(samples))}
+    for name in ("proxy", "broker"):
+        result[f"{name}_added_p50_ms"] = result[name]["p50_ms"] - result["direct"]["p50_ms"]
+        result[f"{name}_added_p99_ms"] = result[name]["p99_ms"] - result["direct"]["p99_ms"]
+    return result
+
+
+def verdict(summary: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets against the measured figures at concurrency 16 (or the nearest level run)."""
+    level = min(summary, key=lambda c: abs(int(c) - TARGET_CONCURRENCY))
+    s = summary[level]
+    return {"concurrency": int(level),
+            "throughput_ratio": s["broker_vs_proxy_rps"], "throughput_ratio_target": THROUGHPUT_RATIO_TARGET,
+            "throughput_ok": s["broker_vs_proxy_rps"] >= THROUGHPUT_RATIO_TARGET,
+            "added_p99_ms": s["broker_added_p99_ms"], "added_p99_target_ms": ADDED_P99_TARGET_MS,
+            "added_p99_ok": s["broker_added_p99_ms"] <= ADDED_P99_TARGET_MS}
+
+
+async def run(plan: Plan) -> dict[str, Any]:
+    """Start the simulator, the proxy and the broker; run both parts; return the results."""
+    async with processes_together(start_simulator("--latency-base-ms", "0")) as (sim,):
+        upstream = sim_base_url(sim)
+        async with processes_together(start_proxy(upstream), start_broker(passthrough_config(upstream))) as (
+                proxy, broker):
+            targets = [Target("direct", upstream.removesuffix("/v1"), sim), Target("proxy", proxy.url, proxy),
+                       Target("broker", broker.url, broker)]
+            rows = []
+            for round_no in range(plan.rounds):
+                for level, (concurrency, requests) in enumerate(zip(plan.concurrencies, plan.requests)):
+                    for target in rotated(targets, round_no + level):
+                        rows.append(await closed_run(target, sim, concurrency, requests, plan.warmup, round_no))
+            summary = {str(c): summarize_concurrency(rows, c) for c in plan.concurrencies}
+            loaded = await equal_load(rotated(targets, plan.rounds), plan.open_rate, plan.open_s)
+    return {"plan": asdict(plan), "runs": rows, "summary": summary, "equal_load": loaded,
+            "targets": {**verdict(summary), "equal_load_added_p99_ms": loaded["broker_added_p99_ms"]}}
+
+
+def report(result: dict[str, Any]) -> str:
+    """The printed tables."""
+    per_target = [{"conc": s["concurrency"], "target": name, **{k: s[name][k] for k in
+                   ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req", "errors")}}
+                  for s in result["summary"].values() for name in TARGETS]
+    ratios = [{"conc": s["concurrency"], **{k: s[k] for k in
+               ("broker_vs_proxy_rps", "broker_vs_direct_rps", "proxy_vs_direct_rps", "broker_added_p50_ms",
+                "broker_added_p99_ms", "proxy_added_p99_ms", "broker_vs_proxy_cpu")}}
+              for s in result["summary"].values()]
+    eq = result["equal_load"]
+    equal = [{"target": name, **{k: eq[name][k] for k in ("achieved_rps", "p50_ms", "p99_ms", "cpu_ms_per_req")},
+              "added_p99_ms": eq.get(f"{name}_added_p99_ms")} for name in TARGETS]
+    t = result["targets"]
+    lines = ["Closed loop, medians over rounds (cpu = the target's own process; direct: the simulator's)",
+             format_table(per_target, ["conc", "target", "rps", "p50_ms", "p99_ms", "cpu_ms_per_req", "errors"]),
+             "", "Paired ratios and added latency (medians of per-round values)",
+             format_table(ratios, list(ratios[0])),
+             "", f"Equal load: Poisson {eq['rate']:g} req/s for {eq['duration_s']:g} s to each target",
+             format_table(equal, list(equal[0])),
+             "", f"Targets at concurrency {t['concurrency']}: throughput broker/proxy {t['throughput_ratio']:.2f} "
+                 f"(>= {t['throughput_ratio_target']}: {'PASS' if t['throughput_ok'] else 'FAIL'}); "
+                 f"added p99 {t['added_p99_ms']:.2f} ms (<= {t['added_p99_target_ms']:g} ms: "
+                 f"{'PASS' if t['added_p99_ok'] else 'FAIL'}); added p99 at equal load "
+                 f"{t['equal_load_added_p99_ms']:.2f} ms"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, print its tables and write its JSON."""
+    parser = argparse.ArgumentParser(prog="python -m bench.passthrough", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny run (seconds), for the smoke test")
+    parser.add_argument("--rounds", type=int, help="override the number of interleaved rounds")
+    parser.add_argument("--open-rate", type=float, help="req/s offered to each target in the equal-load part")
+    parser.add_argument("--out", default=str(results_path("passthrough.json")), help="JSON output file")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.rounds or args.open_rate:
+        plan = Plan(plan.concurrencies, plan.requests, plan.warmup, args.rounds or plan.rounds,
+                    args.open_rate or plan.open_rate, plan.open_s)
+    result = asyncio.run(run(plan))
+    print(report(result))
+    write_results(args.out, result)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Each benchmark script runs end to end in --quick mode and writes its JSON report with the expected keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = ("passthrough", "tiers", "chaos")
+TIMEOUT_S = 90
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen[str], Path]]]:
+    """All three scripts started at once (each is mostly process start-up and waiting), one JSON file each."""
+    out_dir = tmp_path_factory.mktemp("bench")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    runs = {}
+    for name in SCRIPTS:
+        out = out_dir / f"{name}.json"
+        proc = subprocess.Popen([sys.executable, "-m", f"bench.{name}", "--quick", "--out", str(out)], cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        runs[name] = (proc, out)
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def finished(runs: dict[str, tuple[subprocess.Popen[str], Path]], name: str) -> dict[str, Any]:
+    """Wait for one script; fail with its output unless it exited 0 and wrote its JSON."""
+    proc, out = runs[name]
+    output, _ = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 0, output
+    assert out.exists(), output
+    return json.loads(out.read_text())
+
+
+def test_passthrough_quick_reports_all_three_targets_with_ratios(quick_runs) -> None:
+    result = finished(quick_runs, "passthrough")
+    assert {"plan", "runs", "summary", "equal_load", "targets"} <= set(result)
+    for level in result["summary"].values():
+        for target in ("direct", "proxy", "broker"):
+            assert level[target]["rps"] > 0 and level[target]["errors"] == 0
+        assert level["broker_vs_proxy_rps"] > 0
+        assert "broker_added_p99_ms" in level
+    assert {"throughput_ratio", "throughput_ok", "added_p99_ms", "added_p99_ok"} <= set(result["targets"])
+    assert result["targets"]["concurrency"] == 16
+
+
+def test_tiers_quick_reports_latency_per_tier_and_queue_overhead(quick_runs) -> None:
+    result = finished(quick_runs, "tiers")
+    assert {"unloaded", "loaded", "passthrough", "targets"} <= set(result)
+    for tier in ("realtime", "batch"):
+        assert result["loaded"][tier]["requests"] > 0
+        assert result["loaded"][tier]["ok"] == result["loaded"][tier]["requests"]
+    assert result["unloaded"]["realtime"]["p99_ms"] > 0
+    assert {"realtime_p99_added_ms", "queue_overhead_cpu_ms_per_req", "limiter_saturated"} <= set(result["targets"])
+    # Batch absorbs the wait: its median is above realtime's once the limiter queues.
+    assert result["loaded"]["batch"]["p50_ms"] > result["loaded"]["realtime"]["p50_ms"]
+
+
+def test_chaos_quick_reports_phases_fast_fails_and_one_answer_each(quick_runs) -> None:
+    result = finished(quick_runs, "chaos")
+    assert [p["phase"] for p in result["phases"]] == ["healthy", "errors_50", "outage", "recovery"]
+    phases = {p["phase"]: p for p in result["phases"]}
+    assert phases["healthy"]["success_rate"] > 0.9
+    assert phases["outage"]["ok"] == 0 and phases["outage"]["fast_fail"] > 0
+    assert result["outage_to_first_fast_fail_s"] is not None
+    assert "recovery_to_closed_s" in result and result["breaker_timeline"]
+    assert result["accounting"]["exactly_one_each"] is True
+    assert result["accounting"]["sent"] == sum(p["sent"] for p in result["phases"])
