@@ -7,6 +7,7 @@ request: it only reads breaker state, never waits.
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Mapping, Sequence
 
 from breaker.circuit import BreakerState, CircuitBreaker
@@ -16,6 +17,16 @@ WILDCARD = "*"
 """The routes key whose providers serve every model."""
 
 MIN_RETRY_AFTER_S = 0.1
+
+
+def all_open_retry_after(breakers: Sequence[CircuitBreaker | None]) -> float | None:
+    """The fast-fail rule: when every breaker is open, seconds until the first probe (at least 0.1), else None.
+
+    None stands for an upstream without a breaker, which counts as healthy; an empty list is not "all open".
+    """
+    if not breakers or any(b is None or b.state is not BreakerState.OPEN for b in breakers):
+        return None
+    return max(MIN_RETRY_AFTER_S, min(b.seconds_until_probe() for b in breakers))  # type: ignore[union-attr]
 
 
 class DegradationPolicy:
@@ -32,8 +43,12 @@ class DegradationPolicy:
         self._metrics = metrics
 
     def providers_for(self, model: str) -> list[str]:
-        """The providers able to serve `model`: its own routes, then the wildcard's, without repeats."""
-        names = self._routes.get(model, ()) + self._routes.get(WILDCARD, ())
+        """The providers able to serve `model`: its own routes, then glob routes (`"*"`, `"gpt-*"`), without
+        repeats. Globs match as the provider pools match them."""
+        names = self._routes.get(model, ())
+        for pattern, routed in self._routes.items():
+            if pattern != model and fnmatch.fnmatchcase(model, pattern):
+                names += routed
         return list(dict.fromkeys(names))
 
     def merging_allowed(self, model: str) -> bool:
@@ -46,15 +61,7 @@ class DegradationPolicy:
     def fast_fail_retry_after(self, model: str) -> float | None:
         """When every provider of the model is open: seconds until the first probe (at least 0.1); else None."""
         names = self.providers_for(model)
-        if not names or any(name not in self._breakers for name in names):
-            return None
-        waits = []
-        for name in names:
-            breaker = self._breakers[name]
-            if breaker.state is not BreakerState.OPEN:
-                return None
-            waits.append(breaker.seconds_until_probe())
-        return max(MIN_RETRY_AFTER_S, min(waits))
+        return all_open_retry_after([self._breakers.get(name) for name in names])
 
     def _breakers_of(self, model: str) -> list[CircuitBreaker]:
         return [self._breakers[name] for name in self.providers_for(model) if name in self._breakers]

@@ -20,7 +20,7 @@ from breaker.policy import DegradationPolicy
 from breaker.shared_state import SharedBreakerState
 from broker.admission import Authenticator
 from broker.chat import ChatService
-from broker.clock import Clock, monotonic
+from broker.clock import Clock, Sleep, monotonic
 from broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from broker.embeddings import EmbeddingService, build_embedding_service
 from broker.jobs import ChatJob
@@ -116,7 +116,7 @@ def _statuses(metrics: Metrics) -> set[str]:
 BROKER = web.AppKey("broker", Broker)
 
 
-def create_app(settings: Settings, *, clock: Clock = monotonic) -> web.Application:
+def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> web.Application:
     """The aiohttp application for `settings`; components are built when it starts."""
     from broker.routes import add_routes
 
@@ -125,7 +125,7 @@ def create_app(settings: Settings, *, clock: Clock = monotonic) -> web.Applicati
     add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        broker = await build_broker(settings, clock=clock)
+        broker = await build_broker(settings, clock=clock, sleep=sleep)
         app[BROKER] = broker
         try:
             yield
@@ -136,7 +136,8 @@ def create_app(settings: Settings, *, clock: Clock = monotonic) -> web.Applicati
     return app
 
 
-async def build_broker(settings: Settings, *, clock: Clock = monotonic) -> Broker:
+async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> Broker:
+    """Build and start every component; `clock` and `sleep` drive all time-based parts (tests inject fakes)."""
     metrics = Metrics()
     simulated = None
     providers = list(settings.providers)
@@ -153,7 +154,7 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic) -> Broke
                 for p in providers if p.kind == "openai"}
     upstreams = [_upstream(p, breakers[p.name], clock) for p in providers if p.kind == "openai"]
     pools = ProviderPools(upstreams, strategy=settings.routing, retry=RetryPolicy(**settings.retry.model_dump()),
-                          clock=clock, metrics=metrics)
+                          clock=clock, sleep=sleep, metrics=metrics)
     routes: dict[str, list[str]] = {}
     for p in providers:
         for model in p.models:

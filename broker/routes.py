@@ -100,6 +100,7 @@ async def _stream(request: web.Request, broker: Broker, caller: Caller, body: di
         async for chunk in chunks:
             await response.write(chunk)
     finally:
+        await chunks.aclose()  # a client leaving mid-stream frees the upstream slot and connection now
         await reservation.settle(_reserved(reservation))
     await response.write_eof()
     return response

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
 import structlog
 
 from breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError, BreakerState, CircuitBreaker
+from breaker.policy import all_open_retry_after
 from broker.clock import Clock, Sleep, monotonic, sleep
 from broker.errors import DeadlineExceeded, NotFound, UpstreamBadResponse, UpstreamError, UpstreamUnavailable
 from broker.metrics import Metrics
@@ -135,10 +136,7 @@ class ProviderPools:
 
     def fast_fail_after(self, model: str) -> float | None:
         """Seconds until the next probe when every upstream of the model is open, else None."""
-        upstreams = self.for_model(model)
-        if not upstreams or not all(u.is_open() for u in upstreams):
-            return None
-        return max(0.1, min(u.breaker.seconds_until_probe() for u in upstreams if u.breaker))
+        return all_open_retry_after([u.breaker for u in self.for_model(model)])
 
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: int = 0,
                    tokens: int = 0) -> tuple[dict[str, Any], str]:

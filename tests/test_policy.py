@@ -105,3 +105,13 @@ def test_fast_fail_never_for_unknown_models_or_providers_without_breakers(breake
     assert policy.fast_fail_retry_after("gpt-x") is None
     assert policy.fast_fail_retry_after("unknown") is None
     assert policy.fast_fail_retry_after("gpt-y") is not None
+
+
+async def test_glob_routes_pause_merging_for_the_models_they_match(breakers: dict[str, CircuitBreaker],
+                                                                   metrics: Metrics) -> None:
+    policy = DegradationPolicy({"sim-*": ["a"]}, breakers, metrics)
+    assert policy.providers_for("sim-small") == ["a"]
+    assert policy.providers_for("gpt-x") == []
+    await record(breakers["a"], failures=3, successes=7)
+    assert policy.merging_allowed("sim-small") is False
+    assert policy.merging_allowed("gpt-x") is True
