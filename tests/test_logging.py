@@ -1,0 +1,44 @@
+"""Logs are structured events with stable keys, and never carry prompts or keys."""
+
+from __future__ import annotations
+
+import json
+
+from structlog.testing import capture_logs
+
+from broker.logging import redact_secrets
+from tests.conftest import provider_for
+
+API_KEY = "sk-test-never-logged-123456"
+PROMPT = "my private question about project nightingale"
+
+
+async def test_one_request_event_with_stable_keys_and_no_prompt_or_key(simulator, start_broker):
+    broker = await start_broker({"providers": [provider_for(simulator, api_key_env="SIM_KEY")],
+                                 "merge": {"enabled": False}}, environ={"SIM_KEY": API_KEY})
+    with capture_logs() as events:
+        status, _, _ = await broker.chat(PROMPT, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200
+    requests = [e for e in events if e["event"] == "request"]
+    assert len(requests) == 1
+    assert {"endpoint", "status", "tenant", "tier", "model", "latency_ms", "upstream_ms", "batch_size",
+            "cache"} <= set(requests[0])
+    dumped = json.dumps(events, default=str)
+    assert API_KEY not in dumped and "nightingale" not in dumped
+
+
+def test_redaction_processor_drops_secret_and_prompt_fields():
+    event = {"event": "x", "api_key": API_KEY, "Authorization": "Bearer k", "messages": [PROMPT],
+             "prompt_tokens": 12}
+    cleaned = redact_secrets(None, "info", dict(event))
+    assert cleaned["api_key"] == cleaned["Authorization"] == cleaned["messages"] == "[redacted]"
+    assert cleaned["prompt_tokens"] == 12
+
+
+def test_provider_settings_never_show_the_key():
+    from broker.settings import load_settings
+
+    settings = load_settings(None, environ={"K": API_KEY},
+                             overrides={"providers": [{"name": "p", "base_url": "http://x/v1", "api_key_env": "K"}]})
+    assert settings.providers[0].api_key.get_secret_value() == API_KEY
+    assert API_KEY not in repr(settings) and API_KEY not in settings.model_dump_json()

@@ -1,0 +1,67 @@
+"""Settings come from one YAML file plus MERGEBROKER_ environment overrides; bad config stops start-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from broker.settings import ConfigError, load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_example_config_loads():
+    settings = load_settings(ROOT / "configs" / "mergebroker.example.yaml", environ={})
+    assert [t.name for t in settings.tiers] == ["realtime", "standard", "batch"]
+    assert settings.auth.mode == "keys"
+
+
+def test_environment_overrides_the_file_with_double_underscore_nesting(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  port: 9000\n  host: 0.0.0.0\n")
+    monkeypatch.setenv("MERGEBROKER_SERVER__PORT", "9100")
+    settings = load_settings(path)
+    assert settings.server.port == 9100 and settings.server.host == "0.0.0.0"
+
+
+def test_config_path_from_environment(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("default_tier: batch\n")
+    assert load_settings(None, environ={"MERGEBROKER_CONFIG": str(path)}).default_tier == "batch"
+
+
+@pytest.mark.parametrize("text,field", [
+    ("tiers:\n  - name: a\n    max_batch: 20\ndefault_tier: a\n", "tiers.0.max_batch"),
+    ("server:\n  port: abc\n", "server.port"),
+    ("default_tier: nope\n", "default_tier"),
+    ("providers:\n  - name: p\n    base_url: ftp://x\n", "base_url"),
+    ("providers:\n  - name: p\n    base_url: http://x\n    api_key: sk-1\n", "providers.0.api_key"),
+    ("surprise: 1\n", "surprise"),
+    ("auth:\n  mode: keys\n", "auth.keys"),
+])
+def test_invalid_config_names_the_field(tmp_path, text, field):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert field in str(info.value)
+
+
+def test_serve_exits_2_with_the_field_on_invalid_config(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("tiers:\n  - name: a\n    window_ms: -5\ndefault_tier: a\n")
+    result = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "tiers.0.window_ms" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "simulate", "report", "warm-cache"])
+def test_every_command_has_useful_help(command):
+    result = subprocess.run([sys.executable, "-m", "broker.cli", command, "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0
+    assert "usage: mergebroker " + command in result.stdout
