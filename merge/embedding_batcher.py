@@ -158,7 +158,9 @@ class EmbeddingBatcher:
     async def embed(self, model: str, texts: Sequence[str], *, dimensions: int | None = None) -> EmbedResult:
         """One unit vector per text, in input order, with the request's usage; raises the batch's `BrokerError`."""
         texts = list(texts)
-        keys = [embedding_fingerprint(model, t, dimensions=dimensions, cache_version=self._key_version)
+        # Readable, versioned keys ({version}/{dtype}:{model}:{sha256}) so an operator can drop one version.
+        keys = [f"{self._key_version}:{model}:"
+                + embedding_fingerprint(model, t, dimensions=dimensions, cache_version=self._key_version)
                 for t in texts]
         first_text: dict[str, str] = {}
         for key, text in zip(keys, texts):

@@ -146,3 +146,44 @@ async def _until_ready(broker) -> None:
                 return
         await asyncio.sleep(0.05)  # waiting for a model load in another thread: no event to await over HTTP
     raise AssertionError("broker never became ready")
+
+
+async def test_tagged_system_prompts_let_different_system_prompts_share_a_call(simulator, start_broker):
+    tiers = [{"name": "standard", "window_ms": 200, "max_batch": 4, "similarity_threshold": 0.0,
+              "system_prompts": "tagged"}]
+    broker = await start_broker({"providers": [provider_for(simulator)], "tiers": tiers, "merge": {"embedder": "none"}})
+    results = await asyncio.gather(broker.chat("Translate cat", system="You translate to French."),
+                                   broker.chat("Translate dog", system="You translate to German."))
+    for q, (status, body, headers) in zip(["Translate cat", "Translate dog"], results):
+        assert status == 200 and body["choices"][0]["message"]["content"] == answer_for(q)
+        assert headers["X-Broker-Batch-Size"] == "2"
+    sent = simulator.last_request_body()["messages"]
+    assert [m["role"] for m in sent] == ["user"]  # no shared system message: each block carries its own
+    assert "You translate to French." in sent[0]["content"] and "You translate to German." in sent[0]["content"]
+
+
+async def test_exact_system_prompts_keep_different_system_prompts_apart(simulator, start_broker):
+    broker = await start_broker(config(simulator, merge={"embedder": "none"}))
+    results = await asyncio.gather(broker.chat("Translate cat", system="French.", headers=BATCH),
+                                   broker.chat("Translate dog", system="German.", headers=BATCH))
+    assert [h["X-Broker-Batch-Size"] for _, _, h in results] == ["1", "1"]
+
+
+async def test_omitted_temperature_counts_as_zero_when_the_tier_says_so(simulator, start_broker):
+    tiers = [{"name": "standard", "window_ms": 0, "omitted_temperature_is_zero": True}]
+    broker = await start_broker({"providers": [provider_for(simulator)], "tiers": tiers, "merge": {"enabled": False}})
+    await broker.chat("no temperature given")
+    _, _, headers = await broker.chat("no temperature given")
+    assert headers["X-Broker-Cache"] == "hit"
+    assert simulator.last_request_body()["temperature"] == 0
+
+
+async def test_stats_endpoint_reports_tiers_and_providers(simulator, start_broker):
+    broker = await start_broker(config(simulator, merge={"embedder": "none"}))
+    await ask_all(broker, ["stats one", "stats two"], headers=BATCH)
+    async with broker.http.get("/v1/broker/stats") as resp:
+        stats = await resp.json()
+    assert stats["tiers"]["batch"]["merge_rate"] == 1.0
+    assert stats["tiers"]["batch"]["mean_batch_size"] == 2.0
+    assert stats["tiers"]["standard"]["queue_depth"] == 0
+    assert stats["providers"]["sim"]["state"] == "closed" and stats["providers"]["sim"]["in_flight"] == 0

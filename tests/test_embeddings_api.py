@@ -1,0 +1,81 @@
+"""/v1/embeddings through the broker: coalescing, partial hits, order, Redis across restarts, Redis down."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+
+from tests.conftest import provider_for
+
+
+def emb_config(sim, **extra) -> dict:
+    return {"providers": [provider_for(sim, models=["sim-embed"])], "merge": {"enabled": False},
+            "embeddings": {"window_ms": 5}, **extra}
+
+
+async def embed(broker, inputs, **extra):
+    async with broker.http.post("/v1/embeddings", json={"model": "sim-embed", "input": inputs, **extra}) as resp:
+        return resp.status, await resp.json(), resp.headers
+
+
+async def test_fifty_concurrent_identical_requests_send_one_text_upstream(simulator, start_broker):
+    broker = await start_broker(emb_config(simulator))
+    results = await asyncio.gather(*(embed(broker, "the same text") for _ in range(50)))
+    assert all(status == 200 for status, _, _ in results)
+    vectors = {tuple(body["data"][0]["embedding"]) for _, body, _ in results}
+    assert len(vectors) == 1
+    assert simulator.stats()["embedding_inputs"] == 1
+
+
+async def test_partial_hits_send_only_misses_and_keep_input_order(simulator, start_broker):
+    broker = await start_broker(emb_config(simulator))
+    _, first, _ = await embed(broker, ["alpha", "beta"])
+    before = simulator.stats()["embedding_inputs"]
+    status, second, headers = await embed(broker, ["gamma", "alpha", "delta", "beta"])
+    assert status == 200
+    assert simulator.stats()["embedding_inputs"] - before == 2
+    assert [d["index"] for d in second["data"]] == [0, 1, 2, 3]
+    assert second["data"][1]["embedding"] == first["data"][0]["embedding"]
+    assert second["data"][3]["embedding"] == first["data"][1]["embedding"]
+    _, again, headers = await embed(broker, ["alpha", "beta"])
+    assert headers["X-Broker-Cache"] == "hit"
+
+
+async def test_base64_encoding_matches_the_float_result(simulator, start_broker):
+    broker = await start_broker(emb_config(simulator))
+    _, floats, _ = await embed(broker, "encode me")
+    _, b64, _ = await embed(broker, "encode me", encoding_format="base64")
+    decoded = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(decoded, np.asarray(floats["data"][0]["embedding"], dtype=np.float32))
+
+
+async def test_cache_survives_a_broker_restart_through_redis(simulator, start_broker, redis_server):
+    config = emb_config(simulator, redis={"url": redis_server.url})
+    first = await start_broker(config)
+    _, one, _ = await embed(first, ["kept in redis", "also kept"])
+    await first.close()
+    second = await start_broker(config)
+    before = simulator.stats()["embedding_inputs"]
+    status, two, headers = await embed(second, ["kept in redis", "also kept"])
+    assert status == 200 and headers["X-Broker-Cache"] == "hit"
+    assert simulator.stats()["embedding_inputs"] == before
+    assert two["data"][0]["embedding"] == one["data"][0]["embedding"]
+
+
+async def test_redis_stopped_mid_test_still_answers_correctly(simulator, start_broker, redis_server):
+    broker = await start_broker(emb_config(simulator, redis={"url": redis_server.url}))
+    _, warm, _ = await embed(broker, "before the outage")
+    redis_server.stop()
+    status, body, _ = await embed(broker, ["before the outage", "during the outage"])
+    assert status == 200
+    assert body["data"][0]["embedding"] == warm["data"][0]["embedding"]
+    assert len(body["data"][1]["embedding"]) == 384
+
+
+async def test_bad_embedding_input_gets_a_400_envelope(simulator, start_broker):
+    broker = await start_broker(emb_config(simulator))
+    for bad in ("", [], ["ok", ""]):
+        status, body, _ = await embed(broker, bad)
+        assert status == 400 and body["error"]["param"] == "input"
