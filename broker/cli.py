@@ -47,10 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--config", metavar="FILE")
     warm.add_argument("--model", default="all-MiniLM-L6-v2", help="embedding model (default: %(default)s)")
     warm.add_argument("--batch", type=int, default=64, help="texts per request (default: %(default)s)")
+    bench = sub.add_parser("bench", help="run the benchmarks and write docs/benchmarks.md",
+                           description="Run the standard workloads against the simulated upstream and write "
+                                       "docs/benchmarks.md with tables and charts. Options after 'bench' go to "
+                                       "the benchmark runner: mergebroker bench --quick, --from-results, ...")
+    bench.add_argument("--quick", action="store_true", help="smoke-sized runs")
+    bench.add_argument("--from-results", action="store_true", help="render the existing result JSON only")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and "-h" not in argv and "--help" not in argv:
+        from bench.report import main as bench_main  # its own parser takes every option
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)

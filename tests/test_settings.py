@@ -59,7 +59,7 @@ def test_serve_exits_2_with_the_field_on_invalid_config(tmp_path):
     assert "tiers.0.window_ms" in result.stderr
 
 
-@pytest.mark.parametrize("command", ["serve", "simulate", "report", "warm-cache"])
+@pytest.mark.parametrize("command", ["serve", "simulate", "report", "warm-cache", "bench"])
 def test_every_command_has_useful_help(command):
     result = subprocess.run([sys.executable, "-m", "broker.cli", command, "--help"], capture_output=True, text=True,
                             timeout=60)
