@@ -36,7 +36,7 @@ from broker.tokens import count_text_tokens
 from broker.upstream_limiter import UpstreamLimiter
 from broker.workers import WorkerPool
 from merge.cache import TwoLevelCache
-from merge.embedder import CachingEmbedder, LocalEmbedder, SentenceModelHost
+from merge.embedder import BatchingEmbedder, CachingEmbedder, LocalEmbedder, SentenceModelHost
 from merge.lru import LruCache
 from merge.quality_guard import GuardSettings, QualityGuard
 from merge.redis_cache import RedisCache, make_redis_client
@@ -167,8 +167,10 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     needs_model = settings.merge.enabled and settings.merge.embedder == "local" and any(
         t.merge and t.similarity_threshold > 0 for t in settings.tiers)
     serves_local = any(p.kind == "local" for p in providers)
-    host = SentenceModelHost() if (needs_model or serves_local) else None
-    embedder = CachingEmbedder(LocalEmbedder(host)) if host is not None and needs_model else None
+    host = SentenceModelHost(threads=settings.embeddings.model_threads) if (needs_model or serves_local) else None
+    embedder = None
+    if host is not None and needs_model:
+        embedder = CachingEmbedder(BatchingEmbedder(LocalEmbedder(host)))
     dispatcher = Dispatcher(
         pools,
         tiers={t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged")

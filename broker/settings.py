@@ -154,6 +154,7 @@ class RedisSettings(_Strict):
 
 
 class EmbeddingSettings(_Strict):
+    model_threads: int = Field(1, ge=1, description="Torch threads of the local model (more contend with the loop).")
     window_ms: float = Field(5.0, ge=0)
     max_batch_size: int = Field(64, gt=0)
     max_batch_tokens: int = Field(16_384, gt=0)

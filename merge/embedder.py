@@ -189,6 +189,58 @@ class RemoteEmbedder:
         return normalize_rows(vectors)
 
 
+class BatchingEmbedder:
+    """An `Embedder` whose concurrent calls share model calls: while one encode runs, the calls that arrive
+    gather and go together in the next one (up to `max_batch` texts).
+
+    No timer: a lone call is encoded at once, and under load batches grow by themselves, which is where
+    the model is cheapest per text (several ms per text in a batch, 15-23 ms for a batch of one).
+    """
+
+    def __init__(self, inner: Embedder, *, max_batch: int = 256) -> None:
+        self._inner = inner
+        self._max_batch = max_batch
+        self._waiting: list[tuple[list[str], asyncio.Future[np.ndarray]]] = []
+        self._running: asyncio.Task[None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._inner.ready
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit vectors for `texts`, possibly computed in one call with other callers' texts."""
+        if not texts:
+            return await self._inner.embed([])
+        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self._waiting.append((list(texts), future))
+        if self._running is None or self._running.done():
+            self._running = asyncio.get_running_loop().create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            batch, size = [], 0
+            while self._waiting and (not batch or size + len(self._waiting[0][0]) <= self._max_batch):
+                texts, future = self._waiting.pop(0)
+                if not future.done():  # a caller that left is dropped before the call
+                    batch.append((texts, future))
+                    size += len(texts)
+            if not batch:
+                continue
+            try:
+                vectors = await self._inner.embed([t for texts, _ in batch for t in texts])
+            except Exception as exc:  # noqa: BLE001 - every waiter of this call gets the error
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            start = 0
+            for texts, future in batch:
+                if not future.done():
+                    future.set_result(vectors[start:start + len(texts)])
+                start += len(texts)
+
+
 class CachingEmbedder:
     """An `Embedder` that remembers vectors by text hash (LRU) and asks `inner` only for unseen texts.
 

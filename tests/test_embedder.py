@@ -84,3 +84,33 @@ async def test_remote_embedder_refuses_a_reply_with_the_wrong_number_of_rows() -
 
     with pytest.raises(UpstreamBadResponse):
         await RemoteEmbedder(upstream).embed(["x", "y"])
+
+
+async def test_batching_embedder_gathers_concurrent_calls_into_the_next_model_call():
+    import asyncio
+
+    from merge.embedder import BatchingEmbedder, FakeEmbedder
+
+    class Gated(FakeEmbedder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = asyncio.Event()
+            self.sizes: list[int] = []
+
+        async def embed(self, texts):
+            self.sizes.append(len(texts))
+            await self.gate.wait()
+            return await super().embed(texts)
+
+    inner = Gated()
+    batching = BatchingEmbedder(inner)
+    first = asyncio.create_task(batching.embed(["a"]))
+    await asyncio.sleep(0)
+    later = [asyncio.create_task(batching.embed([f"text {i}", f"more {i}"])) for i in range(5)]
+    await asyncio.sleep(0)
+    inner.gate.set()
+    results = await asyncio.gather(first, *later)
+    assert inner.sizes == [1, 10]
+    for i, vectors in enumerate(results[1:]):
+        assert vectors.shape[0] == 2
+        assert (vectors[0] == (await FakeEmbedder().embed([f"text {i}"]))[0]).all()
