@@ -44,6 +44,10 @@ def fewer(base: float, run: float) -> str:
     return f"{base / run:.1f}x fewer" if run else "n/a"
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
 def more_ms(base: float, run: float) -> str:
     return f"{run - base:+,.0f} ms"
 
@@ -113,7 +117,7 @@ def merging_sections(m: dict[str, Any], images: dict[str, str]) -> list[str]:
         f"Workload: {main['requests']} chat requests (`temperature: 0`) with Poisson arrivals at "
         f"{main['rate']:g} req/s: 40 % paraphrase clusters (5 wordings of one question asked close together), "
         "20 % exact repeats of an earlier question, 40 % distinct questions; every request carries one of three "
-        "long system prompts (about 170-190 tokens), so up to three merge groups are open at once. "
+        "long system prompts (185-226 tokens), so up to three merge groups are open at once. "
         f"Upstream: the simulator with `{' '.join(meta['simulator_options'])}` (a reply takes 300 ms plus 2 ms "
         "per completion token, so a merged reply, which carries every member's answer, takes longer). "
         "Passthrough is the same broker with `merge.enabled: false` (cache and in-flight coalescing stay on, "
@@ -148,25 +152,108 @@ def _latency_notes(runs: dict[str, dict[str, Any]]) -> list[str]:
         base, run = runs[f"passthrough/{tier}"], runs[f"merge/{tier}"]
         notes.append(
             f"- {tier} tier: p99 {more_ms(base['p99_ms'], run['p99_ms'])} vs. passthrough. Per request, on average: "
-            f"{num(run['queue_wait_ms_mean'], 0)} ms waiting in the merge window, "
+            f"{num(run['queue_wait_ms_mean'], 0)} ms waiting for dispatch (merge window, then a free worker), "
             f"{num(run['embedding_ms_per_request'], 1)} ms of similarity embedding, and an upstream call of "
             f"{num(run['upstream_ms_mean'], 0)} ms instead of {num(base['upstream_ms_mean'], 0)} ms (a merged reply "
-            f"carries every member's answer, {num(run['completion_tokens_per_request'] * run['mean_batch_size'], 0)} "
-            "completion tokens per call on average, at 2 ms each).")
-    if PINNED in runs:
-        as_is, pinned = runs["merge/standard"], runs[PINNED]
-        if as_is["embedding_ms_per_request"] > 2 * max(pinned["embedding_ms_per_request"], 0.01):
-            notes.append(
-                f"- Hot spot: on the standard tier the similarity embedding takes "
-                f"{num(as_is['embedding_ms_per_request'], 1)} ms per request as the broker ships, and "
-                f"{num(pinned['embedding_ms_per_request'], 1)} ms with the broker started under "
-                "`OMP_NUM_THREADS=1`. Torch runs the model on the embedding host's worker thread without a "
-                "configured thread count, which makes each encode call several times slower and its CPU cost "
-                "higher (pytorch/pytorch#37259); calls then queue behind each other on that one thread and the "
-                f"p99 grows to {num(as_is['p99_ms'], 0)} ms ({num(pinned['p99_ms'], 0)} ms when pinned). "
-                "Proposed fix: always call `torch.set_num_threads(n)` on the worker thread (a configured "
-                "`embeddings.threads`, default 1 on small hosts) when `SentenceModelHost` loads the model.")
+            f"carries every member's answer: "
+            f"{num(_ratio(run['completion_tokens_per_request'], run['upstream_calls_per_request']), 0)} completion "
+            f"tokens per upstream call on average vs. "
+            f"{num(_ratio(base['completion_tokens_per_request'], base['upstream_calls_per_request']), 0)}, at 2 ms each).")
     return notes
+
+
+def merge_findings(m: dict[str, Any]) -> list[str]:
+    """The headline results and the hot spots of a merge run, as bullet points built from its numbers."""
+    runs, burst, rate = m["main"]["runs"], m["burst"]["runs"], m["main"]["rate"]
+    pb, mb = runs["passthrough/batch"], runs["merge/batch"]
+    everything = [*runs.values(), *burst.values()] + [p for k in ("threshold_sweep", "window_sweep", "rate_sweep")
+                                                      for p in m[k]["points"]]
+    out = [f"- Batch tier at {rate:g} req/s: {fewer(pb['upstream_calls_per_request'], mb['upstream_calls_per_request'])}"
+           f" upstream calls and {fewer(pb['prompt_tokens_per_request'], mb['prompt_tokens_per_request'])} prompt "
+           f"tokens than passthrough; {pct(mb['merge_rate'])} of requests answered by a merged call (mean "
+           f"{num(mb['mean_batch_size'], 1)} requests per dispatch), split fallbacks {pct(mb['split_fallback_rate'])}. "
+           f"{pct(mb['cache_hit_rate'] + mb['coalesced_rate'])} were answered from the response cache or "
+           "coalesced with an identical request in flight. "
+           f"Wrong answers over all {sum(r['requests'] for r in everything):,} requests: "
+           f"{sum(r['wrong_answers'] for r in everything)}.",
+           f"- Hot-question bursts, standard tier: "
+           f"{fewer(burst['passthrough/standard']['upstream_calls_per_request'], burst['merge/standard']['upstream_calls_per_request'])}"
+           f" upstream calls ({num(burst['merge/standard']['mean_batch_size'], 2)} requests per call; the tier's "
+           "max_batch is 4).",
+           f"- Latency: merging on the batch tier adds {more_ms(pb['p99_ms'], mb['p99_ms'])} at p99: the window "
+           f"({num(mb['queue_wait_ms_mean'], 0)} ms mean wait) plus a longer upstream call "
+           f"({num(mb['upstream_ms_mean'], 0)} vs. {num(pb['upstream_ms_mean'], 0)} ms), because a merged reply "
+           "generates every member's answer. The 'window + 50 ms' target cannot hold when the upstream's time "
+           "grows with output length, as real models' does."]
+    out += _hot_spots(m, runs, burst)
+    failed = [r for r in everything if r["errors"]]
+    for r in failed:
+        statuses = ", ".join(f"{n} x HTTP {code}" for code, n in (r.get("error_statuses") or {}).items())
+        reasons = ", ".join(f"{reason} {int(n)}" for reason, n in (r.get("rejected") or {}).items())
+        out.append(f"- Errors in run '{r['name']}': {r['errors']} ({statuses or 'non-200'}"
+                   f"{'; broker rejections: ' + reasons if reasons else ''}).")
+    return out
+
+
+def _hot_spots(m: dict[str, Any], runs: dict[str, dict[str, Any]], burst: dict[str, dict[str, Any]]) -> list[str]:
+    if PINNED not in runs:
+        return []
+    as_is, pinned, base = runs["merge/standard"], runs[PINNED], runs["passthrough/standard"]
+    out = []
+    if as_is["broker_cpu_ms_per_request"] > 1.5 * pinned["broker_cpu_ms_per_request"]:
+        out.append(
+            f"- Hot spot 1, torch threads: merging on the standard tier costs "
+            f"{num(as_is['broker_cpu_ms_per_request'], 1)} ms of broker CPU per request as the broker ships and "
+            f"{num(pinned['broker_cpu_ms_per_request'], 1)} ms with the broker started under `OMP_NUM_THREADS=1` "
+            f"(embedding time per request {num(as_is['embedding_ms_per_request'], 0)} vs. "
+            f"{num(pinned['embedding_ms_per_request'], 0)} ms; p99 {num(as_is['p99_ms'], 0)} vs. "
+            f"{num(pinned['p99_ms'], 0)} ms; bursts: CPU {num(burst['merge/standard']['broker_cpu_ms_per_request'], 1)} "
+            f"vs. {num(burst[PINNED]['broker_cpu_ms_per_request'], 1)} ms per request). "
+            "`SentenceModelHost` runs torch on its worker thread without setting a thread count, and torch's "
+            "intra-op pool then makes small encode calls several times costlier in CPU and, when the host is "
+            "busy, in time (pytorch/pytorch#37259; the size of the effect varies from run to run). Fix: call `torch.set_num_threads(n)` on the worker thread from a setting "
+            "(e.g. `embeddings.threads`, default 1 on small hosts); `SentenceModelHost(threads=...)` already "
+            "supports it, `create_app` does not pass it.")
+    if pinned["embedding_ms_per_request"] > 2:
+        calls_per_s = pinned["embedding_calls"] / pinned["wall_s"] if pinned["wall_s"] else 0.0
+        out.append(
+            f"- Hot spot 2, one embedding call per released group: even pinned, merging on the standard tier costs "
+            f"{num(pinned['broker_cpu_ms_per_request'] - base['broker_cpu_ms_per_request'], 1)} ms more broker "
+            f"CPU per request than passthrough, nearly all of it the model, run as {num(calls_per_s, 0)} small "
+            "encode calls per second serialised on the model's one thread. On this "
+            f"{m['meta']['cpus']}-CPU host, shared with the simulator and the load generator, the calls queue: "
+            f"{num(pinned['embedding_ms_per_request'], 0)} ms of embedding per request on average, p50 "
+            f"{num(pinned['p50_ms'], 0)} ms. Proposed: (a) compute a request's vector when it is admitted, "
+            "through the batcher that already serves /v1/embeddings (cache, coalescing, window batching across "
+            "groups), so the work overlaps the merge window and runs in larger, cheaper batches; (b) never let a "
+            "worker wait on the model: a group whose vectors are not ready when its window closes is dispatched "
+            "unmerged, so a slow model cannot fill the queue"
+            + (" (the as-shipped run's errors)." if as_is["errors"] else "."))
+    return out
+
+
+def embedding_findings(e: dict[str, Any]) -> list[str]:
+    """Headline embedding results: batching speed-up, cache latency, share of repeated texts reaching the model."""
+    by_name = {s["name"]: {lvl["concurrency"]: lvl for lvl in s["levels"]} for s in e["matrix"]}
+    out = []
+    for suffix in ("", ", torch 1 thread"):
+        single, batched = by_name.get("one text per call" + suffix, {}), by_name.get("window batching" + suffix, {})
+        for conc in sorted(set(single) & set(batched)):
+            a, b = single[conc], batched[conc]
+            out.append(f"- Embeddings{suffix}, {conc} {'client' if conc == 1 else 'clients'}: window batching "
+                       f"{num(b['texts_per_s'], 0)} texts/s (p99 {num(b['p99_ms'], 0)} ms, "
+                       f"{num(b['mean_batch_size'], 1)} texts per model call) vs. one text per call "
+                       f"{num(a['texts_per_s'], 0)} texts/s (p99 {num(a['p99_ms'], 0)} ms).")
+    cache = e["cache"]
+    out.append(f"- Embedding cache: L1 hit p50 {num(cache['l1_hit']['p50_ms'], 2)} ms, L2 (Redis) hit p50 "
+               f"{num(cache['l2_hit']['p50_ms'], 2)} ms, miss p50 {num(cache['miss']['p50_ms'], 1)} ms.")
+    setup = next((s for s in e["matrix"] if s["name"] == "window batching"), e["matrix"][0])
+    rep = setup["repeated"]
+    saved = rep["texts"] - rep["texts_to_model"]
+    out.append(f"- With {pct(rep['repeat_share'])} repeated texts ({setup['name']}), {pct(rep['share_to_model'])} of "
+               f"the texts reach the model; of the {int(saved)} that do not, {int(rep['l1_hits'])} are L1 hits and "
+               f"{int(rep['coalesced'])} joined the pending computation of the same text.")
+    return out
 
 
 def embeddings_sections(e: dict[str, Any], images: dict[str, str]) -> list[str]:
@@ -220,7 +307,13 @@ def render(merging: dict[str, Any] | None, embeddings: dict[str, Any] | None, im
                     f"at the end, shared with other work), {meta['duration_s']:g} s for the merge benchmark."]
         if meta["plan"]["requests"] < 500:
             out += ["", "**Smoke-sized run (`--quick`): the numbers are not representative.**"]
-        out += ["", *targets_section(merging["targets"]), *merging_sections(merging, images)]
+        out += ["", *targets_section(merging["targets"])]
+    out += ["## Findings", ""]
+    out += merge_findings(merging) if merging else []
+    out += embedding_findings(embeddings) if embeddings else []
+    out += [""]
+    if merging:
+        out += merging_sections(merging, images)
     if embeddings:
         out += embeddings_sections(embeddings, images)
     return "\n".join(out).rstrip() + "\n"

@@ -9,9 +9,9 @@ system prompt once for all its members, which is where the token savings come fr
 
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 SYSTEM_PROMPTS: dict[str, str] = {
     "support": (
@@ -293,8 +293,6 @@ def mixed_workload(n: int, *, seed: int = 1, shares: MixShares = MixShares()) ->
 
 def _nearest_free(free: list[int], target: int, rng: random.Random) -> int:
     """Take the free slot closest to `target` (ties broken at random) out of the sorted list `free`."""
-    import bisect
-
     i = bisect.bisect_left(free, target)
     candidates = [j for j in (i - 1, i) if 0 <= j < len(free)]
     best = min(candidates, key=lambda j: (abs(free[j] - target), rng.random()))
@@ -368,8 +366,8 @@ def hot_question_topics() -> int:
     return len(_HOT)
 
 
-_EMBED_SUBJECTS = tuple(f"{t} on Nimbus Drive" for t in _TASKS) + tuple(f"cooking {i}" for i in _INGREDIENTS) + \
-    tuple(f"a weekend in {c}" for c in _CITIES)
+_EMBED_SUBJECTS = (*(f"{t} on Nimbus Drive" for t in _TASKS), *(f"cooking {i}" for i in _INGREDIENTS),
+                   *(f"a weekend in {c}" for c in _CITIES))
 _EMBED_FRAMES = (
     "Notes on {s}, version {n}.", "A short review of {s} (entry {n}).", "Frequently asked: {s}? Ticket {n}.",
     "Summary {n}: everything about {s}.", "Draft {n} of a blog post about {s}.",
@@ -396,9 +394,3 @@ def with_repeats(n: int, *, repeat_share: float, seed: int = 1, namespace: str =
     for i in range(n):
         out.append(rng.choice(out) if i in repeat_at else next(fresh))
     return out
-
-
-def chunks(items: Sequence[ChatItem], size: int) -> Iterator[Sequence[ChatItem]]:
-    """`items` in consecutive slices of `size` (the last may be shorter)."""
-    for i in range(0, len(items), size):
-        yield items[i:i + size]

@@ -36,8 +36,9 @@ def merging_fixture() -> dict[str, Any]:
                  "merge/batch": run("merge/batch", calls=0.16, tokens=60, p99=650, merge_rate=0.8, batch=6),
                  "passthrough/standard": run("passthrough/standard", calls=0.8, tokens=180, p99=410),
                  "merge/standard": run("merge/standard", calls=0.6, tokens=150, p99=3000, merge_rate=0.3,
-                                       batch=1.3, embedding_ms=400.0),
-                 PINNED: run(PINNED, calls=0.6, tokens=150, p99=480, merge_rate=0.3, batch=1.3, embedding_ms=3.0)}
+                                       batch=1.3, embedding_ms=400.0, broker_cpu_ms_per_request=30.0),
+                 PINNED: run(PINNED, calls=0.6, tokens=150, p99=480, merge_rate=0.3, batch=1.3, embedding_ms=3.0,
+                             broker_cpu_ms_per_request=10.0)}
     burst_runs = {"passthrough/standard": run("passthrough/standard", calls=1.0, tokens=240, p99=380),
                   "merge/standard": run("merge/standard", calls=0.25, tokens=100, p99=900, merge_rate=1, batch=4,
                                         embedding_ms=90.0),
@@ -99,7 +100,7 @@ def test_from_results_writes_markdown_with_tables_ratios_targets_and_linked_char
     assert "| upstream calls / request | 0.800 | 0.160 | 5.0x fewer |" in text
     assert "| standard tier bursts: upstream calls, x fewer | >= 3 | 4.00 | met |" in text
     assert "**missed**" in text  # the slow standard run misses its p99 target, and the report says so
-    assert "OMP_NUM_THREADS=1" in text  # the as-is vs. pinned gap is large enough to be reported as a hot spot
+    assert "Hot spot 1, torch threads" in text  # 30 vs. 10 ms of CPU per request: reported as a hot spot
     assert "| window batching | 16 | 120 |" in text
     for link in ("latency_cdf", "threshold_sweep", "window_sweep", "rate_sweep", "embedding_throughput"):
         assert f"](img/bench_{link}.png)" in text
@@ -126,6 +127,13 @@ def test_report_without_embedding_results_still_renders_the_merge_part(tmp_path:
         "latency_cdf", "threshold_sweep", "window_sweep", "rate_sweep")})
     assert "## Merge engine" in text and "## Embeddings" not in text
     assert write_report(None, embeddings_fixture(), tmp_path).read_text().startswith("# Benchmarks")
+
+
+def test_no_torch_thread_hot_spot_is_reported_when_pinning_makes_no_difference() -> None:
+    merging = merging_fixture()
+    merging["main"]["runs"][PINNED]["broker_cpu_ms_per_request"] = 30.0
+    assert "Hot spot 1" not in render(merging, None, {name: "x.png" for name in (
+        "latency_cdf", "threshold_sweep", "window_sweep", "rate_sweep")})
 
 
 def test_from_results_without_any_result_file_fails_with_status_1(tmp_path: Path) -> None:
