@@ -164,13 +164,16 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
              for t in settings.tiers]
     queue: MergeQueue[ChatJob] = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock,
                                             metrics=metrics)
-    needs_model = settings.merge.enabled and settings.merge.embedder == "local" and any(
+    needs_model = settings.merge.enabled and settings.merge.embedder != "none" and any(
         t.merge and t.similarity_threshold > 0 for t in settings.tiers)
+    int8 = settings.merge.embedder == "local-int8"
     serves_local = any(p.kind == "local" for p in providers)
-    host = SentenceModelHost(threads=settings.embeddings.model_threads) if (needs_model or serves_local) else None
+    host = None
+    if needs_model or serves_local:
+        host = SentenceModelHost(threads=settings.embeddings.model_threads, int8_copy=needs_model and int8)
     embedder = None
     if host is not None and needs_model:
-        embedder = CachingEmbedder(BatchingEmbedder(LocalEmbedder(host)))
+        embedder = CachingEmbedder(BatchingEmbedder(LocalEmbedder(host, int8=int8)))
     dispatcher = Dispatcher(
         pools,
         tiers={t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged")

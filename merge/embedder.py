@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import warnings
 from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
@@ -61,10 +62,13 @@ class SentenceModelHost:
     files (`local_files_only`); the caller keeps HF_HUB_OFFLINE=1 set.
     """
 
-    def __init__(self, *, model_path: str | None = None, device: str = "cpu", threads: int | None = None) -> None:
+    def __init__(self, *, model_path: str | None = None, device: str = "cpu", threads: int | None = None,
+                 int8_copy: bool = False) -> None:
         self._model_path = model_path
         self._device = device
         self._threads = threads
+        self._want_int8 = int8_copy
+        self._int8: Any = None
         # One worker: torch already parallelises inside a call, and one thread serialises calls.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-model")
         self._loading: concurrent.futures.Future[Any] | None = None
@@ -100,12 +104,17 @@ class SentenceModelHost:
             log.error("embedding_model_load_failed", error=type(exc).__name__)
             raise UpstreamError("the local embedding model could not be loaded") from exc
 
-    async def encode(self, texts: Sequence[str], *, normalize: bool = True) -> np.ndarray:
-        """Vectors for `texts` as a float32 array `(len(texts), dim)`, computed in one model call off the loop."""
+    async def encode(self, texts: Sequence[str], *, normalize: bool = True, int8: bool = False) -> np.ndarray:
+        """Vectors for `texts` as a float32 array `(len(texts), dim)`, computed in one model call off the loop.
+
+        `int8=True` uses the dynamically quantised copy (when the host was built with `int8_copy`): about 3x
+        less CPU per text; vectors stay within ~0.05 cosine of the float model's. Good enough to group
+        prompts, never used for /v1/embeddings answers.
+        """
         await self.load()
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
-        return await self._submit(self._encode_blocking, list(texts), normalize)
+        return await self._submit(self._encode_blocking, list(texts), normalize, int8)
 
     async def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Word-piece tokens per text with the model's own tokenizer, special tokens excluded."""
@@ -136,11 +145,19 @@ class SentenceModelHost:
         # Its weight-loading progress bar would write raw terminal output into the broker's structured logs.
         transformers_logging.disable_progress_bar()
         path = self._model_path or default_model_path()
-        self._model = SentenceTransformer(path, device=self._device, local_files_only=True)
-        log.info("embedding_model_loaded", device=self._device, dimension=self.dimension)
+        model = SentenceTransformer(str(path), device=self._device, local_files_only=True)
+        if self._want_int8:
+            import torch
 
-    def _encode_blocking(self, texts: list[str], normalize: bool) -> np.ndarray:
-        vectors = self._model.encode(texts, normalize_embeddings=normalize, convert_to_numpy=True,
+            with warnings.catch_warnings():  # torch marks eager dynamic quantisation deprecated; 2.13 still has it
+                warnings.simplefilter("ignore")
+                self._int8 = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        self._model = model
+        log.info("embedding_model_loaded", device=self._device, dimension=self.dimension, int8_copy=self._want_int8)
+
+    def _encode_blocking(self, texts: list[str], normalize: bool, int8: bool = False) -> np.ndarray:
+        model = self._int8 if int8 and self._int8 is not None else self._model
+        vectors = model.encode(texts, normalize_embeddings=normalize, convert_to_numpy=True,
                                      show_progress_bar=False)
         return np.asarray(vectors, dtype=np.float32)
 
@@ -150,10 +167,11 @@ class SentenceModelHost:
 
 
 class LocalEmbedder:
-    """The `Embedder` over the broker's shared local model."""
+    """The `Embedder` over the broker's shared local model (its int8 copy with `int8=True`)."""
 
-    def __init__(self, host: SentenceModelHost) -> None:
+    def __init__(self, host: SentenceModelHost, *, int8: bool = False) -> None:
         self._host = host
+        self._int8 = int8
 
     @property
     def ready(self) -> bool:
@@ -161,7 +179,7 @@ class LocalEmbedder:
 
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Unit vectors from the local model, one encode call for the whole list."""
-        return await self._host.encode(texts, normalize=True)
+        return await self._host.encode(texts, normalize=True, int8=self._int8)
 
 
 class RemoteEmbedder:
