@@ -1,15 +1,18 @@
-"""Profile the broker's request path: cProfile on the broker's own thread, load from the same process.
+"""Profile the broker's request path in-process, under cProfile or a statistical sampler.
 
-The simulator runs as a child process (latency 0); the broker runs in-process on its own thread and
-event loop; the load generator drives it from the main thread at a fixed concurrency. cProfile is
-switched on in the broker's thread only, timed by that thread's CPU clock by default, so neither the
-load generator nor time spent waiting for the GIL shows up in the figures.
+The broker runs in this process, on the main thread's event loop; the simulator (latency 0) and the
+load generator run as child processes, so every CPU second this process spends is the broker's.
 
     python -m bench.profile_broker [--concurrency 16] [--requests 2000] [--top 30] [--merge] [--cache]
+    python -m bench.profile_broker --sample     # statistical stacks instead of cProfile
 
-It first measures the broker thread's CPU per request without the profiler (the figure to compare
-between changes), then profiles a second run and prints the top functions by cumulative and own time.
-`--out FILE` also writes the raw profile for `python -m pstats FILE` or snakeviz.
+It first measures the broker's CPU per request without any profiler (the figure to compare between
+changes; `--repeat N` gives N such runs), then profiles one more run and prints the top functions:
+- cProfile (default): by cumulative and by own CPU time, with call counts. Its per-call cost inflates
+  code made of many small Python calls several-fold, so shares are skewed towards such code.
+- `--sample`: a SIGPROF timer on the process's CPU time interrupts the broker every `--interval-ms` of
+  CPU and records the Python stack it was in: no call counts, but shares close to the unprofiled run.
+`--out FILE` writes the raw cProfile data for `python -m pstats FILE` or snakeviz.
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ import argparse
 import asyncio
 import cProfile
 import io
+import json
 import pstats
+import signal
 import sys
-import threading
 import time
 import uuid
-from concurrent.futures import Future
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from types import FrameType
+from typing import Any, Sequence
 
 from aiohttp import web
 
@@ -34,7 +39,7 @@ from bench.harness import chat_request, closed_loop, passthrough_config, process
 
 @dataclass(frozen=True)
 class RunStats:
-    """One measured run: requests sent, how many got 200, wall seconds, broker-thread CPU seconds."""
+    """One measured run: requests sent, how many got 200, wall seconds, broker CPU seconds."""
 
     requests: int
     ok: int
@@ -42,61 +47,10 @@ class RunStats:
     cpu_s: float
 
     def line(self, label: str) -> str:
-        """A one-line summary (CPU ms per request, throughput)."""
+        """A one-line summary (throughput, CPU ms per request)."""
         per = self.cpu_s * 1000 / self.requests if self.requests else float("nan")
         return (f"{label}: {self.requests} requests ({self.ok} ok) in {self.wall_s:.2f} s = "
-                f"{self.requests / self.wall_s:.0f} req/s; broker thread CPU {per:.3f} ms/request")
-
-
-class BrokerThread:
-    """A broker app served on 127.0.0.1 from its own thread and event loop."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self._config = config
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="broker", daemon=True)
-        self._runner: web.AppRunner | None = None
-        self.url = ""
-
-    def start(self) -> None:
-        """Start the thread and the broker; returns once it listens."""
-        self._thread.start()
-        self.url = self.call(self._serve)
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn()` (a coroutine function or a plain one) on the broker's thread and return its result."""
-        if asyncio.iscoroutinefunction(fn):
-            return asyncio.run_coroutine_threadsafe(fn(), self._loop).result()
-        done: Future[Any] = Future()
-
-        def run() -> None:
-            try:
-                done.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed back to the calling thread
-                done.set_exception(exc)
-
-        self._loop.call_soon_threadsafe(run)
-        return done.result()
-
-    async def _serve(self) -> str:
-        from broker.app import create_app
-        from broker.logging import configure_logging
-        from broker.settings import load_settings
-
-        settings = load_settings(None, environ={}, overrides=self._config)
-        configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
-        self._runner = web.AppRunner(create_app(settings), access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-
-    def stop(self) -> None:
-        """Clean the app up and end the thread."""
-        if self._runner is not None:
-            self.call(self._runner.cleanup)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+                f"{self.requests / self.wall_s:.0f} req/s; broker CPU {per:.3f} ms/request")
 
 
 def broker_config(upstream: str, *, merge: bool, cache: bool) -> dict[str, Any]:
@@ -108,8 +62,23 @@ def broker_config(upstream: str, *, merge: bool, cache: bool) -> dict[str, Any]:
     return config
 
 
-async def drive(url: str, concurrency: int, requests: int) -> tuple[int, int, float]:
-    """`requests` distinct chat requests at `concurrency`; returns (sent, ok, wall seconds)."""
+async def serve_broker(config: dict[str, Any]) -> tuple[web.AppRunner, str]:
+    """The broker app on 127.0.0.1 (a free port) in this loop; returns its runner and base URL."""
+    from broker.app import create_app
+    from broker.logging import configure_logging
+    from broker.settings import load_settings
+
+    settings = load_settings(None, environ={}, overrides=config)
+    configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
+    runner = web.AppRunner(create_app(settings), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+async def drive(url: str, concurrency: int, requests: int) -> dict[str, Any]:
+    """`requests` distinct chat requests at `concurrency` (in the load process); sent, ok, wall seconds."""
     run_id = uuid.uuid4().hex[:8]
 
     def body(i: int) -> tuple[dict[str, Any], dict[str, str], str]:
@@ -117,69 +86,135 @@ async def drive(url: str, concurrency: int, requests: int) -> tuple[int, int, fl
         return {"model": "sim-small", "messages": [{"role": "user", "content": text}]}, {}, ""
 
     samples, wall = await closed_loop(chat_request(url, body), concurrency=concurrency, total=requests)
-    return len(samples), sum(1 for s in samples if s.status == 200), wall
+    return {"sent": len(samples), "ok": sum(1 for s in samples if s.status == 200), "wall_s": wall}
 
 
-def measured(broker: BrokerThread, concurrency: int, requests: int,
-             profiler: cProfile.Profile | None = None) -> RunStats:
-    """One run; the broker thread's CPU clock is read on that thread before and after."""
-    if profiler is not None:
-        broker.call(profiler.enable)  # sys.setprofile is per thread: enable it on the broker's
-    cpu_before = broker.call(time.thread_time)
-    sent, ok, wall = asyncio.run(drive(broker.url, concurrency, requests))
-    cpu_after = broker.call(time.thread_time)
-    if profiler is not None:
-        broker.call(profiler.disable)
-    return RunStats(sent, ok, wall, cpu_after - cpu_before)
+async def measured(url: str, concurrency: int, requests: int) -> RunStats:
+    """One run of the load process against `url`, with this process's CPU seconds over it."""
+    cpu_before = time.process_time()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.profile_broker", "--drive", url, "--concurrency", str(concurrency),
+        "--requests", str(requests), stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    cpu = time.process_time() - cpu_before
+    if proc.returncode != 0:
+        raise RuntimeError(f"load process failed with exit status {proc.returncode}")
+    result = json.loads(out)
+    return RunStats(result["sent"], result["ok"], result["wall_s"], cpu)
+
+
+class StackSampler:
+    """Counts the Python stacks that SIGPROF (every `interval_s` of process CPU time) interrupts.
+
+    `own` counts the innermost frame of each sample, `inclusive` every function on the stack once.
+    Signal handlers run on the main thread, which is where the broker's loop runs here.
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self.samples = 0
+        self.own: Counter[str] = Counter()
+        self.inclusive: Counter[str] = Counter()
+
+    def __enter__(self) -> "StackSampler":
+        signal.signal(signal.SIGPROF, self._sample)
+        signal.setitimer(signal.ITIMER_PROF, self._interval_s, self._interval_s)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, signal.SIG_DFL)
+
+    def _sample(self, _signum: int, frame: FrameType | None) -> None:
+        if frame is None:
+            return
+        self.samples += 1
+        self.own[_where(frame)] += 1
+        seen = set()
+        current: FrameType | None = frame
+        while current is not None:
+            seen.add(_where(current))
+            current = current.f_back
+        self.inclusive.update(seen)
+
+    def report(self, limit: int) -> str:
+        """Top functions by inclusive and by own share of the samples."""
+        lines = [f"{self.samples} samples"]
+        for title, counts in (("inclusive (on the stack)", self.inclusive), ("own (innermost frame)", self.own)):
+            lines += ["", f"   share  {title}"]
+            lines += [f"  {100 * n / max(1, self.samples):5.1f}%  {name}" for name, n in counts.most_common(limit)]
+        return "\n".join(lines)
+
+
+def _where(frame: FrameType) -> str:
+    code = frame.f_code
+    path = code.co_filename
+    short = path.split("site-packages/")[-1] if "site-packages/" in path else "/".join(path.split("/")[-2:])
+    return f"{short}:{code.co_firstlineno}({code.co_name})"
 
 
 def top_functions(profiler: cProfile.Profile, sort: str, limit: int) -> str:
     """The `limit` top rows of the profile sorted by `sort` ("cumulative" or "tottime")."""
     out = io.StringIO()
-    stats = pstats.Stats(profiler, stream=out)
-    stats.strip_dirs().sort_stats(sort).print_stats(limit)
+    pstats.Stats(profiler, stream=out).strip_dirs().sort_stats(sort).print_stats(limit)
     return out.getvalue()
 
 
-async def _with_simulator(fn: Callable[[str], None]) -> None:
+async def profile(url: str, args: argparse.Namespace) -> None:
+    """Warm up, measure unprofiled, then profile one run and print the tables."""
+    await measured(url, args.concurrency, args.warmup)
+    for _ in range(args.repeat):
+        print((await measured(url, args.concurrency, args.requests)).line("unprofiled"), flush=True)
+    if args.no_profile:
+        return
+    if args.sample:
+        with StackSampler(args.interval_ms / 1000) as sampler:
+            print((await measured(url, args.concurrency, args.requests)).line("sampled"))
+        print(sampler.report(args.top))
+        return
+    # Timed by this process's CPU clock: waiting in select() for the load is not the broker's cost.
+    profiler = cProfile.Profile(time.process_time)
+    profiler.enable()
+    stats = await measured(url, args.concurrency, args.requests)
+    profiler.disable()
+    print(stats.line("profiled"))
+    print(top_functions(profiler, "cumulative", args.top))
+    print(top_functions(profiler, "tottime", args.top))
+    if args.out:
+        profiler.dump_stats(args.out)
+        print(f"wrote {args.out}")
+
+
+async def session(args: argparse.Namespace) -> None:
+    """The simulator, the broker in this process, and the profiling runs against it."""
     async with processes(start_simulator("--latency-base-ms", "0")) as (sim,):
-        await asyncio.to_thread(fn, sim_base_url(sim))
+        runner, url = await serve_broker(broker_config(sim_base_url(sim), merge=args.merge, cache=args.cache))
+        try:
+            await profile(url, args)
+        finally:
+            await runner.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the broker under cProfile against the simulator and print the hottest functions."""
+    """Run the broker under a profiler against the simulator and print the hottest functions."""
     parser = argparse.ArgumentParser(prog="python -m bench.profile_broker", description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=2000, help="requests per measured run")
     parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=1, help="unprofiled runs before the profiled one")
     parser.add_argument("--top", type=int, default=30, help="rows per table")
-    parser.add_argument("--timer", choices=("cpu", "wall"), default="cpu",
-                        help="cpu: the broker thread's CPU clock (default); wall: perf_counter")
     parser.add_argument("--merge", action="store_true", help="leave merging on (window batching, no embedder)")
     parser.add_argument("--cache", action="store_true", help="leave the response cache on")
     parser.add_argument("--no-profile", action="store_true", help="only the unprofiled CPU measurement")
-    parser.add_argument("--out", help="also write the raw profile here")
+    parser.add_argument("--sample", action="store_true", help="statistical stack samples instead of cProfile")
+    parser.add_argument("--interval-ms", type=float, default=1.0, help="CPU ms between samples for --sample")
+    parser.add_argument("--out", help="also write the raw cProfile data here")
+    parser.add_argument("--drive", metavar="URL", help=argparse.SUPPRESS)  # internal: be the load process
     args = parser.parse_args(argv)
-
-    def session(upstream: str) -> None:
-        broker = BrokerThread(broker_config(upstream, merge=args.merge, cache=args.cache))
-        broker.start()
-        try:
-            measured(broker, args.concurrency, args.warmup)
-            print(measured(broker, args.concurrency, args.requests).line("unprofiled"))
-            if args.no_profile:
-                return
-            profiler = cProfile.Profile(time.thread_time if args.timer == "cpu" else time.perf_counter)
-            print(measured(broker, args.concurrency, args.requests, profiler).line("profiled"))
-        finally:
-            broker.stop()
-        print(top_functions(profiler, "cumulative", args.top))
-        print(top_functions(profiler, "tottime", args.top))
-        if args.out:
-            profiler.dump_stats(args.out)
-            print(f"wrote {args.out}")
-
-    asyncio.run(_with_simulator(session))
+    if args.drive:
+        print(json.dumps(asyncio.run(drive(args.drive, args.concurrency, args.requests))))
+        return 0
+    asyncio.run(session(args))
     return 0
 
 

@@ -9,6 +9,7 @@ there too.
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -225,7 +226,7 @@ async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
     if broker.shared_breakers is not None:
         await broker.shared_breakers.start()
     if broker.model_host is not None:
-        _background(broker, broker.model_host.load(), "model_load")
+        _background(broker, _load_model(broker.model_host), "model_load")
     for p, u in zip([p for p in providers if p.kind == "openai"], broker.pools.upstreams):
         if p.warmup_connections:
             _background(broker, u.provider.warm_up(p.warmup_connections), "warmup")
@@ -233,9 +234,27 @@ async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
         log.warning("auth_open", message="Authentication is off (auth.mode=open): every caller is tenant "
                     f"'{broker.settings.auth.default_tenant}'. Use mode 'keys' or 'gateway' in production.")
     await broker.embeddings.start()
+    freeze_startup_objects()
     log.info("broker_started", providers=[u.name for u in broker.pools.upstreams],
              tiers=[t.name for t in broker.settings.tiers], auth=broker.auth.mode,
              redis=broker.redis is not None)
+
+
+def freeze_startup_objects() -> None:
+    """Move everything built at start-up out of the garbage collector's sight.
+
+    Measured in the passthrough bench: full collections walking start-up objects paused the loop ~55 ms
+    (most of the p99), and young collections at the default threshold cost ~50 us per request while
+    finding almost nothing; frozen objects and a higher threshold remove both.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(5000, 10, 10)
+
+
+async def _load_model(host: SentenceModelHost) -> None:
+    await host.load()
+    freeze_startup_objects()  # the model's objects too
 
 
 def _background(broker: Broker, coro: Any, name: str) -> None:

@@ -8,7 +8,6 @@ for the others, and a job nobody waits for any more is dropped before dispatch.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -50,8 +49,13 @@ class CacheControl:
 
     @classmethod
     def from_header(cls, value: str | None) -> "CacheControl":
-        directives = {d.strip().lower() for d in (value or "").split(",")}
+        if not value:
+            return _READ_WRITE
+        directives = {d.strip().lower() for d in value.split(",")}
         return cls(read="no-cache" not in directives, write="no-store" not in directives)
+
+
+_READ_WRITE = CacheControl()
 
 
 class ChatService:
@@ -67,17 +71,24 @@ class ChatService:
         self._metrics = metrics
         self._clock = clock
         self._flights: SingleFlight[str, ChatOutcome] = SingleFlight()
+        self._tiers = {t.name: t for t in settings.tiers}
+        self._tier_limits = {t.name: LimitSpec(f"tier:{t.name}", t.rpm, t.tpm) for t in settings.tiers}
+        self._estimate_prompts = prompt_estimate_needed(settings)
+        self._cache_events: dict[str, Any] = {}  # labelled children by result, looked up once
 
     def limit_specs(self, caller: Caller) -> list[LimitSpec]:
-        tier = self._settings.tier(caller.tier)
-        specs = [LimitSpec(f"tier:{tier.name}", tier.rpm, tier.tpm)]
+        """The admission limits that apply to `caller`: its tier's, and its API key's when it has any."""
+        specs = [self._tier_limits[caller.tier]]
         if caller.key_id and (caller.key_rpm or caller.key_tpm):
             specs.append(LimitSpec(f"key:{caller.key_id}", caller.key_rpm, caller.key_tpm))
         return specs
 
     async def admit(self, caller: Caller, body: dict[str, Any]) -> tuple[Reservation, int, int]:
-        """Reserve rate-limit budget: estimated prompt tokens plus the output budget."""
-        prompt_tokens = estimate_prompt_tokens(body.get("messages") or [])
+        """Reserve rate-limit budget: estimated prompt tokens plus the output budget.
+
+        The prompt estimate is 0 when nothing would read it (see `prompt_estimate_needed`).
+        """
+        prompt_tokens = estimate_prompt_tokens(body.get("messages") or []) if self._estimate_prompts else 0
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens")
                          or self._settings.merge.default_max_tokens)
         try:
@@ -96,7 +107,7 @@ class ChatService:
     async def complete(self, caller: Caller, request_id: str, body: dict[str, Any], *, timeout_s: float | None,
                        merge_opt_out: bool, cache_control: CacheControl) -> ChatResult:
         """Answer one non-streaming chat request."""
-        tier = self._settings.tier(caller.tier)
+        tier = self._tiers[caller.tier]
         if tier.omitted_temperature_is_zero and body.get("temperature") is None:
             body = {**body, "temperature": 0}
         deadline = self._clock() + min(tier.request_timeout_s, timeout_s or tier.request_timeout_s)
@@ -111,50 +122,60 @@ class ChatService:
         usage = result.outcome.body.get("usage") or {}
         spent = 0 if result.cache == "hit" else int(usage.get("total_tokens") or prompt_tokens + max_tokens)
         await reservation.settle(spent)
-        return dataclasses.replace(result, prompt_estimate=prompt_tokens)
+        return result
 
     async def _answer(self, caller: Caller, tier: TierSettings, request_id: str, body: dict[str, Any],
                       deadline: float, prompt_tokens: int, max_tokens: int, merge_opt_out: bool,
                       cache_control: CacheControl, reservation: Reservation) -> ChatResult:
-        key = self._scope(caller, tier) + ":" + chat_fingerprint(
+        scope = self._scope(caller, tier)
+        key = scope + ":" + chat_fingerprint(
             body, lowercase=self._settings.merge.lowercase, cache_version=self._settings.merge.cache_version)
         cacheable = self._cache is not None and self._cacheable(body)
         if cacheable and cache_control.read:
             cached = await self._cache.get(key)  # type: ignore[union-attr]
             if cached is not None:
-                self._metrics.cache_events.labels("hit").inc()
+                self._count_cache("hit")
                 self._metrics.upstream_calls_saved.inc()
                 outcome = ChatOutcome(json.loads(cached), None, 0.0)
-                return ChatResult(outcome, "hit", reservation.headers())
-        job = self._job(caller, tier, request_id, body, deadline, prompt_tokens, max_tokens, merge_opt_out)
+                return ChatResult(outcome, "hit", reservation.headers(), prompt_tokens)
+
+        def submit() -> asyncio.Future[ChatOutcome]:
+            # Only the first of identical requests queues a job; SingleFlight cancels its future (the
+            # queue then drops the job before dispatch) once every caller waiting for it has left.
+            job = self._job(caller, tier, scope, request_id, body, deadline, prompt_tokens, max_tokens,
+                            merge_opt_out)
+            self._queue.submit(job)
+            return job.future
+
         try:
-            outcome, shared = await asyncio.wait_for(self._flights.run(key, lambda: self._queued(job)),
-                                                     max(0.0, deadline - self._clock()))
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: no extra task per request.
+            async with asyncio.timeout(max(0.0, deadline - self._clock())):
+                outcome, shared = await self._flights.join(key, submit)
+        except TimeoutError:
             self._metrics.rejected.labels(caller.tier, "deadline").inc()
             raise DeadlineExceeded(f"The request did not complete within its deadline "
                                    f"({tier.request_timeout_s:g} s for tier '{tier.name}').") from None
-        self._metrics.cache_events.labels("coalesced" if shared else "miss").inc()
+        cache = "coalesced" if shared else "miss"
+        self._count_cache(cache)
         if shared:
             self._metrics.upstream_calls_saved.inc()
         if cacheable and cache_control.write and _complete(outcome.body):
             await self._cache.set(key, json.dumps(outcome.body).encode())  # type: ignore[union-attr]
-        return ChatResult(outcome, "coalesced" if shared else "miss", reservation.headers())
+        return ChatResult(outcome, cache, reservation.headers(), prompt_tokens)
 
-    async def _queued(self, job: ChatJob) -> ChatOutcome:
-        self._queue.submit(job)
-        try:
-            return await job.future
-        finally:
-            if not job.future.done():  # every waiter left: drop the job before dispatch
-                job.future.cancel()
+    def _count_cache(self, result: str) -> None:
+        # `labels()` costs more than the increment itself, so each child is looked up once.
+        child = self._cache_events.get(result)
+        if child is None:
+            child = self._cache_events[result] = self._metrics.cache_events.labels(result)
+        child.inc()
 
-    def _job(self, caller: Caller, tier: TierSettings, request_id: str, body: dict[str, Any], deadline: float,
-             prompt_tokens: int, max_tokens: int, merge_opt_out: bool) -> ChatJob:
+    def _job(self, caller: Caller, tier: TierSettings, scope: str, request_id: str, body: dict[str, Any],
+             deadline: float, prompt_tokens: int, max_tokens: int, merge_opt_out: bool) -> ChatJob:
         shape = None if merge_opt_out or not tier.merge or not self._settings.merge.enabled else merge_shape(body)
         merge_key = None
         if shape is not None:
-            merge_key = compatibility_key(body, shape, scope_value=self._scope(caller, tier),
+            merge_key = compatibility_key(body, shape, scope_value=scope,
                                           include_system=tier.system_prompts == "exact")
         return ChatJob(request_id=request_id, caller=caller, body=body, model=body["model"], priority=tier.priority,
                        shape=shape, merge_key=merge_key, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
@@ -176,7 +197,7 @@ class ChatService:
     async def stream(self, caller: Caller, body: dict[str, Any], *, timeout_s: float | None
                      ) -> tuple[AsyncIterator[bytes], str, Reservation]:
         """Open an upstream stream for a streaming request (dispatched alone, never merged)."""
-        tier = self._settings.tier(caller.tier)
+        tier = self._tiers[caller.tier]
         deadline = self._clock() + min(tier.request_timeout_s, timeout_s or tier.request_timeout_s)
         self.check_fast_fail(body["model"])
         reservation, prompt_tokens, max_tokens = await self.admit(caller, body)
@@ -188,6 +209,20 @@ class ChatService:
             await reservation.settle(0)
             raise
         return chunks, provider, reservation
+
+
+def prompt_estimate_needed(settings: Settings) -> bool:
+    """Whether some part of the broker reads a chat request's prompt-token estimate under `settings`.
+
+    Its readers: token-per-minute limits (a tier's, an API key's, a provider's), merge planning (the
+    context budget and the tokens-saved count) and the usage ledger (`alone_prompt_tokens`). With
+    none of them configured, counting the prompt's tokens on every request would be wasted work.
+    """
+    ledger = settings.ledger.path or settings.ledger.postgres_dsn
+    merging = settings.merge.enabled and any(t.merge for t in settings.tiers)
+    tpm = (any(t.tpm for t in settings.tiers) or any(k.tpm for k in settings.auth.keys)
+           or any(p.tpm for p in settings.providers))
+    return bool(ledger or merging or tpm)
 
 
 def _complete(body: dict[str, Any]) -> bool:

@@ -68,6 +68,7 @@ class Dispatcher:
         self._merging_allowed = merging_allowed
         self._metrics = metrics
         self._clock = clock
+        self._batch_metrics: dict[str, tuple[Any, Any]] = {}  # labelled children by tier, looked up once
 
     async def run_group(self, group: ReleasedGroup[ChatJob]) -> None:
         """Answer every member of the group (result or error); never raises."""
@@ -75,7 +76,10 @@ class Dispatcher:
         if not jobs:
             return
         batches = await self._plan(group.tier, jobs)
-        await asyncio.gather(*(self._run_batch(group.tier, b) for b in batches))
+        if len(batches) == 1:  # the common case needs no task of its own
+            await self._run_batch(group.tier, batches[0])
+        else:
+            await asyncio.gather(*(self._run_batch(group.tier, b) for b in batches))
 
     async def _plan(self, tier: str, jobs: list[ChatJob]) -> list[list[ChatJob]]:
         policy = self._tiers[tier]
@@ -102,8 +106,9 @@ class Dispatcher:
         if not live:
             return
         if self._metrics:
-            self._metrics.batches.labels(tier).inc()
-            self._metrics.batch_size.labels(tier).observe(len(live))
+            batches, batch_size = self._tier_metrics(tier)
+            batches.inc()
+            batch_size.observe(len(live))
         if len(live) == 1:
             await self.run_single(live[0])
         else:
@@ -157,6 +162,14 @@ class Dispatcher:
         upstream_s = self._clock() - started
         retry_alone = self._finish_merged(tier, by_id, reply, provider, upstream_s, batch_id)
         await asyncio.gather(*(self.run_single(job, fallback=reason) for job, reason in retry_alone))
+
+    def _tier_metrics(self, tier: str) -> tuple[Any, Any]:
+        # `labels()` costs more than the increment itself, so each tier's children are looked up once.
+        children = self._batch_metrics.get(tier)
+        if children is None:
+            m = self._metrics
+            children = self._batch_metrics[tier] = (m.batches.labels(tier), m.batch_size.labels(tier))  # type: ignore
+        return children
 
     def _finish_merged(self, tier: str, by_id: dict[str, ChatJob], reply: dict[str, Any], provider: str,
                        upstream_s: float, batch_id: str) -> list[tuple[ChatJob, str]]:

@@ -6,16 +6,19 @@ Every response carries `X-Request-ID` (the caller's, or a generated one) and `X-
 
 from __future__ import annotations
 
+import functools
+import secrets
 import time
-import uuid
+import weakref
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import structlog
 from aiohttp import web
 
 from broker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
 from broker.ledger import LedgerRecord, saved_tokens
+from broker.metrics import Metrics
 
 log = structlog.get_logger("mergebroker.access")
 
@@ -48,7 +51,7 @@ _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings", "/
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     started = time.perf_counter()
     given = request.headers.get("X-Request-ID", "")
-    request_id = given if 0 < len(given) <= 128 and given.isprintable() else "req_" + uuid.uuid4().hex
+    request_id = given if 0 < len(given) <= 128 and given.isprintable() else "req_" + secrets.token_hex(16)
     info = request[INFO] = RequestInfo(request_id)
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -88,17 +91,44 @@ def _observe(request: web.Request, info: RequestInfo, response: web.StreamRespon
     endpoint = _ENDPOINTS.get(request.path)
     if endpoint is None:
         return
-    from broker.app import BROKER
-
-    broker = request.app.get(BROKER)
+    broker = request.app.get(_broker_key())
     if broker is not None:
-        broker.metrics.requests.labels(endpoint, info.tier, str(response.status)).inc()
-        broker.metrics.request_latency.labels(endpoint, info.tier).observe(elapsed)
+        requests, latency = _request_metrics(broker.metrics, endpoint, info.tier, response.status)
+        requests.inc()
+        latency.observe(elapsed)
     if broker is not None and broker.ledger is not None and endpoint != "models":
         broker.ledger.record(ledger_record(info, endpoint, response.status, elapsed))
     log.info("request", endpoint=endpoint, status=response.status, tenant=info.tenant, tier=info.tier,
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
              batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache)
+
+
+@functools.cache
+def _broker_key() -> Any:
+    from broker.app import BROKER  # app.py imports this module, so the key is looked up on first use
+
+    return BROKER
+
+
+_CHILDREN: weakref.WeakKeyDictionary[Metrics, dict[tuple[str, str, int], tuple[Any, Any]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _request_metrics(metrics: Metrics, endpoint: str, tier: str, status: int) -> tuple[Any, Any]:
+    """The request counter and latency histogram children for these labels.
+
+    `labels()` costs more than the observation itself, so each child is looked up once per broker
+    (weakly keyed, so a stopped broker's metrics are not kept alive).
+    """
+    children = _CHILDREN.get(metrics)
+    if children is None:
+        children = _CHILDREN[metrics] = {}
+    key = (endpoint, tier, status)
+    pair = children.get(key)
+    if pair is None:
+        pair = children[key] = (metrics.requests.labels(endpoint, tier, str(status)),
+                                metrics.request_latency.labels(endpoint, tier))
+    return pair
 
 
 def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float) -> LedgerRecord:

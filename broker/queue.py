@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -86,6 +87,10 @@ class MergeQueue(Generic[T]):
         self._ready_count = dict.fromkeys(self._tiers, 0)
         self._idle_workers: collections.deque[asyncio.Future[None]] = collections.deque()
         self._closed = False
+        if metrics is not None:
+            # Read when scraped rather than set on every submit and take: no per-request work.
+            for name in self._tiers:
+                metrics.queue_depth.labels(name).set_function(functools.partial(self.depth, name))
 
     def depth(self, tier: str) -> int:
         """Requests of a tier not yet taken by a worker."""
@@ -104,7 +109,6 @@ class MergeQueue(Generic[T]):
             self._make_ready(tier.name, None, [item])
         else:
             self._add_to_window(tier, item)
-        self._observe_depth(tier.name)
 
     def _add_to_window(self, tier: TierWindow, item: T) -> None:
         groups = self._open[tier.name]
@@ -169,9 +173,9 @@ class MergeQueue(Generic[T]):
             return None
         group = self._ready[best].popleft()
         self._ready_count[best] -= len(group.items)
-        self._observe_depth(best)
         live = [item for item in group.items if not item.future.done()]
-        return ReleasedGroup(group.tier, group.key, live, group.released_at)
+        return group if len(live) == len(group.items) else ReleasedGroup(group.tier, group.key, live,
+                                                                          group.released_at)
 
     async def take(self) -> ReleasedGroup[T]:
         """Wait for the next released group that still has live members."""
@@ -183,10 +187,6 @@ class MergeQueue(Generic[T]):
                 waiter = asyncio.get_running_loop().create_future()
                 self._idle_workers.append(waiter)
                 await waiter
-
-    def _observe_depth(self, tier: str) -> None:
-        if self._metrics:
-            self._metrics.queue_depth.labels(tier).set(self.depth(tier))
 
     def close(self) -> list[T]:
         """Stop accepting; return every request still waiting (to be answered with an error)."""
@@ -201,5 +201,4 @@ class MergeQueue(Generic[T]):
             while self._ready[tier]:
                 left.extend(self._ready[tier].popleft().items)
             self._open_count[tier] = self._ready_count[tier] = 0
-            self._observe_depth(tier)
         return left

@@ -6,6 +6,7 @@ The worker count bounds how many groups are dispatched at once; it is the only l
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import structlog
 
@@ -29,6 +30,7 @@ class WorkerPool:
         self._metrics = metrics
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
+        self._queue_wait: dict[str, Any] = {}  # labelled histogram children by tier, looked up once
 
     def start(self) -> None:
         for n in range(self._size):
@@ -45,8 +47,11 @@ class WorkerPool:
         while True:
             group = await self._queue.take()
             now = self._clock()
+            queue_wait = self._queue_wait.get(group.tier)
+            if queue_wait is None:
+                queue_wait = self._queue_wait[group.tier] = self._metrics.queue_wait.labels(group.tier)
             for job in group.items:
-                self._metrics.queue_wait.labels(group.tier).observe(now - job.enqueued_at)
+                queue_wait.observe(now - job.enqueued_at)
             try:
                 await self._dispatcher.run_group(group)
             except Exception:  # noqa: BLE001 - one bad group must not stop the worker

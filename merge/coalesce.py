@@ -17,7 +17,7 @@ V = TypeVar("V")
 
 @dataclass(eq=False, slots=True)
 class _Call(Generic[V]):
-    task: asyncio.Task[V]
+    future: asyncio.Future[V]
     waiters: int = 0
 
 
@@ -25,8 +25,9 @@ class SingleFlight(Generic[K, V]):
     """Runs at most one call per key at a time; callers arriving meanwhile wait on the running one.
 
     A waiter that is cancelled (or times out) leaves without disturbing the others; when the last waiter
-    has left, the call itself is cancelled so no work is wasted. The call runs in its own task, which
-    inherits the contextvars (log context) of the caller that started it.
+    has left, the call itself is cancelled so no work is wasted. `run` runs the call in its own task,
+    which inherits the contextvars (log context) of the caller that started it; `join` shares a call
+    that is already a future (work some other task will finish), with no task of its own.
     """
 
     def __init__(self) -> None:
@@ -34,50 +35,55 @@ class SingleFlight(Generic[K, V]):
 
     async def run(self, key: K, fn: Callable[[], Awaitable[V]]) -> tuple[V, bool]:
         """`fn()`'s value, and whether this caller joined a call already running for `key`."""
+        return await self.join(key, lambda: asyncio.ensure_future(fn()))
+
+    async def join(self, key: K, start: Callable[[], asyncio.Future[V]]) -> tuple[V, bool]:
+        """The result of the pending future for `key`, or of `start()` when none is pending; and whether shared.
+
+        `start()` must return a future that someone else completes (e.g. a queued job's); it is called
+        only when no call for `key` is pending, and an exception it raises reaches this caller alone.
+        The last waiter to leave before the future is done cancels it.
+        """
         call = self._calls.get(key)
-        # A finished task awaiting its clean-up callback must not hand its outcome to a newcomer.
-        shared = call is not None and not call.task.done()
+        # A finished call awaiting its clean-up callback must not hand its outcome to a newcomer.
+        shared = call is not None and not call.future.done()
         if call is None or not shared:
-            call = self._start(key, fn)
+            call = self._start(key, start())
         call.waiters += 1
         try:
-            # The shield keeps this waiter's cancellation from reaching the shared task.
-            return await asyncio.shield(call.task), shared
+            # The shield keeps this waiter's cancellation from reaching the shared call.
+            return await asyncio.shield(call.future), shared
         finally:
             call.waiters -= 1
-            if call.waiters == 0 and not call.task.done():
+            if call.waiters == 0 and not call.future.done():
                 # Every waiter was cancelled or timed out: nobody wants the result any more. Forgetting
                 # the key now lets a newcomer start afresh instead of joining a call being cancelled.
                 self._forget(key, call)
-                call.task.cancel()
+                call.future.cancel()
 
     def in_flight(self, key: K) -> bool:
         """True while a call for `key` is pending."""
         call = self._calls.get(key)
-        return call is not None and not call.task.done()
+        return call is not None and not call.future.done()
 
     def __len__(self) -> int:
         """Pending calls."""
         return len(self._calls)
 
-    def _start(self, key: K, fn: Callable[[], Awaitable[V]]) -> _Call[V]:
-        call: _Call[V] = _Call(asyncio.create_task(_invoke(fn)))
+    def _start(self, key: K, future: asyncio.Future[V]) -> _Call[V]:
+        call: _Call[V] = _Call(future)
         self._calls[key] = call
         # Registered before any waiter's shield, so the entry is gone by the time waiters resume.
-        call.task.add_done_callback(partial(self._finished, key, call))
+        future.add_done_callback(partial(self._finished, key, call))
         return call
 
-    def _finished(self, key: K, call: _Call[V], task: asyncio.Task[V]) -> None:
+    def _finished(self, key: K, call: _Call[V], future: asyncio.Future[V]) -> None:
         self._forget(key, call)
-        if not task.cancelled():
+        if not future.cancelled():
             # Retrieved here so an error nobody awaited any more is not reported as "never retrieved".
-            task.exception()
+            future.exception()
 
     def _forget(self, key: K, call: _Call[V]) -> None:
         # A newer call may already own the key; only remove our own entry.
         if self._calls.get(key) is call:
             del self._calls[key]
-
-
-async def _invoke(fn: Callable[[], Awaitable[V]]) -> V:
-    return await fn()

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Iterator
 
 import aiohttp
 import structlog
+from yarl import URL
 
 from broker.errors import (
     UpstreamBadResponse,
@@ -123,6 +124,7 @@ class OpenAICompatProvider:
         self._settings = settings
         self._base_url = settings.base_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, URL] = {}  # parsed once per endpoint, not per call
 
     def __repr__(self) -> str:
         return f"OpenAICompatProvider(name={self.name!r}, base_url={self._base_url!r})"
@@ -135,8 +137,20 @@ class OpenAICompatProvider:
             if s.api_key:
                 headers["Authorization"] = f"Bearer {s.api_key}"
             connector = aiohttp.TCPConnector(limit=s.max_connections, keepalive_timeout=s.keepalive_timeout_s)
-            self._session = aiohttp.ClientSession(connector=connector, headers=headers)
+            # No cookie jar: cookies an upstream sets must not travel with other tenants' calls, and
+            # filtering the jar on every call costs time for nothing.
+            self._session = aiohttp.ClientSession(connector=connector, headers=headers,
+                                                  cookie_jar=aiohttp.DummyCookieJar())
         return self._session
+
+    def _url(self, endpoint: str) -> URL | str:
+        url = self._urls.get(endpoint)
+        if url is None:
+            try:
+                url = self._urls[endpoint] = URL(self._base_url + endpoint)
+            except ValueError:  # let aiohttp reject it as before, inside `_translated`
+                return self._base_url + endpoint
+        return url
 
     def _call_timeout(self, timeout: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=timeout, connect=min(timeout, self._settings.connect_timeout_s))
@@ -145,7 +159,7 @@ class OpenAICompatProvider:
                             timeout: float) -> dict[str, Any]:
         """One request; the parsed JSON object of a 2xx answer, or an `UpstreamError`."""
         with _translated(self.name, endpoint):
-            async with self._client().request(method, self._base_url + endpoint, json=body,
+            async with self._client().request(method, self._url(endpoint), json=body,
                                               timeout=self._call_timeout(timeout)) as resp:
                 raw = await resp.read()
                 if not 200 <= resp.status < 300:
@@ -191,7 +205,7 @@ class OpenAICompatProvider:
                                                connect=min(timeout, self._settings.connect_timeout_s))
         endpoint = "/chat/completions"
         with _translated(self.name, endpoint):
-            async with self._client().post(self._base_url + endpoint, json={**body, "stream": True},
+            async with self._client().post(self._url(endpoint), json={**body, "stream": True},
                                            headers={"Accept": "text/event-stream"},
                                            timeout=client_timeout) as resp:
                 if not 200 <= resp.status < 300:

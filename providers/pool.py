@@ -98,6 +98,7 @@ class ProviderPools:
                  retry: RetryPolicy = RetryPolicy(), clock: Clock = monotonic, sleep: Sleep = sleep,
                  metrics: Metrics | None = None) -> None:
         self.upstreams = upstreams
+        self._by_model: dict[str, list[Upstream]] = {}
         self._strategy = strategy
         self._retry = retry
         self._clock = clock
@@ -108,8 +109,13 @@ class ProviderPools:
                 u._slots = asyncio.Semaphore(u.max_in_flight)
 
     def for_model(self, model: str) -> list[Upstream]:
-        """The upstreams serving `model`, in configuration order."""
-        return [u for u in self.upstreams if u.serves(model)]
+        """The upstreams serving `model`, in configuration order (glob matching done once per model name)."""
+        found = self._by_model.get(model)
+        if found is None:
+            found = [u for u in self.upstreams if u.serves(model)]
+            if len(self._by_model) < 10_000:  # callers choose model names: keep the memo bounded
+                self._by_model[model] = found
+        return found
 
     def serves(self, model: str) -> bool:
         """True when some upstream serves `model`."""
@@ -246,6 +252,9 @@ class ProviderPools:
 
     async def _acquire(self, u: Upstream, spec: _CallSpec, wait_s: float) -> None:
         """Take `u`'s rate budget and a concurrency slot, waiting at most `wait_s` (the request's budget)."""
+        if u.limiter is None and u._slots is None:
+            u.in_flight += 1  # nothing to wait for: skip the timeout machinery on the hot path
+            return
         took_budget = False
         try:
             async with asyncio.timeout(wait_s):

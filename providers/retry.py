@@ -152,12 +152,41 @@ async def call_with_retries(
     """
     if remaining(deadline, clock) <= 0:
         raise DeadlineExceeded("request deadline passed before the upstream call")
+    # The first attempt runs outside tenacity: most calls succeed at once, and building its machinery
+    # for every call costs more than the call's own bookkeeping. Only a retryable failure enters it.
+    try:
+        return await fn()
+    except BaseException as exc:
+        if not is_retryable(exc) or policy.attempts <= 1:
+            raise
+        first_failure: BaseException | None = exc
+
+    async def attempt() -> T:
+        # Tenacity's first attempt replays the failure we already have, so every decision after it
+        # (wait, stop, on_retry) is the one it would have taken had it made that call itself.
+        nonlocal first_failure
+        if first_failure is not None:
+            failure, first_failure = first_failure, None
+            raise failure
+        return await fn()
+
+    # The `async for` form, not `await retrying(fn)`: tenacity only awaits `fn` when it is a coroutine
+    # function, and callers pass lambdas returning coroutines.
+    async for attempt_state in _retrying(policy, deadline, clock, sleep, on_retry):
+        with attempt_state:
+            return await attempt()
+    raise AssertionError("unreachable: tenacity returns or raises the last error")
+
+
+def _retrying(policy: RetryPolicy, deadline: float, clock: Clock, sleep: Sleep,
+              on_retry: Callable[[BaseException, float], None] | None) -> AsyncRetrying:
+    """Tenacity's loop for `policy`: retryable errors only, backoff or Retry-After, three stop rules."""
 
     def before_sleep(retry_state: RetryCallState) -> None:
         if on_retry is not None and retry_state.outcome is not None:
             on_retry(retry_state.outcome.exception(), retry_state.upcoming_sleep)
 
-    retrying = AsyncRetrying(
+    return AsyncRetrying(
         sleep=sleep,
         retry=retry_if_exception(is_retryable),
         wait=_wait_backoff_or_retry_after(policy),
@@ -166,9 +195,3 @@ async def call_with_retries(
         before_sleep=before_sleep,
         reraise=True,
     )
-    # The `async for` form, not `await retrying(fn)`: tenacity only awaits `fn` when it is a coroutine
-    # function, and callers pass lambdas returning coroutines.
-    async for attempt in retrying:
-        with attempt:
-            return await fn()
-    raise AssertionError("unreachable: tenacity returns or raises the last error")
