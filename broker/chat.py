@@ -19,7 +19,7 @@ from broker.clock import Clock, monotonic
 from broker.errors import DeadlineExceeded, UpstreamUnavailable
 from broker.jobs import ChatJob, ChatOutcome
 from broker.metrics import Metrics
-from broker.queue import MergeQueue
+from broker.queue import MergeQueue, aged_rank
 from broker.ratelimit import LimitSpec, Reservation
 from broker.settings import Settings, TierSettings
 from broker.tokens import estimate_prompt_tokens
@@ -177,9 +177,11 @@ class ChatService:
         if shape is not None:
             merge_key = compatibility_key(body, shape, scope_value=scope,
                                           include_system=tier.system_prompts == "exact")
-        return ChatJob(request_id=request_id, caller=caller, body=body, model=body["model"], priority=tier.priority,
+        now = self._clock()
+        return ChatJob(request_id=request_id, caller=caller, body=body, model=body["model"],
+                       priority=aged_rank(tier.priority, now, self._settings.server.aging_per_s),
                        shape=shape, merge_key=merge_key, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                       deadline=deadline, enqueued_at=self._clock())
+                       deadline=deadline, enqueued_at=now)
 
     def _scope(self, caller: Caller, tier: TierSettings) -> str:
         scope = self._settings.merge.scope
@@ -203,7 +205,8 @@ class ChatService:
         reservation, prompt_tokens, max_tokens = await self.admit(caller, body)
         try:
             chunks, provider = await self._pools.stream_chat(body["model"], body, deadline=deadline,
-                                                             priority=tier.priority,
+                                                             priority=aged_rank(tier.priority, self._clock(),
+                                                                                self._settings.server.aging_per_s),
                                                              tokens=prompt_tokens + max_tokens)
         except BaseException:
             await reservation.settle(0)

@@ -30,7 +30,7 @@ class ChatJob:
     caller: Caller
     body: dict[str, Any]
     model: str
-    priority: int
+    priority: float  # rank at the upstream limiter: tier priority aged by queue time (broker.queue.aged_rank)
     shape: MergeShape | None
     merge_key: str | None
     prompt_tokens: int

@@ -47,7 +47,7 @@ class UpstreamLimiter:
         """Callers currently queued (cancelled ones excluded)."""
         return sum(1 for entry in self._waiters if not entry[2].done())
 
-    async def acquire(self, tokens: int, priority: int) -> None:
+    async def acquire(self, tokens: int, priority: float) -> None:
         """Return once one request and `tokens` tokens have been taken; higher `priority` is served first.
 
         Cancelling the wait removes the caller from the queue; if it was cancelled just after being

@@ -71,7 +71,7 @@ class _CallSpec:
     """What a pooled call needs besides its attempt: budget, pacing, and how long it holds its slot."""
 
     deadline: float
-    priority: int
+    priority: float
     tokens: int
     read_timeout: Callable[[Upstream], float]
     holds_slot: bool = False  # streams keep their upstream slot until the last chunk
@@ -144,7 +144,7 @@ class ProviderPools:
         """Seconds until the next probe when every upstream of the model is open, else None."""
         return all_open_retry_after([u.breaker for u in self.for_model(model)])
 
-    async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: int = 0,
+    async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
                    tokens: int = 0) -> tuple[dict[str, Any], str]:
         """One chat completion through the pool; returns (body, provider name).
 
@@ -165,7 +165,7 @@ class ProviderPools:
         return await self._call(model, attempt, _CallSpec(deadline, 0, tokens, lambda u: EMBEDDINGS_TIMEOUT_S))
 
     async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float,
-                          priority: int = 0, tokens: int = 0) -> tuple[AsyncIterator[bytes], str]:
+                          priority: float = 0, tokens: int = 0) -> tuple[AsyncIterator[bytes], str]:
         """Open a stream on the first healthy upstream that answers; failover happens before the first byte.
 
         The stream keeps its upstream's concurrency slot until it ends or is closed.

@@ -174,3 +174,48 @@ async def test_an_error_after_all_waiters_left_is_not_reported_as_never_retrieve
         loop.set_exception_handler(None)
     assert reported == []
     assert len(sf) == 0
+
+
+async def test_join_shares_an_external_future_and_the_last_waiter_leaving_cancels_it():
+    import asyncio
+
+    from merge.coalesce import SingleFlight
+
+    flight: SingleFlight[str, str] = SingleFlight()
+    started: list[asyncio.Future[str]] = []
+
+    def start() -> asyncio.Future[str]:
+        started.append(asyncio.get_running_loop().create_future())
+        return started[-1]
+
+    first = asyncio.create_task(flight.join("k", start))
+    second = asyncio.create_task(flight.join("k", start))
+    await asyncio.sleep(0)
+    assert len(started) == 1 and flight.in_flight("k")
+    first.cancel()
+    await asyncio.sleep(0)
+    assert not started[0].cancelled()  # the other waiter still wants it
+    started[0].set_result("value")
+    assert await second == ("value", True)
+    assert len(flight) == 0
+
+    lone = asyncio.create_task(flight.join("k2", start))
+    await asyncio.sleep(0)
+    lone.cancel()
+    await asyncio.sleep(0)
+    assert started[1].cancelled() and len(flight) == 0
+
+
+async def test_join_reports_an_error_from_start_to_that_caller_alone():
+    import pytest
+
+    from merge.coalesce import SingleFlight
+
+    flight: SingleFlight[str, str] = SingleFlight()
+
+    def broken():
+        raise RuntimeError("queue full")
+
+    with pytest.raises(RuntimeError):
+        await flight.join("k", broken)
+    assert len(flight) == 0

@@ -197,3 +197,12 @@ async def test_close_returns_every_waiting_item_and_refuses_new_ones(fake_clock)
     assert q.depth("std") == 0 and q.pick() is None
     with pytest.raises(Overloaded):
         q.submit(Item("std"))
+
+
+def test_aged_rank_orders_like_aging_priority_at_any_time():
+    from broker.queue import aged_rank
+
+    fresh_realtime = aged_rank(100, enqueued_at=1000.0, aging_per_s=10)
+    assert aged_rank(0, enqueued_at=1000.0 - 9.9, aging_per_s=10) < fresh_realtime
+    assert aged_rank(0, enqueued_at=1000.0 - 10.1, aging_per_s=10) > fresh_realtime
+    assert aged_rank(5, enqueued_at=1.0, aging_per_s=0) == 5.0
