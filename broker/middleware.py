@@ -1,7 +1,7 @@
 """The one place HTTP errors leave the service, in OpenAI's envelope; request IDs; per-request log events.
 
 Every response carries `X-Request-ID` (the caller's, or a generated one) and `X-Broker-Overhead-Ms`
-(time in the broker minus time waiting on upstreams, which handlers note in `request["upstream_s"]`).
+(time in the broker minus time waiting on upstreams, which handlers note in `request[INFO].upstream_s`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class RequestInfo:
     """What handlers learn about a request, for its headers, log event and metrics."""
 
     request_id: str
+    started: float = 0.0  # perf_counter at arrival
     upstream_s: float = 0.0
     tenant: str | None = None
     tier: str = ""
@@ -52,7 +53,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     started = time.perf_counter()
     given = request.headers.get("X-Request-ID", "")
     request_id = given if 0 < len(given) <= 128 and given.isprintable() else "req_" + secrets.token_hex(16)
-    info = request[INFO] = RequestInfo(request_id)
+    info = request[INFO] = RequestInfo(request_id, started)
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:

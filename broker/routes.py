@@ -88,27 +88,36 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, broker: Broker, caller: Caller, body: dict[str, Any],
                   timeout_s: float | None) -> web.StreamResponse:
-    started = time.perf_counter()
-    chunks, provider, reservation = await broker.chat.stream(caller, body, timeout_s=timeout_s)
-    request[INFO].batch_size, request[INFO].cache = 1, "miss"
+    info = request[INFO]
+    before_upstream = time.perf_counter()
+    chunks, _, reservation = await broker.chat.stream(caller, body, timeout_s=timeout_s)
+    info.upstream_s = time.perf_counter() - before_upstream  # until the first chunk
+    info.batch_size, info.cache = 1, "miss"
     response = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-ID": request[INFO].request_id,
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-ID": info.request_id,
         "X-Broker-Batch-Size": "1", "X-Broker-Cache": "miss",
-        "X-Broker-Overhead-Ms": f"{(time.perf_counter() - started) * 1000:.2f}", **reservation.headers()})
+        "X-Broker-Overhead-Ms": f"{(before_upstream - info.started) * 1000:.2f}", **reservation.headers()})
     await response.prepare(request)
+    spent = reservation.tokens  # unless the stream reports its usage, keep the reservation as spent
     try:
         async for chunk in chunks:
             await response.write(chunk)
+            if b'"total_tokens"' in chunk:
+                spent = _stream_usage(chunk, default=spent)
     finally:
         await chunks.aclose()  # a client leaving mid-stream frees the upstream slot and connection now
-        await reservation.settle(_reserved(reservation))
+        await reservation.settle(spent)
     await response.write_eof()
     return response
 
 
-def _reserved(reservation: Any) -> int:
-    """Streams report usage only when asked; keep the reservation as spent rather than guess lower."""
-    return int(getattr(reservation, "tokens", 0))
+def _stream_usage(chunk: bytes, *, default: int) -> int:
+    """Total tokens from a `stream_options.include_usage` chunk (`data: {..."usage": {...}}`)."""
+    try:
+        usage = json.loads(chunk.split(b"data:", 1)[1]).get("usage") or {}
+        return int(usage.get("total_tokens", default))
+    except (ValueError, IndexError, AttributeError, TypeError):
+        return default
 
 
 async def embeddings(request: web.Request) -> web.Response:
