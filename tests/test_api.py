@@ -138,3 +138,18 @@ async def test_deadline_exceeded_gives_504(simulator, start_broker):
     simulator.set_faults(timeout_rate=1.0, hang_s=5)
     status, body, _ = await broker.chat("slow one", broker={"timeout_s": 0.3})
     assert status == 504 and body["error"]["type"] == "timeout_error"
+
+
+async def test_a_stream_with_usage_settles_the_token_limit_to_what_it_used(simulator, start_broker):
+    tiers = [{"name": "standard", "window_ms": 0, "tpm": 100_000}]
+    broker = await start_broker({"providers": [provider_for(simulator)], "tiers": tiers, **PASSTHROUGH})
+    body = {"model": "sim-small", "messages": [{"role": "user", "content": "stream and count"}], "stream": True,
+            "stream_options": {"include_usage": True}, "max_tokens": 5000}
+    async with broker.http.post("/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        raw = await resp.read()
+    used = simulator.stats()["prompt_tokens"] + simulator.stats()["completion_tokens"]
+    assert b"[DONE]" in raw
+    _, _, headers = await broker.chat("next one", max_tokens=10)
+    next_reserved = int(headers["x-ratelimit-limit-tokens"]) - int(headers["x-ratelimit-remaining-tokens"]) - used
+    assert 0 < next_reserved < 100  # the stream's 5000-token reservation was given back down to its usage
