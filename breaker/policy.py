@@ -55,7 +55,7 @@ class DegradationPolicy:
         """False while any breaker of the model's providers is degraded, half-open or open."""
         allowed = not any(breaker.degraded for breaker in self._breakers_of(model))
         if self._metrics is not None:
-            self._metrics.degraded.labels(model=model).set(0 if allowed else 1)
+            self._metrics.degraded.labels(model=self._metrics.model_label(model)).set(0 if allowed else 1)
         return allowed
 
     def fast_fail_retry_after(self, model: str) -> float | None:

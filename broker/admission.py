@@ -1,7 +1,9 @@
 """Who is calling and in which tier: API keys, gateway headers, or open (development) mode.
 
 Keys are stored as SHA-256 hashes and compared in constant time; the gateway mode trusts
-`X-Broker-Tenant` / `X-Broker-Tier` only next to the shared secret in `X-Broker-Gateway-Secret`.
+`X-Broker-Tenant` / `X-Broker-Tier` / `X-Broker-User` only next to the shared secret in
+`X-Broker-Gateway-Secret`, and never the request body's `broker.tier` or `user`: the gateway decides
+who calls, not its client.
 Open mode (development) makes every caller the default tenant, in the default tier unless
 `X-Broker-Tier` names another. A missing or wrong credential is 401; a tier the caller may not use, or
 that does not exist, is 403.
@@ -67,15 +69,16 @@ class Authenticator:
                      body_user: str | None = None) -> Caller:
         """Identify the caller and its tier; `body_tier` is the request's `broker.tier`, if any.
 
-        Header names are matched case-insensitively, whatever mapping is passed.
+        Header names are matched case-insensitively, whatever mapping is passed. The gateway mode
+        ignores `body_tier` and `body_user`.
         """
         if not isinstance(headers, (CIMultiDict, CIMultiDictProxy)):
             headers = CIMultiDict(headers)
+        if self._mode == "gateway":
+            return self._by_gateway(headers)
         requested = headers.get(TIER_HEADER) or body_tier
         if self._mode == "keys":
             return self._by_key(headers, requested, body_user)
-        if self._mode == "gateway":
-            return self._by_gateway(headers, requested, body_user)
         tier = self._known_tier(requested or self._default_tier)
         return Caller(tenant=self._default_tenant, tier=tier, user=headers.get(USER_HEADER) or body_user)
 
@@ -97,15 +100,15 @@ class Authenticator:
         return Caller(tenant=match.tenant, tier=tier, key_id=digest.hex()[:12], key_rpm=match.rpm,
                       key_tpm=match.tpm, user=headers.get(USER_HEADER) or user)
 
-    def _by_gateway(self, headers: Mapping[str, str], requested: str | None, user: str | None) -> Caller:
+    def _by_gateway(self, headers: Mapping[str, str]) -> Caller:
         given = headers.get(GATEWAY_SECRET_HEADER, "").encode()
         if not self._secret or not hmac.compare_digest(given, self._secret):
             raise Unauthorized("Missing or wrong gateway secret.", code="invalid_gateway_secret")
         tenant = headers.get(TENANT_HEADER)
         if not tenant:
             raise Unauthorized(f"The gateway must set {TENANT_HEADER}.", code="missing_tenant")
-        tier = self._known_tier(requested or self._default_tier)
-        return Caller(tenant=tenant, tier=tier, user=headers.get(USER_HEADER) or user)
+        tier = self._known_tier(headers.get(TIER_HEADER) or self._default_tier)
+        return Caller(tenant=tenant, tier=tier, user=headers.get(USER_HEADER))
 
     def _known_tier(self, tier: str) -> str:
         if tier not in self._tiers:

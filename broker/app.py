@@ -74,11 +74,10 @@ class Broker:
         model_loaded = self.model_host is None or self.model_host.ready
         checks = {
             "providers": len(self.pools.upstreams) > 0,
-            "workers": True,
+            "workers": self.workers.alive(),
             "embedding_model": model_loaded,
         }
         return all(checks.values()), checks
-
 
     def stats(self) -> dict[str, Any]:
         """A JSON snapshot for gateways and humans without Prometheus."""

@@ -1,8 +1,9 @@
 """The chat-completions path after validation: limits, cache, coalescing, queue, deadline.
 
 Each accepted request gets exactly one outcome or one error before its deadline. Identical requests
-in flight share one queued job (singleflight); a caller that leaves or times out does not cancel it
-for the others, and a job nobody waits for any more is dropped before dispatch.
+in flight share one queued job (singleflight) when they also share the tier and the merge opt-out; a
+caller that leaves or times out does not cancel it for the others, a job nobody waits for any more is
+dropped before dispatch, and every caller keeps its own deadline (see `ChatService._share`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from functools import partial
+from typing import Any, AsyncIterator, Callable
 
 import structlog
 
@@ -71,6 +73,7 @@ class ChatService:
         self._metrics = metrics
         self._clock = clock
         self._flights: SingleFlight[str, ChatOutcome] = SingleFlight()
+        self._pending: dict[str, ChatJob] = {}  # flight key -> its job until answered, for followers' deadlines
         self._tiers = {t.name: t for t in settings.tiers}
         self._tier_limits = {t.name: LimitSpec(f"tier:{t.name}", t.rpm, t.tpm) for t in settings.tiers}
         self._estimate_prompts = prompt_estimate_needed(settings)
@@ -101,7 +104,7 @@ class ChatService:
     def check_fast_fail(self, model: str) -> None:
         retry_after = self._pools.fast_fail_after(model)
         if retry_after is not None:
-            self._metrics.fast_fail.labels(model).inc()
+            self._metrics.fast_fail.labels(self._metrics.model_label(model)).inc()
             raise UpstreamUnavailable(retry_after)
 
     async def complete(self, caller: Caller, request_id: str, body: dict[str, Any], *, timeout_s: float | None,
@@ -110,12 +113,13 @@ class ChatService:
         tier = self._tiers[caller.tier]
         if tier.omitted_temperature_is_zero and body.get("temperature") is None:
             body = {**body, "temperature": 0}
-        deadline = self._clock() + min(tier.request_timeout_s, timeout_s or tier.request_timeout_s)
+        limit_s = effective_timeout(tier, timeout_s)
+        deadline = self._clock() + limit_s
         self.check_fast_fail(body["model"])
         reservation, prompt_tokens, max_tokens = await self.admit(caller, body)
         try:
-            result = await self._answer(caller, tier, request_id, body, deadline, prompt_tokens, max_tokens,
-                                        merge_opt_out, cache_control, reservation)
+            result = await self._answer(caller, tier, request_id, body, (deadline, limit_s), prompt_tokens,
+                                        max_tokens, merge_opt_out, cache_control, reservation)
         except BaseException:
             await reservation.settle(0)
             raise
@@ -125,11 +129,13 @@ class ChatService:
         return result
 
     async def _answer(self, caller: Caller, tier: TierSettings, request_id: str, body: dict[str, Any],
-                      deadline: float, prompt_tokens: int, max_tokens: int, merge_opt_out: bool,
+                      time_limit: tuple[float, float], prompt_tokens: int, max_tokens: int, merge_opt_out: bool,
                       cache_control: CacheControl, reservation: Reservation) -> ChatResult:
+        deadline, limit_s = time_limit
         scope = self._scope(caller, tier)
         key = scope + ":" + chat_fingerprint(
-            body, lowercase=self._settings.merge.lowercase, cache_version=self._settings.merge.cache_version)
+            body, lowercase=self._settings.merge.lowercase, collapse_whitespace=self._settings.merge.collapse_whitespace,
+            cache_version=self._settings.merge.cache_version)
         cacheable = self._cache is not None and self._cacheable(body)
         if cacheable and cache_control.read:
             cached = await self._cache.get(key)  # type: ignore[union-attr]
@@ -139,22 +145,27 @@ class ChatService:
                 outcome = ChatOutcome(json.loads(cached), None, 0.0)
                 return ChatResult(outcome, "hit", reservation.headers(), prompt_tokens)
 
+        # A follower shares the leader's job: its tier (window, priority) and its merge opt-out must match.
+        flight = f"{key}|{tier.name}|{'alone' if merge_opt_out else 'mergeable'}"
+
         def submit() -> asyncio.Future[ChatOutcome]:
             # Only the first of identical requests queues a job; SingleFlight cancels its future (the
             # queue then drops the job before dispatch) once every caller waiting for it has left.
             job = self._job(caller, tier, scope, request_id, body, deadline, prompt_tokens, max_tokens,
                             merge_opt_out)
             self._queue.submit(job)
+            self._pending[flight] = job
+            job.future.add_done_callback(partial(self._untrack, flight, job))
             return job.future
 
         try:
             # asyncio.timeout, not wait_for: no extra task per request.
             async with asyncio.timeout(max(0.0, deadline - self._clock())):
-                outcome, shared = await self._flights.join(key, submit)
+                outcome, shared = await self._share(flight, submit, deadline)
         except TimeoutError:
             self._metrics.rejected.labels(caller.tier, "deadline").inc()
             raise DeadlineExceeded(f"The request did not complete within its deadline "
-                                   f"({tier.request_timeout_s:g} s for tier '{tier.name}').") from None
+                                   f"({limit_s:g} s in tier '{tier.name}').") from None
         cache = "coalesced" if shared else "miss"
         self._count_cache(cache)
         if shared:
@@ -162,6 +173,32 @@ class ChatService:
         if cacheable and cache_control.write and _complete(outcome.body):
             await self._cache.set(key, json.dumps(outcome.body).encode())  # type: ignore[union-attr]
         return ChatResult(outcome, cache, reservation.headers(), prompt_tokens)
+
+    async def _share(self, flight: str, submit: Callable[[], asyncio.Future[ChatOutcome]],
+                     deadline: float) -> tuple[ChatOutcome, bool]:
+        """The outcome of the pending job for `flight` (or of a new one), and whether it was shared.
+
+        A follower extends a job not yet sent to its own deadline: the dispatcher reads `job.deadline`
+        when it sends. A job already sent runs on the deadline it was sent with; when that earlier
+        deadline cuts it short, this caller, still in time, starts over with a job of its own.
+        """
+        while True:
+            joined = self._pending.get(flight)
+            if joined is not None and joined.future.done():
+                joined = None  # answered, its clean-up callback not run yet: `join` starts afresh
+            if joined is not None and not joined.dispatched:
+                joined.deadline = max(joined.deadline, deadline)
+            try:
+                return await self._flights.join(flight, submit)
+            except DeadlineExceeded:  # the pool's error when the job's deadline, not the upstream, ran out
+                if joined is None or joined.deadline >= deadline or self._clock() >= deadline:
+                    raise
+                log.info("coalesced_retry", reason="shared_job_deadline")
+
+    def _untrack(self, flight: str, job: ChatJob, _future: asyncio.Future[ChatOutcome]) -> None:
+        # A newer job may own the key already (the old one was cancelled as its callers left).
+        if self._pending.get(flight) is job:
+            del self._pending[flight]
 
     def _count_cache(self, result: str) -> None:
         # `labels()` costs more than the increment itself, so each child is looked up once.
@@ -184,14 +221,15 @@ class ChatService:
                        deadline=deadline, enqueued_at=now)
 
     def _scope(self, caller: Caller, tier: TierSettings) -> str:
+        # Names are JSON-encoded: a tenant or user containing ':' must not spell another's scope.
         scope = self._settings.merge.scope
         if scope == "global":
             return "global"
         if scope == "tier":
-            return f"tier:{tier.name}"
+            return "tier:" + json.dumps(tier.name)
         if scope == "user":
-            return f"tenant:{caller.tenant}:user:{caller.user or ''}"
-        return f"tenant:{caller.tenant}"
+            return "user:" + json.dumps([caller.tenant, caller.user or ""])
+        return "tenant:" + json.dumps(caller.tenant)
 
     def _cacheable(self, body: dict[str, Any]) -> bool:
         return body.get("temperature") == 0 or self._settings.cache.cache_nondeterministic
@@ -200,7 +238,7 @@ class ChatService:
                      ) -> tuple[AsyncIterator[bytes], str, Reservation]:
         """Open an upstream stream for a streaming request (dispatched alone, never merged)."""
         tier = self._tiers[caller.tier]
-        deadline = self._clock() + min(tier.request_timeout_s, timeout_s or tier.request_timeout_s)
+        deadline = self._clock() + effective_timeout(tier, timeout_s)
         self.check_fast_fail(body["model"])
         reservation, prompt_tokens, max_tokens = await self.admit(caller, body)
         try:
@@ -212,6 +250,11 @@ class ChatService:
             await reservation.settle(0)
             raise
         return chunks, provider, reservation
+
+
+def effective_timeout(tier: TierSettings, timeout_s: float | None) -> float:
+    """Seconds a request may take: the tier's limit, or the caller's `broker.timeout_s` when shorter."""
+    return min(tier.request_timeout_s, timeout_s or tier.request_timeout_s)
 
 
 def prompt_estimate_needed(settings: Settings) -> bool:

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download model weights at run time
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -84,6 +84,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings that `serve`'s flags set; they win over the environment and the config file."""
+    overrides: dict[str, Any] = {}
+    server = {name: value for name, value in (("host", args.host), ("port", args.port)) if value is not None}
+    if server:
+        overrides["server"] = server
+    if args.upstream:
+        overrides["providers"] = [
+            {"name": f"upstream-{i}", "base_url": url, "api_key_env": "MERGEBROKER_UPSTREAM_API_KEY"}
+            for i, url in enumerate(args.upstream)]
+    return overrides
+
+
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
@@ -91,17 +104,8 @@ def _serve(args: argparse.Namespace) -> int:
     from broker.logging import configure_logging
     from broker.settings import ConfigError, load_settings
 
-    overrides: dict = {}
     try:
-        settings = load_settings(args.config)
-        server = settings.server.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port))
-                                                   if v is not None})
-        overrides["server"] = server.model_dump()
-        if args.upstream:
-            overrides["providers"] = [
-                {"name": f"upstream-{i}", "base_url": url, "api_key_env": "MERGEBROKER_UPSTREAM_API_KEY"}
-                for i, url in enumerate(args.upstream)]
-        settings = load_settings(args.config, overrides=overrides)
+        settings = load_settings(args.config, overrides=serve_overrides(args))
     except ConfigError as exc:
         print(f"mergebroker: {exc}", file=sys.stderr)
         return 2

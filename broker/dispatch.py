@@ -3,7 +3,8 @@
 Deciding is pure (`merge.grouping`, `merge.split`, `merge.leak`); this module only acts: it embeds the
 prompts of a group that could merge, sends each batch through the provider pools, and hands every
 member exactly one outcome. A member whose block is missing, broken, or leaks another member's text is
-re-sent alone within its own deadline; a merged call that fails re-sends all its members alone.
+re-sent alone within its own deadline; a merged call that fails, or whose reply cannot be read, re-sends
+all its members alone. Whatever goes wrong, no member's future is left unset (`_answer_all`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import structlog
 
 from broker.clock import Clock, monotonic
-from broker.errors import BrokerError, DeadlineExceeded, UpstreamError, UpstreamUnavailable
+from broker.errors import BrokerError, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
 from broker.jobs import ChatJob, ChatOutcome
 from broker.metrics import Metrics
 from broker.queue import ReleasedGroup
@@ -71,15 +72,17 @@ class Dispatcher:
         self._batch_metrics: dict[str, tuple[Any, Any]] = {}  # labelled children by tier, looked up once
 
     async def run_group(self, group: ReleasedGroup[ChatJob]) -> None:
-        """Answer every member of the group (result or error); never raises."""
+        """Answer every member of the group (result or error); never raises but for cancellation."""
         jobs = [j for j in group.items if not j.future.done()]
-        if not jobs:
-            return
-        batches = await self._plan(group.tier, jobs)
+        if jobs:
+            await _answer_all(jobs, self._run_group(group.tier, jobs))
+
+    async def _run_group(self, tier: str, jobs: list[ChatJob]) -> None:
+        batches = await self._plan(tier, jobs)
         if len(batches) == 1:  # the common case needs no task of its own
-            await self._run_batch(group.tier, batches[0])
+            await self._run_batch(tier, batches[0])
         else:
-            await asyncio.gather(*(self._run_batch(group.tier, b) for b in batches))
+            await asyncio.gather(*(_answer_all(b, self._run_batch(tier, b)) for b in batches))
 
     async def _plan(self, tier: str, jobs: list[ChatJob]) -> list[list[ChatJob]]:
         policy = self._tiers[tier]
@@ -92,7 +95,11 @@ class Dispatcher:
             if self._embedder is None or not self._embedder.ready:
                 return [[j] for j in jobs]  # cannot judge similarity yet: send alone, never wrongly merged
             started = time.perf_counter()
-            vectors = await self._embedder.embed([j.shape.user_text for j in jobs])  # type: ignore[union-attr]
+            try:
+                vectors = await self._embedder.embed([j.shape.user_text for j in jobs])  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - without similarity, sending alone is always correct
+                log.warning("embedding_failed", tier=tier, size=len(jobs), error=type(exc).__name__)
+                return [[j] for j in jobs]
             if self._metrics:
                 self._metrics.embedding_seconds.observe(time.perf_counter() - started)
         budget = self._options.context_tokens.get(model, self._options.default_context_tokens)
@@ -117,6 +124,7 @@ class Dispatcher:
     async def run_single(self, job: ChatJob, *, fallback: str | None = None) -> None:
         """Send one request on its own and resolve its future."""
         started = self._clock()
+        job.dispatched = True  # from here on `job.deadline` is the one the call runs under
         try:
             body, provider = await self._pools.chat(job.model, job.body, deadline=job.deadline,
                                                     priority=job.priority, tokens=job.prompt_tokens + job.max_tokens)
@@ -141,17 +149,21 @@ class Dispatcher:
         body["messages"] = build_combined_messages(members, system_prompt=first.shape.system_prompt,  # type: ignore
                                                    header=self._options.header, tagged_system=policy.tagged_system)
         body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=12)
+        for job in jobs:
+            job.dispatched = True
         deadline = min(j.deadline for j in jobs)
         started = self._clock()
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
             reply, provider = await self._pools.chat(first.model, body, deadline=deadline, priority=first.priority,
                                                      tokens=estimate_prompt_tokens(body["messages"]) + body["max_tokens"])
-        except UpstreamUnavailable as exc:
+        except (UpstreamUnavailable, NotFound) as exc:  # alone, each would meet the same refusal
             for job in jobs:
                 job.fail(exc)
             return
-        except (UpstreamError, DeadlineExceeded) as exc:
+        except BrokerError as exc:
+            # Anything else may be the merged call's own problem (its size, its deadline, the upstream
+            # that took it): each member gets its own call, within its own deadline.
             log.warning("merged_call_failed", batch_id=batch_id, size=len(jobs), error=type(exc).__name__)
             self._count_fallback("merged_call_failed", len(jobs))
             self._guard.record(first.model, True)
@@ -160,7 +172,11 @@ class Dispatcher:
         finally:
             structlog.contextvars.unbind_contextvars("batch_id")
         upstream_s = self._clock() - started
-        retry_alone = self._finish_merged(tier, by_id, reply, provider, upstream_s, batch_id)
+        try:
+            retry_alone = self._finish_merged(tier, by_id, reply, provider, upstream_s, batch_id)
+        except Exception:  # noqa: BLE001 - a reply we cannot read must not cost the members their answers
+            log.exception("merged_reply_unreadable", batch_id=batch_id)
+            retry_alone = self._bad_reply(first.model, [j for j in jobs if not j.future.done()], batch_id)
         await asyncio.gather(*(self.run_single(job, fallback=reason) for job, reason in retry_alone))
 
     def _tier_metrics(self, tier: str) -> tuple[Any, Any]:
@@ -174,11 +190,15 @@ class Dispatcher:
     def _finish_merged(self, tier: str, by_id: dict[str, ChatJob], reply: dict[str, Any], provider: str,
                        upstream_s: float, batch_id: str) -> list[tuple[ChatJob, str]]:
         """Resolve the members whose block is good; return the others (with the reason) to re-send alone."""
-        choice = (reply.get("choices") or [{}])[0]
-        content = (choice.get("message") or {}).get("content") or ""
-        answers = split_reply(content, list(by_id), finish_reason=choice.get("finish_reason"))
+        read = reply_text(reply)
+        if read is None:
+            return self._bad_reply(next(iter(by_id.values())).model, list(by_id.values()), batch_id)
+        content, finish_reason = read
+        answers = split_reply(content, list(by_id), finish_reason=finish_reason)
         good = {i: a for i, a in answers.items() if isinstance(a, str)}
-        questions = {i: j.shape.user_text for i, j in by_id.items()}  # type: ignore[union-attr]
+        # With tagged system prompts each member's own system prompt is in the call too: quoting it is a leak.
+        tagged = self._tiers[tier].tagged_system
+        questions = {i: _request_text(j, tagged) for i, j in by_id.items()}
         for leaked in find_leaks(good, questions, min_words=self._options.leak_min_words):
             answers[leaked] = "leak"  # type: ignore[assignment]
             good.pop(leaked)
@@ -194,7 +214,8 @@ class Dispatcher:
             self._metrics.merged_requests.labels(tier).inc(len(good))
             self._metrics.upstream_calls_saved.inc(len(by_id) - 1)
             alone = sum(by_id[i].prompt_tokens for i in by_id)
-            self._metrics.tokens_saved.inc(max(0, alone - int((reply.get("usage") or {}).get("prompt_tokens", 0))))
+            sent = _count((reply.get("usage") if isinstance(reply.get("usage"), dict) else {}).get("prompt_tokens"))
+            self._metrics.tokens_saved.inc(max(0, alone - sent))
         retry_alone = []
         for member_id, reason in failed.items():
             label = reason if isinstance(reason, str) else reason.value
@@ -203,14 +224,22 @@ class Dispatcher:
             retry_alone.append((by_id[member_id], label))
         return retry_alone
 
+    def _bad_reply(self, model: str, jobs: list[ChatJob], batch_id: str) -> list[tuple[ChatJob, str]]:
+        """Every member of a merged call whose reply is unusable, to re-send alone."""
+        log.warning("split_fallback", batch_id=batch_id, reason="bad_reply", size=len(jobs))
+        self._count_fallback("bad_reply", len(jobs))
+        self._guard.record(model, True)
+        return [(job, "bad_reply") for job in jobs]
+
     def _apportion(self, reply: dict[str, Any], by_id: dict[str, ChatJob], good: dict[str, str]) -> dict[str, dict]:
-        usage = reply.get("usage") or {}
+        usage = reply.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+        prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
         member_tokens = {i: count_text_tokens(j.shape.user_text) for i, j in by_id.items()}  # type: ignore
         own_total = sum(member_tokens.values())
         return apportion_usage(
-            {"prompt_tokens": int(usage.get("prompt_tokens", 0)),
-             "completion_tokens": int(usage.get("completion_tokens", 0))},
-            shared_prompt_tokens=max(0, int(usage.get("prompt_tokens", 0)) - own_total),
+            {"prompt_tokens": prompt, "completion_tokens": completion},
+            shared_prompt_tokens=max(0, prompt - own_total),
             member_prompt_tokens=member_tokens,
             member_completion_weights={i: max(1, len(good.get(i, ""))) for i in by_id},
         )
@@ -218,6 +247,58 @@ class Dispatcher:
     def _count_fallback(self, reason: str, n: int) -> None:
         if self._metrics:
             self._metrics.split_fallback.labels(reason).inc(n)
+
+
+async def _answer_all(jobs: list[ChatJob], work: Awaitable[None]) -> None:
+    """Await `work`, then make sure no job of `jobs` is left without an answer, whatever happened."""
+    try:
+        await work
+    except asyncio.CancelledError:  # the worker is stopping: the broker is shutting down
+        _fail_unanswered(jobs, Overloaded("The broker is shutting down.", retry_after=1))
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug must still answer every caller, at once
+        log.exception("dispatch_failed", size=len(jobs), error=type(exc).__name__)
+        _fail_unanswered(jobs, exc if isinstance(exc, BrokerError) else BrokerError(
+            f"The broker failed while dispatching the request ({type(exc).__name__}).", status=500,
+            code="dispatch_failed"))
+    else:
+        if _fail_unanswered(jobs, BrokerError("The broker lost track of the request.", status=500,
+                                              code="dispatch_failed")):
+            log.error("dispatch_left_jobs_unanswered", size=len(jobs))
+
+
+def _fail_unanswered(jobs: list[ChatJob], exc: BrokerError) -> int:
+    """Fail the jobs still waiting; how many there were."""
+    waiting = [j for j in jobs if not j.future.done()]
+    for job in waiting:
+        job.fail(exc)
+    return len(waiting)
+
+
+def reply_text(reply: Any) -> tuple[str, str | None] | None:
+    """The first choice's text and finish reason of a merged reply, or None when the reply is unusable."""
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str):
+        return None
+    finish_reason = choice.get("finish_reason")  # type: ignore[union-attr]
+    return content, finish_reason if isinstance(finish_reason, str) else None
+
+
+def _request_text(job: ChatJob, tagged_system: bool) -> str:
+    shape = job.shape
+    if tagged_system and shape.system_prompt:  # type: ignore[union-attr]
+        return shape.system_prompt + "\n" + shape.user_text  # type: ignore[union-attr]
+    return shape.user_text  # type: ignore[union-attr]
+
+
+def _count(value: Any) -> int:
+    """A token count from an upstream's usage object; anything but a non-negative number counts as 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        return 0
+    return int(value)
 
 
 def apply_stop(text: str, stop: str | list[str] | None) -> str:

@@ -2,11 +2,14 @@
 
 Models listed in `embeddings.local_models` are served by the built-in sentence-transformers model
 (the same loaded copy the merge engine uses); every other model goes to the provider pools. Token-array
-inputs skip the cache and go straight upstream.
+inputs skip the cache and go straight upstream. Each caller waits at most its tier's
+`request_timeout_s` (or its shorter `broker.timeout_s`); with `embeddings.cache_scope: tenant` the
+cache and in-flight coalescing are per tenant instead of shared by everyone.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +17,7 @@ import numpy as np
 
 from broker.admission import Caller
 from broker.clock import Clock, monotonic
+from broker.errors import DeadlineExceeded, InvalidRequest
 from broker.metrics import Metrics
 from broker.ratelimit import LimitSpec
 from broker.schemas import EmbeddingRequest
@@ -68,27 +72,46 @@ class EmbeddingService:
         return await self._batcher.embed(model, texts)
 
     async def create(self, caller: Caller, parsed: EmbeddingRequest, body: dict[str, Any]) -> EmbeddingResponse:
+        """Answer one request within its deadline (504 past it); its rate-limit reservation is always settled.
+
+        The deadline is the tier's `request_timeout_s`, or the request's shorter `broker.timeout_s`. A
+        caller that runs out of time only stops waiting: a batch it shares goes on for the others.
+        """
         tier = self._settings.tier(caller.tier)
+        options = parsed.broker
+        budget = min(tier.request_timeout_s, (options.timeout_s if options else None) or tier.request_timeout_s)
         tokens = estimate_embedding_tokens(parsed.input)
         specs = [LimitSpec(f"tier:{tier.name}", tier.rpm, tier.tpm)]
         if caller.key_id and (caller.key_rpm or caller.key_tpm):
             specs.append(LimitSpec(f"key:{caller.key_id}", caller.key_rpm, caller.key_tpm))
         reservation = await self._limiter.reserve(specs, tokens)
         started = self._clock()
+        try:
+            async with asyncio.timeout(budget):
+                body_out, summary, spent = await self._answer(caller, parsed, body, started + budget, tokens)
+        except TimeoutError:
+            await reservation.settle(0)
+            raise DeadlineExceeded(f"The request did not complete within its deadline ({budget:g} s).") from None
+        except BaseException:
+            await reservation.settle(0)
+            raise
+        await reservation.settle(spent)
+        return EmbeddingResponse(body_out, summary, self._clock() - started, reservation.headers())
+
+    async def _answer(self, caller: Caller, parsed: EmbeddingRequest, body: dict[str, Any], deadline: float,
+                      tokens: int) -> tuple[dict[str, Any], str, int]:
+        """The response body, its cache summary and the tokens spent."""
         texts = [parsed.input] if isinstance(parsed.input, str) else parsed.input
         if not all(isinstance(t, str) for t in texts):
             if parsed.model in self._local:
-                from broker.errors import InvalidRequest
                 raise InvalidRequest("Token-array input is not supported by local embedding models.", param="input")
-            reply, _ = await self._pools.embeddings(parsed.model, body, deadline=self._clock() + tier.request_timeout_s,
-                                                    tokens=tokens)
-            await reservation.settle(int((reply.get("usage") or {}).get("prompt_tokens", tokens)))
-            return EmbeddingResponse(reply, "miss", self._clock() - started, reservation.headers())
-        result = await self._batcher.embed(parsed.model, list(texts), dimensions=parsed.dimensions)
-        await reservation.settle(result.prompt_tokens)
+            reply, _ = await self._pools.embeddings(parsed.model, body, deadline=deadline, tokens=tokens)
+            return reply, "miss", int((reply.get("usage") or {}).get("prompt_tokens", tokens))
+        # The embeddings cache is shared by every tenant unless the operator scopes it (README, /v1/embeddings).
+        scope = f"tenant:{caller.tenant}" if self._settings.embeddings.cache_scope == "tenant" else None
+        result = await self._batcher.embed(parsed.model, list(texts), dimensions=parsed.dimensions, scope=scope)
         summary = "hit" if result.cached == len(texts) else ("coalesced" if result.coalesced else "miss")
-        body_out = _response_body(parsed, result)
-        return EmbeddingResponse(body_out, summary, self._clock() - started, reservation.headers())
+        return _response_body(parsed, result), summary, result.prompt_tokens
 
 
 def _response_body(parsed: EmbeddingRequest, result: EmbedResult) -> dict[str, Any]:

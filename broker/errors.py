@@ -13,7 +13,8 @@
     ├── UpstreamUnavailable          503 every upstream's breaker open (retry_after)
     ├── DeadlineExceeded             504 the request's own deadline passed
     └── UpstreamError                an upstream call failed (after retries, if any)
-        ├── UpstreamHTTPError        upstream answered an error status (status, retry_after, body)
+        ├── UpstreamHTTPError        upstream answered an error status (status, retry_after, body);
+        │                            its rejection of the broker's credentials is a 502, never the caller's fault
         ├── UpstreamConnectionError  could not connect / connection dropped  -> 502
         ├── UpstreamTimeout          upstream did not answer in time          -> 504
         └── UpstreamBadResponse      upstream answered 2xx with an unusable body -> 502
@@ -124,13 +125,26 @@ class UpstreamError(BrokerError):
     retryable: bool = True
 
 
+CREDENTIALS_REJECTED = (401, 403, 407)
+"""Upstream statuses that judge the broker's own credentials, not the client's request."""
+
+
 class UpstreamHTTPError(UpstreamError):
-    """The upstream answered with an error status; 4xx other than 408/409/429 are the caller's fault."""
+    """The upstream answered with an error status.
+
+    4xx other than 408/409/429 are the caller's fault, except a rejection of the broker's credentials
+    (401/403/407): that is the provider's side failing, so it is a retryable 502 (another upstream may
+    accept its own key) that counts against the breaker, and its message is a generic one, because the
+    upstream's text would show the client a fragment of the broker's key and blame the client's.
+    """
 
     def __init__(self, upstream_status: int, message: str, *, retry_after: float | None = None,
                  body: dict[str, Any] | None = None) -> None:
-        caller_fault = 400 <= upstream_status < 500 and upstream_status not in (408, 409, 429)
+        credentials = upstream_status in CREDENTIALS_REJECTED
+        caller_fault = 400 <= upstream_status < 500 and upstream_status not in (408, 409, 429) and not credentials
         status = upstream_status if (caller_fault or upstream_status == 429) else 502
+        if credentials:
+            message, body = "The upstream rejected the broker's credentials", None
         super().__init__(message, status=status, retry_after=retry_after)
         self.upstream_status = upstream_status
         self.upstream_body = body

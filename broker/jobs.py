@@ -35,8 +35,9 @@ class ChatJob:
     merge_key: str | None
     prompt_tokens: int
     max_tokens: int
-    deadline: float
+    deadline: float  # a follower joining before dispatch may extend it (broker.chat); read when sent
     enqueued_at: float
+    dispatched: bool = False  # set by the dispatcher as it reads `deadline` to send
     future: asyncio.Future[ChatOutcome] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property

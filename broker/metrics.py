@@ -11,12 +11,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128)
+MAX_MODEL_LABELS = 200
+OTHER_MODEL = "other"
+"""The `model` label of every model name past the first `MAX_MODEL_LABELS`."""
 
 
 class Metrics:
     """The broker's metric families; attribute names follow the exported names without the prefix."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_model_labels: int = MAX_MODEL_LABELS) -> None:
+        self._max_model_labels = max_model_labels
+        self._model_labels: set[str] = set()
         r = self.registry = CollectorRegistry()
         p = "mergebroker_"
         # Foundation: requests and upstream calls.
@@ -74,6 +79,20 @@ class Metrics:
                                               buckets=BATCH_BUCKETS, registry=r)
         self.embedding_window_pending = Gauge(p + "embedding_window_pending",
                                               "Embedding texts waiting in the batching window.", registry=r)
+
+    def model_label(self, model: str) -> str:
+        """The `model` label value for `model`: the name itself for the first `max_model_labels` distinct
+        names, `"other"` after that.
+
+        Clients choose model names (a wildcard upstream accepts any), and every label value is a series
+        kept for the life of the process, so every metric labelled by model goes through here.
+        """
+        if model in self._model_labels:
+            return model
+        if len(self._model_labels) < self._max_model_labels:
+            self._model_labels.add(model)
+            return model
+        return OTHER_MODEL
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

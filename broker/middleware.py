@@ -2,6 +2,9 @@
 
 Every response carries `X-Request-ID` (the caller's, or a generated one) and `X-Broker-Overhead-Ms`
 (time in the broker minus time waiting on upstreams, which handlers note in `request[INFO].upstream_s`).
+The ledger keys its records by a broker-generated ID, never the caller's: a client can neither reuse
+nor claim another's. Once a handler has sent a response's headers (a stream), no error response
+follows it: the handler ends the stream itself and notes the error in `request[INFO].stream_error`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ log = structlog.get_logger("mergebroker.access")
 class RequestInfo:
     """What handlers learn about a request, for its headers, log event and metrics."""
 
-    request_id: str
+    request_id: str  # the caller's X-Request-ID when usable, else `broker_request_id`
+    broker_request_id: str  # generated here for every request: unique, the ledger's key
     started: float = 0.0  # perf_counter at arrival
     upstream_s: float = 0.0
     tenant: str | None = None
@@ -39,6 +43,8 @@ class RequestInfo:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     alone_prompt_tokens: int = 0
+    response: web.StreamResponse | None = None  # a handler's own (streamed) response, once created
+    stream_error: BrokerError | None = None  # what ended a stream whose headers were already sent
 
 
 INFO = web.RequestKey("info", RequestInfo)
@@ -51,34 +57,49 @@ _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings", "/
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     started = time.perf_counter()
+    broker_request_id = "req_" + secrets.token_hex(16)
     given = request.headers.get("X-Request-ID", "")
-    request_id = given if 0 < len(given) <= 128 and given.isprintable() else "req_" + secrets.token_hex(16)
-    info = request[INFO] = RequestInfo(request_id, started)
+    request_id = given if 0 < len(given) <= 128 and given.isprintable() else broker_request_id
+    info = request[INFO] = RequestInfo(request_id, broker_request_id, started)
     structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(request_id=request_id)
+    structlog.contextvars.bind_contextvars(request_id=request_id, broker_request_id=broker_request_id)
     try:
         response = await handler(request)
-    except BrokerError as exc:
-        response = _error_response(exc)
-    except web.HTTPRequestEntityTooLarge:
-        response = _error_response(PayloadTooLarge(
-            f"Request body too large: the limit is {request.app[SETTINGS_MAX_BODY]} bytes."))
-    except web.HTTPMethodNotAllowed as exc:
-        response = _error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}; "
-                                                    f"use {', '.join(sorted(exc.allowed_methods))}."))
-    except web.HTTPNotFound:
-        response = _error_response(NotFound(f"Unknown route: {request.method} {request.path}."))
-    except web.HTTPException as exc:
-        response = _error_response(BrokerError(exc.reason, status=exc.status))
-    except Exception:  # noqa: BLE001 - never a traceback to the client
-        log.exception("unhandled_error", path=request.path)
-        response = _error_response(BrokerError("The broker failed to handle the request.", status=500))
+    except Exception as exc:  # noqa: BLE001 - every failure leaves in the one envelope (or, mid-stream, not at all)
+        response = _failure_response(request, info, exc)
     elapsed = time.perf_counter() - started
     if not response.prepared:
         response.headers["X-Request-ID"] = request_id
         response.headers["X-Broker-Overhead-Ms"] = f"{max(0.0, elapsed - info.upstream_s) * 1000:.2f}"
     _observe(request, info, response, elapsed)
     return response
+
+
+def _failure_response(request: web.Request, info: RequestInfo, exc: Exception) -> web.StreamResponse:
+    """The response for a handler that raised `exc`: the OpenAI envelope, or the stream already begun."""
+    if info.response is not None and info.response.prepared:
+        # The status line is out: a second response would be written into the stream's body.
+        if isinstance(exc, ConnectionError):
+            log.info("client_gone", path=request.path)
+        else:
+            log.exception("stream_aborted", path=request.path, error=type(exc).__name__)
+            info.stream_error = info.stream_error or BrokerError("The stream failed.", status=500,
+                                                                 code="stream_failed")
+        return info.response
+    if isinstance(exc, BrokerError):
+        return _error_response(exc)
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return _error_response(PayloadTooLarge(
+            f"Request body too large: the limit is {request.app[SETTINGS_MAX_BODY]} bytes."))
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return _error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}; "
+                                                f"use {', '.join(sorted(exc.allowed_methods))}."))
+    if isinstance(exc, web.HTTPNotFound):
+        return _error_response(NotFound(f"Unknown route: {request.method} {request.path}."))
+    if isinstance(exc, web.HTTPException):
+        return _error_response(BrokerError(exc.reason, status=exc.status))
+    log.exception("unhandled_error", path=request.path)  # never a traceback to the client
+    return _error_response(BrokerError("The broker failed to handle the request.", status=500))
 
 
 def _error_response(exc: BrokerError) -> web.Response:
@@ -92,16 +113,19 @@ def _observe(request: web.Request, info: RequestInfo, response: web.StreamRespon
     endpoint = _ENDPOINTS.get(request.path)
     if endpoint is None:
         return
+    # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
+    status = info.stream_error.status if info.stream_error is not None else response.status
     broker = request.app.get(_broker_key())
     if broker is not None:
-        requests, latency = _request_metrics(broker.metrics, endpoint, info.tier, response.status)
+        requests, latency = _request_metrics(broker.metrics, endpoint, info.tier, status)
         requests.inc()
         latency.observe(elapsed)
     if broker is not None and broker.ledger is not None and endpoint != "models":
-        broker.ledger.record(ledger_record(info, endpoint, response.status, elapsed))
+        broker.ledger.record(ledger_record(info, endpoint, status, elapsed))
     log.info("request", endpoint=endpoint, status=response.status, tenant=info.tenant, tier=info.tier,
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
-             batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache)
+             batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache,
+             stream_error=(info.stream_error.code or info.stream_error.type) if info.stream_error else None)
 
 
 @functools.cache
@@ -142,7 +166,7 @@ def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float)
     saved = saved_tokens(cache, batch_size, info.alone_prompt_tokens, prompt,  # type: ignore[arg-type]
                          info.completion_tokens if reused else 0, status)
     return LedgerRecord(
-        request_id=info.request_id, ts=time.time(), tenant=info.tenant or "", tier=info.tier, model=info.model or "",
+        request_id=info.broker_request_id, ts=time.time(), tenant=info.tenant or "", tier=info.tier, model=info.model or "",
         batch_id=None if reused else info.batch_id, batch_size=batch_size, cache=cache,  # type: ignore[arg-type]
         prompt_tokens=prompt, completion_tokens=completion, alone_prompt_tokens=info.alone_prompt_tokens,
         tokens_saved=saved, status=status, latency_ms=round(elapsed * 1000, 3),

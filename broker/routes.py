@@ -2,21 +2,54 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import Any
+from typing import Any, AsyncIterator, Awaitable, Callable
 
+import structlog
 from aiohttp import web
 
-from broker.admission import Caller
+from broker.admission import TIER_HEADER, Caller
 from broker.app import BROKER, Broker
 from broker.chat import CacheControl
-from broker.errors import InvalidRequest, NotFound, UnsupportedMediaType
+from broker.clock import Clock, monotonic
+from broker.errors import BrokerError, InvalidRequest, NotFound, UnsupportedMediaType
 from broker.middleware import INFO
 from broker.schemas import parse_chat, parse_embeddings
 
+log = structlog.get_logger(__name__)
+
+MODELS_TTL_S = 60.0
+"""How long the model list reported by wildcard upstreams is reused before asking them again."""
+
+
+class UpstreamModels:
+    """The wildcard upstreams' model list, fetched at most once per `ttl_s` (concurrent askers share a fetch)."""
+
+    def __init__(self, *, ttl_s: float = MODELS_TTL_S, clock: Clock = monotonic) -> None:
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._names: list[str] = []
+        self._expires = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def get(self, fetch: Callable[[], Awaitable[list[str]]]) -> list[str]:
+        """The cached names, refreshed with `fetch()` when older than the TTL."""
+        if self._clock() < self._expires:
+            return list(self._names)
+        async with self._lock:
+            if self._clock() >= self._expires:  # the holder before us may have refreshed it
+                self._names = await fetch()
+                self._expires = self._clock() + self._ttl_s
+        return list(self._names)
+
+
+UPSTREAM_MODELS = web.AppKey("upstream_models", UpstreamModels)
+
 
 def add_routes(app: web.Application) -> None:
+    app[UPSTREAM_MODELS] = UpstreamModels()
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", list_models)
@@ -33,7 +66,7 @@ async def _json_body(request: web.Request) -> Any:
     raw = await request.read()
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly deep nesting
         raise InvalidRequest("We could not parse the JSON body of your request.", code="invalid_json") from None
 
 
@@ -43,16 +76,25 @@ def _authenticate(request: web.Request, broker: Broker, options: Any, user: str 
                                           body_user=user)
     except Exception as exc:
         reason = "unauthorized" if getattr(exc, "status", 0) == 401 else "forbidden"
-        broker.metrics.rejected.labels(request.headers.get("X-Broker-Tier", ""), reason).inc()
+        broker.metrics.rejected.labels(_tier_label(broker, request.headers.get(TIER_HEADER)), reason).inc()
         raise
     request[INFO].tenant, request[INFO].tier = caller.tenant, caller.tier
     return caller
 
 
+def _tier_label(broker: Broker, requested: str | None) -> str:
+    """A metric label for a tier named by an unauthenticated request: only configured names, never junk."""
+    return requested if any(t.name == requested for t in broker.settings.tiers) else "unknown"
+
+
+def _model_not_found(model: str) -> NotFound:
+    return NotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model",
+                    code="model_not_found")
+
+
 def _check_model(broker: Broker, model: str) -> None:
     if not broker.pools.serves(model) and not broker.embeddings.serves(model):
-        raise NotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model",
-                       code="model_not_found")
+        raise _model_not_found(model)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -60,8 +102,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     parsed, body = parse_chat(await _json_body(request))
     caller = _authenticate(request, broker, parsed.broker, parsed.user)
     request[INFO].model = parsed.model
-    if not broker.pools.serves(parsed.model):
-        _check_model(broker, parsed.model)
+    if not broker.pools.serves(parsed.model):  # a local embedding model cannot chat
+        raise _model_not_found(parsed.model)
     options = parsed.broker
     timeout_s = options.timeout_s if options else None
     if parsed.stream:
@@ -88,27 +130,45 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, broker: Broker, caller: Caller, body: dict[str, Any],
                   timeout_s: float | None) -> web.StreamResponse:
+    """Relay an upstream stream. Errors before the first byte leave as ordinary error responses; once the
+    response is prepared, an error ends the stream with one SSE `error` event (no `[DONE]`)."""
     info = request[INFO]
     before_upstream = time.perf_counter()
     chunks, _, reservation = await broker.chat.stream(caller, body, timeout_s=timeout_s)
-    info.upstream_s = time.perf_counter() - before_upstream  # until the first chunk
-    info.batch_size, info.cache = 1, "miss"
-    response = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-ID": info.request_id,
-        "X-Broker-Batch-Size": "1", "X-Broker-Cache": "miss",
-        "X-Broker-Overhead-Ms": f"{(before_upstream - info.started) * 1000:.2f}", **reservation.headers()})
-    await response.prepare(request)
+    # No await between here and the `try`: the stream and the reservation are released on every path.
     spent = reservation.tokens  # unless the stream reports its usage, keep the reservation as spent
+    response = info.response = web.StreamResponse()  # noted, so the middleware never answers twice
     try:
-        async for chunk in chunks:
-            await response.write(chunk)
-            if b'"total_tokens"' in chunk:
-                spent = _stream_usage(chunk, default=spent)
+        info.upstream_s = time.perf_counter() - before_upstream  # until the first chunk
+        info.batch_size, info.cache = 1, "miss"
+        response.headers.update({
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-ID": info.request_id,
+            "X-Broker-Batch-Size": "1", "X-Broker-Cache": "miss",
+            "X-Broker-Overhead-Ms": f"{(before_upstream - info.started) * 1000:.2f}", **reservation.headers()})
+        await response.prepare(request)
+        spent = await _relay(response, chunks, spent)
+    except BrokerError as exc:
+        if not response.prepared:
+            raise
+        info.stream_error = exc
+        log.warning("stream_failed", status=exc.status, code=exc.code)
+        await response.write(b"data: " + json.dumps(exc.body()).encode() + b"\n\n")
     finally:
-        await chunks.aclose()  # a client leaving mid-stream frees the upstream slot and connection now
-        await reservation.settle(spent)
+        try:
+            await chunks.aclose()  # a client leaving mid-stream frees the upstream slot and connection now
+        finally:
+            await reservation.settle(spent)
     await response.write_eof()
     return response
+
+
+async def _relay(response: web.StreamResponse, chunks: AsyncIterator[bytes], spent: int) -> int:
+    """Copy the upstream's events to the client; the tokens spent (the reported usage, if any)."""
+    async for chunk in chunks:
+        await response.write(chunk)
+        if b'"total_tokens"' in chunk:
+            spent = _stream_usage(chunk, default=spent)
+    return spent
 
 
 def _stream_usage(chunk: bytes, *, default: int) -> int:
@@ -136,9 +196,10 @@ async def embeddings(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
+    _authenticate(request, broker, None, None)
     names = broker.pools.explicit_models()
     if broker.pools.has_wildcard():
-        names += await broker.pools.upstream_models()
+        names += await request.app[UPSTREAM_MODELS].get(broker.pools.upstream_models)
     names += broker.embeddings.local_models()
     data = [{"id": n, "object": "model", "created": 0, "owned_by": "mergebroker"} for n in dict.fromkeys(names)]
     return web.json_response({"object": "list", "data": data})

@@ -1,8 +1,11 @@
-"""Settings: one YAML file plus `MERGEBROKER_*` environment overrides (`__` for nesting).
+"""Settings: one YAML file, `MERGEBROKER_*` environment overrides (`__` for nesting) and CLI overrides.
 
-This is the only module that reads the environment. Provider API keys and the gateway secret come
-from the environment only (their variable names are configured); a key written into the YAML file is
-refused at start-up. Components receive plain values from these models, never the models' sources.
+Precedence, highest first: overrides given to `load_settings` (the command line's flags), the
+environment, the YAML file, the defaults; nested sections merge key by key, lists are replaced whole.
+This is the only module that reads the environment. Provider API keys, the gateway secret and the
+PostgreSQL DSN come from the environment only (their variable names are configured); one written into
+the YAML file is refused at start-up. Components receive plain values from these models, never the
+models' sources.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 HARD_MAX_BATCH = 8
 
@@ -125,7 +128,9 @@ class AuthSettings(_Strict):
 class MergeSettings(_Strict):
     enabled: bool = True
     scope: Literal["tenant", "user", "tier", "global"] = "tenant"
-    lowercase: bool = True
+    lowercase: bool = Field(True, description="Exact-duplicate keys ignore case (off for code or case-sensitive text).")
+    collapse_whitespace: bool = Field(
+        True, description="Exact-duplicate keys collapse whitespace runs; false only strips the ends (keeps indents).")
     cache_version: str = "1"
     header: str | None = Field(None, description="Combined-prompt header template with {n}; default built in.")
     leak_min_words: int = Field(8, ge=3)
@@ -162,6 +167,9 @@ class EmbeddingSettings(_Strict):
     max_batch_tokens: int = Field(16_384, gt=0)
     dtype: Literal["float32", "float16"] = "float32"
     cache_version: str = "1"
+    cache_scope: Literal["global", "tenant"] = Field(
+        "global", description="global: one cache for everyone (a hit can tell that anyone embedded the text before); "
+                              "tenant: each tenant its own entries.")
     local_models: list[str] = Field(default_factory=lambda: ["all-MiniLM-L6-v2", "local-minilm"])
 
 
@@ -178,7 +186,7 @@ class LedgerSettings(_Strict):
 
 
 class Settings(BaseSettings):
-    """Everything configurable. Precedence: environment > YAML file > defaults."""
+    """Everything configurable; build it with `load_settings`, which layers its sources (see the module doc)."""
 
     model_config = SettingsConfigDict(env_prefix="MERGEBROKER_", env_nested_delimiter="__", extra="forbid")
 
@@ -200,8 +208,8 @@ class Settings(BaseSettings):
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
                                    env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
                                    file_secret_settings: PydanticBaseSettingsSource) -> tuple:
-        # The YAML file arrives as init kwargs; the environment must win over it.
-        return (env_settings, init_settings)
+        # `load_settings` layers file, environment and overrides itself, so that overrides can win.
+        return (init_settings,)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Settings":
@@ -232,24 +240,40 @@ class ConfigError(Exception):
     """Invalid configuration; the message names the field and the problem."""
 
 
-SECRET_FIELDS = ("api_key", "gateway_secret")
+SECRET_FIELDS = ("api_key", "gateway_secret", "postgres_dsn")
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, *, environ: dict[str, str] | None = None,
                   overrides: dict[str, Any] | None = None) -> Settings:
-    """Build Settings from a YAML file (or `MERGEBROKER_CONFIG`), the environment and CLI overrides."""
+    """Build Settings from a YAML file (or `MERGEBROKER_CONFIG`), the environment and CLI overrides.
+
+    `overrides` win over the `MERGEBROKER_*` variables, which win over the file. `environ` is where the
+    config path and the secrets are read (default `os.environ`); the `MERGEBROKER_*` overrides always
+    come from the process environment.
+    """
     env = os.environ if environ is None else environ
     path = path or env.get("MERGEBROKER_CONFIG")
     data: dict[str, Any] = _read_yaml(Path(path)) if path else {}
     _refuse_secrets_in_file(data)
-    for key, value in (overrides or {}).items():
-        data[key] = value
+    data = _deep_merge(data, EnvSettingsSource(Settings)())
+    data = _deep_merge(data, overrides or {})
     try:
         settings = Settings(**data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from exc
     _resolve_secrets(settings, env)
     return settings
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `top` laid over it: mappings merge key by key, anything else (lists too) is replaced."""
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -272,6 +296,9 @@ def _refuse_secrets_in_file(data: dict[str, Any]) -> None:
     if isinstance(data.get("auth"), dict) and "gateway_secret" in data["auth"]:
         raise ConfigError("auth.gateway_secret: secrets may only come from the environment; "
                           "set auth.gateway_secret_env instead")
+    if isinstance(data.get("ledger"), dict) and "postgres_dsn" in data["ledger"]:
+        raise ConfigError("ledger.postgres_dsn: secrets may only come from the environment (a DSN holds a "
+                          "password); set ledger.postgres_dsn_env instead")
 
 
 def _resolve_secrets(settings: Settings, env: dict[str, str] | os._Environ[str]) -> None:

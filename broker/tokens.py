@@ -1,8 +1,9 @@
 """Token estimates made before dispatch, close to what the provider will count.
 
 Text is counted with the real o200k_base tokenizer (`bpe_openai`, offline, loaded once on first use).
-Only if that package cannot be imported does counting fall back to `fallback_text_tokens`, a
-characters/4 estimate. Chat messages follow OpenAI's accounting rule for chat models: every message
+If that package cannot be imported, or refuses a text (it will not encode 1M characters or more, nor
+return more than about 200k tokens), counting falls back to `fallback_text_tokens`, a characters/4
+estimate, for that text. Chat messages follow OpenAI's accounting rule for chat models: every message
 costs 3 tokens of framing plus its role, content and name (a name costs 1 more), and the reply is
 primed with 3 tokens. Parts that are not text have no text to count and get flat estimates.
 """
@@ -72,7 +73,11 @@ def count_text_tokens(text: str) -> int:
     encode = _encoder()
     if encode is None:
         return fallback_text_tokens(text)
-    return len(encode(text))
+    try:
+        return len(encode(text))
+    except (ValueError, RuntimeError) as exc:  # its length guard, TokenLimitError (a ValueError), TokenizerError
+        log.info("token_count_fallback", error=type(exc).__name__, chars=len(text))
+        return fallback_text_tokens(text)
 
 
 def _part_tokens(part: Any) -> int:

@@ -6,9 +6,10 @@ When the head cannot go yet, one `loop.call_later` timer is armed for the moment
 enough (computed from the injected clock); nothing polls.
 
 Providers enforce per-minute limits over shorter windows (OpenAI quantizes 600 RPM to 10 per second),
-so the buckets hold `burst_s` seconds' worth rather than a whole minute. A call needing more tokens than
-a bucket holds waits for a full bucket and then takes all it needs, going into debt: the long-run rate
-is still exactly the limit, and the call is not blocked forever.
+so the buckets hold `burst_s` seconds' worth rather than a whole minute. A call estimated at more tokens
+than a bucket holds waits for a full bucket and takes just that: an estimate is only a guess (one
+`max_tokens=1e12` must not leave the upstream in debt for years), and the caller settles with the real
+usage afterwards, which charges what was really used beyond it.
 
 With a fake clock, time moves only when the test says so: after `fake_clock.advance(...)` the test calls
 `poke()` to re-check the head. (The real timer, armed in real seconds, may fire too; it re-checks
@@ -47,22 +48,27 @@ class UpstreamLimiter:
         """Callers currently queued (cancelled ones excluded)."""
         return sum(1 for entry in self._waiters if not entry[2].done())
 
-    async def acquire(self, tokens: int, priority: float) -> None:
-        """Return once one request and `tokens` tokens have been taken; higher `priority` is served first.
+    async def acquire(self, tokens: int, priority: float) -> int:
+        """Take one request and `tokens` tokens (at most one bucket's worth); higher `priority` is served first.
 
+        Returns the tokens actually taken: what `refund` or a settlement should be based on.
         Cancelling the wait removes the caller from the queue; if it was cancelled just after being
         served, what it took is given back.
         """
+        taken = max(0, tokens)
+        if self._tokens is not None:
+            taken = min(taken, int(self._tokens.capacity))
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiters, (-priority, next(self._seq), future, max(0, tokens)))
+        heapq.heappush(self._waiters, (-priority, next(self._seq), future, taken))
         self._wake()
         try:
             await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
-                self._refund(tokens)
+                self.refund(taken)
             self._wake()  # the cancelled waiter may have been the head holding others back
             raise
+        return taken
 
     def give_back(self, tokens: int) -> None:
         """Settle a call: return unused tokens (positive) or record tokens used beyond the estimate (negative)."""
@@ -71,6 +77,14 @@ class UpstreamLimiter:
                 self._tokens.give_back(tokens)
             else:
                 self._tokens.take(-tokens)
+        self._wake()
+
+    def refund(self, tokens: int) -> None:
+        """Undo an `acquire` whose call was never sent: its request and `tokens` tokens go back."""
+        if self._requests is not None:
+            self._requests.give_back(1)
+        if self._tokens is not None:
+            self._tokens.give_back(max(0, tokens))
         self._wake()
 
     def poke(self) -> None:
@@ -83,17 +97,11 @@ class UpstreamLimiter:
             self._timer.cancel()
             self._timer = None
 
-    def _refund(self, tokens: int) -> None:
-        if self._requests is not None:
-            self._requests.give_back(1)
-        if self._tokens is not None:
-            self._tokens.give_back(tokens)
-
     def _wait_s(self, tokens: int) -> float:
         """Seconds until the head's call fits in both buckets (0 if now)."""
         wait = 0.0 if self._requests is None else self._requests.seconds_until(1)
         if self._tokens is not None:
-            wait = max(wait, self._tokens.seconds_until(min(tokens, self._tokens.capacity)))
+            wait = max(wait, self._tokens.seconds_until(tokens))
         return wait
 
     def _wake(self) -> None:

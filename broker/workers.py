@@ -57,6 +57,10 @@ class WorkerPool:
             except Exception:  # noqa: BLE001 - one bad group must not stop the worker
                 log.exception("dispatch_group_failed", tier=group.tier, size=len(group.items))
 
+    def alive(self) -> bool:
+        """True while every worker task runs (for /readyz)."""
+        return len(self._tasks) == self._size and all(not t.done() for t in self._tasks)
+
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()

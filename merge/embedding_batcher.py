@@ -7,8 +7,10 @@ or at once when it holds `max_batch_size` texts or `max_batch_tokens` tokens, an
 one backend call whose vectors are handed to every waiting future and written to both caches.
 
 Failure and cancellation: a failed call fails only the futures of its own texts and caches
-nothing. A caller that leaves (cancelled, timed out) releases its texts; a text nobody waits for
-any more is dropped before its call, while one still wanted by others stays in the batch.
+nothing. When the upstream blames the input (a caller-fault 4xx) for a batch of several texts, each
+text is retried alone, so one caller's bad input fails only the callers of that text. A caller that
+leaves (cancelled, timed out) releases its texts; a text nobody waits for any more is dropped before
+its call, while one still wanted by others stays in the batch.
 
 In-flight coalescing lives here rather than in `merge.coalesce.SingleFlight` because a waiting text
 is not a call of its own: many texts share one backend call, so each owns a future, not a task.
@@ -28,7 +30,8 @@ from typing import Awaitable, Callable, Iterable, Protocol, Sequence
 import numpy as np
 import structlog
 
-from broker.errors import BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamTimeout
+from broker.errors import (BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamHTTPError,
+                           UpstreamTimeout)
 from broker.metrics import Metrics
 from merge.cache import MetricsHook, TwoLevelCache
 from merge.fingerprint import embedding_fingerprint
@@ -87,6 +90,14 @@ def share_tokens(total: int, weights: Sequence[int]) -> list[float]:
     if weight_sum <= 0:
         return [total / len(weights)] * len(weights)
     return [total * w / weight_sum for w in weights]
+
+
+def _caller_fault(exc: BrokerError) -> bool:
+    """Whether the upstream blamed the request's input (a 4xx such as 400 or 413), not its own state.
+
+    A 404 is left out: an unknown model fails every text alike, so retrying them one by one cannot help.
+    """
+    return isinstance(exc, UpstreamHTTPError) and exc.caller_fault and exc.upstream_status != 404
 
 
 def cache_metrics_hook(metrics: Metrics) -> MetricsHook:
@@ -155,12 +166,17 @@ class EmbeddingBatcher:
         """Caller-text pairs waiting on those pending texts (a text two callers wait for counts twice)."""
         return sum(pending.waiters for pending in self._inflight.values())
 
-    async def embed(self, model: str, texts: Sequence[str], *, dimensions: int | None = None) -> EmbedResult:
-        """One unit vector per text, in input order, with the request's usage; raises the batch's `BrokerError`."""
+    async def embed(self, model: str, texts: Sequence[str], *, dimensions: int | None = None,
+                    scope: str | None = None) -> EmbedResult:
+        """One unit vector per text, in input order, with the request's usage; raises the batch's `BrokerError`.
+
+        `scope` (e.g. "tenant:acme") gives the texts keys of their own: equal texts of different scopes
+        neither share cache entries nor coalesce. None shares both across every caller.
+        """
         texts = list(texts)
         # Readable, versioned keys ({version}/{dtype}:{model}:{sha256}) so an operator can drop one version.
         keys = [f"{self._key_version}:{model}:"
-                + embedding_fingerprint(model, t, dimensions=dimensions, cache_version=self._key_version)
+                + embedding_fingerprint(model, t, dimensions=dimensions, cache_version=self._key_version, scope=scope)
                 for t in texts]
         first_text: dict[str, str] = {}
         for key, text in zip(keys, texts):
@@ -288,7 +304,12 @@ class EmbeddingBatcher:
             raise
         except BrokerError as exc:
             log.warning("embedding_batch_failed", model=model, size=len(items), error_type=type(exc).__name__)
-            self._fail(items, exc)
+            if _caller_fault(exc) and len(items) > 1:
+                # One caller's bad text (too long, rejected) must not fail everyone sharing its window:
+                # each text is tried alone, so only the callers of the bad one get the error.
+                await asyncio.gather(*(self._run_batch(group, [item]) for item in items))
+            else:
+                self._fail(items, exc)
             return
         await self._deliver(items, result)
 

@@ -1,9 +1,12 @@
 """Cache and coalescing keys: a SHA-256 over a canonical JSON of everything that shapes the answer.
 
 Two requests get the same fingerprint only when an upstream would treat them alike: message text is
-compared after whitespace normalisation (and, optionally, lower-casing), an absent field equals a null
-one, `1` equals `1.0`, and `max_completion_tokens` stands in for `max_tokens`. Anything else that can
-change the answer (sampling knobs, tools, response format) is part of the key.
+compared stripped, with whitespace runs collapsed and lower-cased (each configurable; see README,
+"Exact duplicates", for what that trades away), an absent field equals a null
+one, `1` equals `1.0`, and `max_completion_tokens` stands in for `max_tokens`. Every other body field
+is part of the key, known or not (`top_k`, `min_p`, `service_tier`, vendor extensions...), except the
+few in `NON_ANSWER_FIELDS` that cannot change the answer: an unknown field is assumed to matter,
+because a false cache hit is worse than a miss.
 """
 
 from __future__ import annotations
@@ -11,82 +14,88 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Callable, Mapping
 
 _WHITESPACE = re.compile(r"\s+")
 
-# Request fields that change what the model answers (max_tokens and stop are canonicalised apart).
-# Those from frequency_penalty on go beyond the brief's list: each changes the output too, and a
-# false cache hit is worse than a miss.
-_ANSWER_FIELDS = (
-    "model", "temperature", "top_p", "seed", "tools", "tool_choice",
-    "response_format", "n", "logprobs", "top_logprobs",
-    "frequency_penalty", "presence_penalty", "logit_bias", "functions", "function_call",
-    "parallel_tool_calls", "reasoning_effort", "modalities", "audio", "prediction",
-)
-# Message fields besides role/name/content that carry conversation state (tool turns).
-_MESSAGE_STATE_FIELDS = ("tool_calls", "tool_call_id", "function_call")
+# Body fields that do not change the answer: who asks (`user`, `safety_identifier`), how it is
+# delivered (`stream`, `stream_options`), what the upstream keeps or logs (`store`, `metadata`),
+# a provider-side prompt-cache routing hint (`prompt_cache_key`) and the broker's own options.
+NON_ANSWER_FIELDS = frozenset({
+    "user", "safety_identifier", "stream", "stream_options", "store", "metadata", "prompt_cache_key", "broker",
+})
+# Fields canonicalised apart from the rest: the messages, stop, and the two names of the token limit.
+_SPECIAL_FIELDS = frozenset({"messages", "stop", "max_tokens", "max_completion_tokens"})
 
 
-def normalize_text(text: str, *, lowercase: bool) -> str:
-    """Strip `text`, collapse every whitespace run to one space and optionally lower-case it."""
-    text = _WHITESPACE.sub(" ", text).strip()
+def normalize_text(text: str, *, lowercase: bool, collapse_whitespace: bool = True) -> str:
+    """Strip `text`, collapse every whitespace run to one space (unless told not to) and optionally lower-case it."""
+    text = _WHITESPACE.sub(" ", text).strip() if collapse_whitespace else text.strip()
     return text.lower() if lowercase else text
 
 
-def chat_fingerprint(body: Mapping[str, Any], *, lowercase: bool = True, cache_version: str = "1") -> str:
+def chat_fingerprint(body: Mapping[str, Any], *, lowercase: bool = True, collapse_whitespace: bool = True,
+                     cache_version: str = "1") -> str:
     """Return the hex SHA-256 key of a chat completion body (see the module docstring for the rule)."""
-    canonical: dict[str, Any] = {"kind": "chat", "cache_version": cache_version}
-    for field in _ANSWER_FIELDS:
-        canonical[field] = canonical_value(body.get(field))
+    text = partial(normalize_text, lowercase=lowercase, collapse_whitespace=collapse_whitespace)
+    # Body fields sit under their own key, so a field named like one of ours ("kind") cannot collide.
+    fields = {name: canonical_value(value) for name, value in body.items()
+              if name not in NON_ANSWER_FIELDS and name not in _SPECIAL_FIELDS}
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
-    canonical["max_tokens"] = canonical_value(max_tokens)
-    canonical["stop"] = canonical_stop(body.get("stop"))
-    messages = body.get("messages") or []
-    canonical["messages"] = [_canonical_message(m, lowercase) for m in messages]
+    canonical: dict[str, Any] = {
+        "kind": "chat",
+        "cache_version": cache_version,
+        "fields": _drop_nulls(fields),
+        "max_tokens": canonical_value(max_tokens),
+        "stop": canonical_stop(body.get("stop")),
+        "messages": [_canonical_message(m, text) for m in body.get("messages") or []],
+    }
     return _digest(canonical)
 
 
 def embedding_fingerprint(
-    model: str, text: str, *, dimensions: int | None, cache_version: str, lowercase: bool = False
+    model: str, text: str, *, dimensions: int | None, cache_version: str, lowercase: bool = False,
+    scope: str | None = None,
 ) -> str:
-    """Return the hex SHA-256 key of one embedding input (whitespace-normalised text)."""
+    """Return the hex SHA-256 key of one embedding input (whitespace-normalised text).
+
+    `scope` (e.g. a tenant) keeps equal texts of different scopes apart; None, the default, shares
+    keys across everyone and leaves them as they were before scopes existed.
+    """
     canonical = {
         "kind": "embedding",
         "model": model,
         "text": normalize_text(text, lowercase=lowercase),
         "dimensions": dimensions,
         "cache_version": cache_version,
+        "scope": scope,
     }
     return _digest(canonical)
 
 
-def _canonical_message(message: Any, lowercase: bool) -> Any:
+def _canonical_message(message: Any, text: Callable[[str], str]) -> Any:
     if not isinstance(message, Mapping):
         return canonical_value(message)
-    out = {
-        "role": message.get("role"),
-        "name": message.get("name"),
-        "content": _canonical_content(message.get("content"), lowercase),
-    }
-    for field in _MESSAGE_STATE_FIELDS:
-        out[field] = canonical_value(message.get(field))
+    # Every message field counts (role, name, tool-call state, vendor fields); only the text is normalised.
+    out = {str(k): canonical_value(v) for k, v in message.items()}
+    out["content"] = _canonical_content(message.get("content"), text)
     return _drop_nulls(out)
 
 
-def _canonical_content(content: Any, lowercase: bool) -> Any:
+def _canonical_content(content: Any, text: Callable[[str], str]) -> Any:
     if isinstance(content, str):
-        return normalize_text(content, lowercase=lowercase)
+        return text(content)
     if isinstance(content, list):
-        return [_canonical_part(part, lowercase) for part in content]
+        return [_canonical_part(part, text) for part in content]
     return canonical_value(content)
 
 
-def _canonical_part(part: Any, lowercase: bool) -> Any:
+def _canonical_part(part: Any, text: Callable[[str], str]) -> Any:
     if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return {**canonical_value(part), "text": normalize_text(part["text"], lowercase=lowercase)}
+        return {**canonical_value(part), "text": text(part["text"])}
     return canonical_value(part)
 
 

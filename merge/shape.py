@@ -22,12 +22,18 @@ _BLOCKING_FIELDS = (
 _SYSTEM_ROLES = ("system", "developer")
 _MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 
-# One merged call carries one value of each sampling knob, so requests must agree on all of them.
-# The brief names model, temperature, top_p and stop; the rest change generation just as much.
-_SAMPLING_FIELDS = (
-    "model", "temperature", "top_p", "frequency_penalty", "presence_penalty", "logit_bias", "seed",
-    "reasoning_effort",
-)
+# One merged call carries one value of every body field but these, so requests must agree on all the
+# rest, known or not (model, sampling knobs, stop, `top_k`, `service_tier`, vendor fields...). These
+# differ per member: each member's own question and token budget are in the combined prompt, `user`
+# is not forwarded for a merged call, and `stream`/`broker` never reach it. Fields that only decide
+# what the upstream keeps (`store`, `metadata`, `safety_identifier`) stay in the key: one member's
+# choice must never apply to another's text.
+_PER_MEMBER_FIELDS = frozenset({"messages", "max_tokens", "max_completion_tokens", "user", "stream",
+                                "stream_options", "broker"})
+# Fields `merge_shape` has already required to be unset or at their default: an explicit default
+# (`"n": 1`, `"logprobs": false`) says nothing, so it must not keep two requests apart.
+_VETTED_FIELDS = frozenset(_BLOCKING_FIELDS) | {"n", "modalities"}
+_NOT_IN_KEY = _PER_MEMBER_FIELDS | _VETTED_FIELDS | {"stop"}  # stop is canonicalised apart
 
 
 @dataclass(frozen=True)
@@ -72,11 +78,13 @@ def compatibility_key(
 ) -> str:
     """Hex hash that is equal for requests allowed to share one merged call.
 
-    It covers `scope_value` (chosen by the caller: a tenant, tenant+user, a tier or "global"), the
-    model, the sampling parameters and stop sequences, and the exact system prompt unless
-    `include_system=False` (the `system_prompts: tagged` mode, where each member carries its own).
+    It covers `scope_value` (chosen by the caller: a tenant, tenant+user, a tier or "global"), every
+    body field except the per-member ones (`_PER_MEMBER_FIELDS`), the stop sequences, and the exact
+    system prompt unless `include_system=False` (the `system_prompts: tagged` mode, where each member
+    carries its own).
     """
-    canonical: dict[str, Any] = {field: canonical_value(body.get(field)) for field in _SAMPLING_FIELDS}
+    fields = {name: canonical_value(value) for name, value in body.items() if name not in _NOT_IN_KEY}
+    canonical: dict[str, Any] = {"fields": {k: v for k, v in fields.items() if v is not None}}
     canonical["scope"] = scope_value
     canonical["stop"] = canonical_stop(body.get("stop"))
     if include_system:

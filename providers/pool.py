@@ -6,6 +6,9 @@ backoff that honours Retry-After) repeat the attempt until the request's deadlin
 of the model is open, the call fails at once with `UpstreamUnavailable` (503 + Retry-After).
 Each upstream's concurrency and declared RPM/TPM are enforced here and only here: an attempt waits for
 them within the request's deadline, and a successful reply's real usage settles the token estimate.
+Each attempt's timeout is the read timeout (`read_timeout_for`), cut short by the request's deadline;
+when the deadline is what ran out, the attempt ends as `DeadlineExceeded`, which the breaker ignores:
+a caller's short deadline says nothing about the upstream's health.
 Retries are counted per provider and reason, for streams as for plain calls.
 """
 
@@ -21,16 +24,27 @@ import structlog
 from breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError, BreakerState, CircuitBreaker
 from breaker.policy import all_open_retry_after
 from broker.clock import Clock, Sleep, monotonic, sleep
-from broker.errors import DeadlineExceeded, NotFound, UpstreamBadResponse, UpstreamError, UpstreamUnavailable
+from broker.errors import (
+    DeadlineExceeded,
+    NotFound,
+    UpstreamBadResponse,
+    UpstreamError,
+    UpstreamHTTPError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from broker.metrics import Metrics
 from broker.upstream_limiter import UpstreamLimiter
 from providers.base import Provider
+from providers.openai_compat import read_timeout_for
 from providers.retry import RetryPolicy, call_with_retries, remaining, retry_reason
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 Strategy = Literal["least_in_flight", "round_robin"]
 EMBEDDINGS_TIMEOUT_S = 30.0
+DEADLINE_SLACK_S = 0.05
+"""A timeout this close to the request's deadline is the deadline's doing (timers fire a little late or early)."""
 
 
 @dataclass(eq=False)
@@ -230,67 +244,91 @@ class ProviderPools:
             raise DeadlineExceeded("The request's deadline passed before an upstream answered.")
         if u.breaker is not None:
             u.breaker.before_call()  # refuse before queueing for a slot or spending rate budget
-        await self._acquire(u, spec, wait_s)
+        taken = await self._acquire(u, spec, wait_s)
+        sent = False
         try:
-            timeout = min(remaining(spec.deadline, self._clock), spec.read_timeout(u))
-            if timeout <= 0:
+            left, read_timeout = remaining(spec.deadline, self._clock), spec.read_timeout(u)
+            if left <= 0:
                 raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.")
-            result = await self._guarded(u, attempt, timeout)
+            sent = True
+            result = await self._guarded(u, attempt, min(left, read_timeout),
+                                         deadline=spec.deadline if left < read_timeout else None)
         except BaseException as exc:
-            # A call refused after the wait (breaker, deadline) was never sent: its tokens go back.
-            never_sent = isinstance(exc, (BreakerOpenError, DeadlineExceeded))
-            self._release(u, unused_tokens=spec.tokens if never_sent else 0)
+            self._release(u)
+            self._give_back_unspent(u, exc, sent, taken)
             raise
         if u.limiter is not None:
             used = usage_tokens(result)
             if used is not None:
-                u.limiter.give_back(spec.tokens - used)
+                u.limiter.give_back(taken - used)
         if spec.holds_slot:
             return _HeldStream(result, lambda: self._release(u))  # type: ignore[arg-type, return-value]
         self._release(u)
         return result
 
-    async def _acquire(self, u: Upstream, spec: _CallSpec, wait_s: float) -> None:
-        """Take `u`'s rate budget and a concurrency slot, waiting at most `wait_s` (the request's budget)."""
+    @staticmethod
+    def _give_back_unspent(u: Upstream, exc: BaseException, sent: bool, taken: int) -> None:
+        """Return the budget of a failed call that cost the upstream nothing.
+
+        A call never sent (deadline passed in the wait, breaker refused after it) returns its request
+        and tokens; one the upstream refused as the caller's fault returns its tokens (nothing was
+        generated). Any other failure keeps the estimate: the upstream may have spent it.
+        """
+        if u.limiter is None:
+            return
+        if not sent or isinstance(exc, BreakerOpenError):  # the breaker refuses before anything is sent
+            u.limiter.refund(taken)
+        elif isinstance(exc, UpstreamHTTPError) and exc.caller_fault:
+            u.limiter.give_back(taken)
+
+    async def _acquire(self, u: Upstream, spec: _CallSpec, wait_s: float) -> int:
+        """Take `u`'s rate budget and a concurrency slot, waiting at most `wait_s` (the request's budget).
+
+        Returns the tokens taken from the upstream's budget (the estimate, capped at one bucket).
+        """
         if u.limiter is None and u._slots is None:
             u.in_flight += 1  # nothing to wait for: skip the timeout machinery on the hot path
-            return
-        took_budget = False
+            return 0
+        taken: int | None = None
         try:
             async with asyncio.timeout(wait_s):
                 if u.limiter is not None:
-                    await u.limiter.acquire(spec.tokens, spec.priority)
-                    took_budget = True
+                    taken = await u.limiter.acquire(spec.tokens, spec.priority)
                 if u._slots is not None:
                     await u._slots.acquire()
         except BaseException as exc:
-            if took_budget:
-                u.limiter.give_back(spec.tokens)  # type: ignore[union-attr]
+            if taken is not None:
+                u.limiter.refund(taken)  # type: ignore[union-attr]
             if isinstance(exc, TimeoutError):
                 raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.") from None
             raise
         u.in_flight += 1
+        return taken or 0
 
-    def _release(self, u: Upstream, *, unused_tokens: int = 0) -> None:
+    def _release(self, u: Upstream) -> None:
         u.in_flight -= 1
         if u._slots is not None:
             u._slots.release()
-        if unused_tokens and u.limiter is not None:
-            u.limiter.give_back(unused_tokens)
 
-    async def _guarded(self, u: Upstream, attempt: Attempt[T], timeout: float) -> T:
+    async def _guarded(self, u: Upstream, attempt: Attempt[T], timeout: float, *, deadline: float | None) -> T:
+        """The call inside `u`'s breaker. `deadline` is set when the request's deadline, not the read
+        timeout, bounds it: a timeout then is the caller's budget running out, and says nothing about
+        the upstream's health, so it leaves as `DeadlineExceeded` (neither success nor failure)."""
         started = self._clock()
         outcome = "error"
         try:
             if u.breaker is None:
-                result = await attempt(u, timeout)
+                result = await self._attempt(u, attempt, timeout, deadline)
             else:
                 async with u.breaker.guard():
-                    result = await attempt(u, timeout)
+                    result = await self._attempt(u, attempt, timeout, deadline)
             outcome = "success"
             return result
         except BreakerOpenError:
             outcome = "breaker_open"
+            raise
+        except DeadlineExceeded:
+            outcome = "deadline"
             raise
         except UpstreamError as exc:
             outcome = retry_reason(exc) if exc.retryable else "client_error"
@@ -303,6 +341,15 @@ class ProviderPools:
                 self._metrics.upstream_calls.labels(u.name, outcome).inc()
                 if outcome != "breaker_open":
                     self._metrics.upstream_latency.labels(u.name).observe(self._clock() - started)
+
+    async def _attempt(self, u: Upstream, attempt: Attempt[T], timeout: float, deadline: float | None) -> T:
+        try:
+            return await attempt(u, timeout)
+        except UpstreamTimeout as exc:
+            # Only when the deadline has really come: a connect timeout firing earlier is the upstream's.
+            if deadline is not None and remaining(deadline, self._clock) <= DEADLINE_SLACK_S:
+                raise DeadlineExceeded("The request's deadline passed before the upstream answered.") from exc
+            raise
 
 
 class _HeldStream:
@@ -380,11 +427,7 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def read_budget(body: dict[str, Any]) -> int:
-    """The output tokens a chat body may generate (its max tokens, 1024 when unset)."""
-    return int(body.get("max_completion_tokens") or body.get("max_tokens") or 1024)
-
-
 def _read_timeout(body: dict[str, Any], token_rate: float) -> float:
-    """Read timeout = max_tokens / token rate + 5 s (the issue's default rule)."""
-    return read_budget(body) / token_rate + 5.0
+    """The chat read timeout: `read_timeout_for` (the one rule) applied to the body's output budget."""
+    budget = body.get("max_completion_tokens") or body.get("max_tokens")
+    return read_timeout_for(int(budget) if budget else None, token_rate=token_rate)

@@ -57,10 +57,12 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 def retry_reason(exc: BaseException) -> str:
-    """The `reason` label of `mergebroker_retries_total`: 429, 5xx, timeout, connection, bad_response (or other)."""
+    """The `reason` label of `mergebroker_retries_total`: 429, 5xx, auth, timeout, connection, bad_response, other."""
     if isinstance(exc, UpstreamHTTPError):
         if exc.upstream_status == 429:
             return "429"
+        if exc.upstream_status in (401, 403, 407):
+            return "auth"
         return "timeout" if exc.upstream_status == 408 else "5xx"
     if isinstance(exc, UpstreamTimeout):
         return "timeout"

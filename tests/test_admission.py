@@ -96,6 +96,21 @@ def test_gateway_headers_are_trusted_next_to_the_shared_secret():
     assert (caller.tenant, caller.tier, caller.user) == ("acme", "batch", "u1")
 
 
+def test_gateway_mode_ignores_tier_and_user_named_in_the_request_body():
+    headers = {"X-Broker-Gateway-Secret": "shared-secret", "X-Broker-Tenant": "acme"}
+    caller = gateway_auth().authenticate(headers, body_tier="realtime", body_user="someone-else")
+    assert (caller.tenant, caller.tier, caller.user) == ("acme", "standard", None)
+    caller = gateway_auth().authenticate({**headers, "X-Broker-Tier": "batch", "X-Broker-User": "u1"},
+                                         body_tier="realtime", body_user="someone-else")
+    assert (caller.tier, caller.user) == ("batch", "u1")
+
+
+def test_keys_and_open_modes_still_accept_the_body_tier_and_user():
+    assert keys_auth().authenticate(bearer("key-beta"), body_tier="standard", body_user="u2").user == "u2"
+    caller = open_auth().authenticate({}, body_tier="realtime", body_user="u3")
+    assert (caller.tier, caller.user) == ("realtime", "u3")
+
+
 @pytest.mark.parametrize("secret", [None, "", "wrong-secret", "shared-secret "])
 def test_gateway_headers_without_the_right_secret_are_401(secret):
     headers = {"X-Broker-Tenant": "acme", "X-Broker-Tier": "batch"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from broker.clock import FakeClock
 from providers.simulator import answer_for
 from tests.conftest import provider_for
 
@@ -42,6 +43,52 @@ async def test_embeddings_and_models_answer_in_openai_shape(simulator, start_bro
     assert len(result.data[0].embedding) == 384
     models = await broker.openai.models.list()
     assert {"sim-small", "sim-embed"} <= {m.id for m in models.data}
+
+
+async def test_models_list_asks_the_upstream_once_per_minute(simulator, start_broker):
+    broker = await start_broker({"providers": [provider_for(simulator)], **PASSTHROUGH})
+    for _ in range(3):
+        async with broker.http.get("/v1/models") as resp:
+            assert resp.status == 200
+            assert "sim-small" in {m["id"] for m in (await resp.json())["data"]}
+    assert simulator.stats()["calls"].get("models", 0) == 1
+
+
+async def test_the_upstream_model_list_is_fetched_again_after_its_ttl():
+    from broker.routes import UpstreamModels
+
+    calls = []
+
+    async def fetch() -> list[str]:
+        calls.append(1)
+        return [f"model-{len(calls)}"]
+
+    clock = FakeClock()
+    models = UpstreamModels(ttl_s=60, clock=clock)
+    assert await models.get(fetch) == ["model-1"]
+    clock.advance(59)
+    assert await models.get(fetch) == ["model-1"]
+    clock.advance(2)
+    assert await models.get(fetch) == ["model-2"]
+
+
+async def test_models_list_needs_credentials_like_the_other_routes(simulator, start_broker):
+    import hashlib
+
+    key = hashlib.sha256(b"good-key").hexdigest()
+    broker = await start_broker({"providers": [provider_for(simulator, models=["sim-small"])], **PASSTHROUGH,
+                                 "auth": {"mode": "keys", "keys": [{"sha256": key, "tenant": "a"}]}})
+    async with broker.http.get("/v1/models") as resp:
+        assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+    async with broker.http.get("/v1/models", headers={"Authorization": "Bearer good-key"}) as resp:
+        assert resp.status == 200 and [m["id"] for m in (await resp.json())["data"]] == ["sim-small"]
+
+
+async def test_absurdly_nested_json_is_400_invalid_json(simulator, start_broker):
+    broker = await start_broker({"providers": [provider_for(simulator)], **PASSTHROUGH})
+    for path in ("/v1/chat/completions", "/v1/embeddings"):
+        async with broker.http.post(path, data="[" * 100_000, headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_json"
 
 
 async def test_request_id_is_echoed_and_generated(simulator, start_broker):
@@ -138,11 +185,14 @@ async def test_deadline_exceeded_gives_504(simulator, start_broker):
     simulator.set_faults(timeout_rate=1.0, hang_s=5)
     status, body, _ = await broker.chat("slow one", broker={"timeout_s": 0.3})
     assert status == 504 and body["error"]["type"] == "timeout_error"
+    assert body["error"]["code"] == "deadline_exceeded"  # the caller's deadline, not a slow upstream
 
 
 async def test_a_stream_with_usage_settles_the_token_limit_to_what_it_used(simulator, start_broker):
     tiers = [{"name": "standard", "window_ms": 0, "tpm": 100_000}]
-    broker = await start_broker({"providers": [provider_for(simulator)], "tiers": tiers, **PASSTHROUGH})
+    # A fake clock: the bucket must not refill between the two requests.
+    broker = await start_broker({"providers": [provider_for(simulator)], "tiers": tiers, **PASSTHROUGH},
+                                clock=FakeClock())
     body = {"model": "sim-small", "messages": [{"role": "user", "content": "stream and count"}], "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": 5000}
     async with broker.http.post("/v1/chat/completions", json=body) as resp:

@@ -189,7 +189,7 @@ async def test_slow_probe_counts_as_failed(breaker: CircuitBreaker, fake_clock: 
 async def test_cancellation_and_caller_faults_neither_trip_nor_reset_counts(breaker: CircuitBreaker) -> None:
     for _ in range(5):
         await fail(breaker)
-    for status in (400, 401, 403, 404, 413):
+    for status in (400, 404, 413, 422):
         await fail(breaker, UpstreamHTTPError(status, "your fault"))
     await fail(breaker, ValueError("a bug of ours, not the upstream's"))
     gate = asyncio.Event()

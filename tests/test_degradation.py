@@ -295,3 +295,45 @@ async def test_two_brokers_sharing_redis_see_one_breaker_state(simulator, redis_
     assert status == 503 and {k: body["error"][k] for k in BUSY} == BUSY
     assert 9 <= int(headers["Retry-After"]) <= 10
     assert simulator.stats()["chat_calls"] == calls
+
+
+async def test_callers_with_short_deadlines_cannot_open_the_breaker_for_everyone(start_broker):
+    slow = await start_simulator(SimulatorConfig(latency_base_ms=300))
+    try:
+        broker = await start_broker(config(slow))  # the real clock: the deadlines must really pass
+        impatient = await asyncio.gather(*(broker.chat(f"impatient {i}", broker={"timeout_s": 0.05})
+                                           for i in range(12)))
+        assert {status for status, _, _ in impatient} == {504}
+        breaker = broker.broker.breakers["sim0"]
+        # The upstream calls outlive their callers' answers; each must end as the caller's deadline.
+        await eventually(lambda: sample(broker, "mergebroker_upstream_calls_total", provider="sim0",
+                                        outcome="deadline") == 12)
+        status, body, _ = await broker.chat("a patient caller from another tenant")
+        assert status == 200 and content(body) == answer_for("a patient caller from another tenant")
+        assert breaker.state is BreakerState.CLOSED and breaker.snapshot()["error_ratio"] == 0
+        assert sample(broker, "mergebroker_upstream_calls_total", provider="sim0", outcome="timeout") == 0
+    finally:
+        await slow.close()
+
+
+async def test_an_upstream_rejecting_the_brokers_key_fails_over_and_never_blames_the_client(
+        simulator, second_simulator, start_broker, fake_clock: FakeClock):
+    broker = await start_broker(config(simulator, second_simulator), clock=fake_clock)
+    simulator.set_faults(status_override=401)
+    status, body, _ = await broker.chat("a question")
+    assert status == 200 and content(body) == answer_for("a question")
+    second_simulator.set_faults(status_override=401)
+    status, body, _ = await broker.chat("another question")
+    assert status == 502
+    assert body["error"]["type"] == "upstream_error"
+    assert body["error"]["message"] == "The upstream rejected the broker's credentials"
+    assert broker.broker.breakers["sim0"].state is BreakerState.OPEN  # four rejections: counted as failures
+
+
+async def test_readyz_says_not_ready_once_the_queue_workers_are_gone(simulator, start_broker):
+    broker = await start_broker(config(simulator))
+    async with broker.http.get("/readyz") as resp:
+        assert resp.status == 200 and (await resp.json())["checks"]["workers"] is True
+    await broker.broker.workers.stop()
+    async with broker.http.get("/readyz") as resp:
+        assert resp.status == 503 and (await resp.json())["checks"]["workers"] is False

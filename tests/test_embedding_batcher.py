@@ -62,13 +62,14 @@ class _ManualHandle:
 
 
 class FakeBackend:
-    """Records every call; waits on `gate` when given; fails batches containing `fail_on`."""
+    """Records every call; waits on `gate` when given; fails batches containing `fail_on` with `fail_status`."""
 
-    def __init__(self, gate: asyncio.Event | None = None, fail_on: str | None = None) -> None:
+    def __init__(self, gate: asyncio.Event | None = None, fail_on: str | None = None, fail_status: int = 500) -> None:
         self.calls: list[tuple[str, list[str], int | None]] = []
         self.started = asyncio.Event()
         self.gate = gate
         self.fail_on = fail_on
+        self.fail_status = fail_status
 
     async def __call__(self, model: str, texts: list[str], dimensions: int | None) -> EmbedResult:
         self.calls.append((model, list(texts), dimensions))
@@ -76,7 +77,7 @@ class FakeBackend:
         if self.gate is not None:
             await self.gate.wait()
         if self.fail_on is not None and self.fail_on in texts:
-            raise UpstreamHTTPError(500, "boom")
+            raise UpstreamHTTPError(self.fail_status, "boom")
         return EmbedResult([expected(t, model) for t in texts], prompt_tokens=sum(words(t) for t in texts))
 
     @property
@@ -240,6 +241,52 @@ async def test_a_failed_batch_fails_only_its_own_waiters_and_caches_nothing() ->
     assert np.allclose(result.vectors[0], expected("fine"))
     assert backend.calls[1][1] == ["fine", "other"]  # "fine" failed before, so it was not cached
     assert batcher.pending == 0
+
+
+async def test_an_input_the_upstream_rejects_fails_only_its_callers_and_the_rest_of_the_window_succeeds() -> None:
+    backend = FakeBackend(fail_on="far too long", fail_status=400)
+    timer = ManualTimer()
+    batcher = make_batcher(backend, cache=l1_cache(), timer=timer)
+    good = asyncio.create_task(batcher.embed("m", ["first fine", "second fine"]))
+    bad = asyncio.create_task(batcher.embed("m", ["far too long"]))
+    also_bad = asyncio.create_task(batcher.embed("m", ["third fine", "far too long"]))
+    await until(lambda: batcher.pending == 4)
+    timer.fire_all()
+    result = await good
+    assert [np.allclose(v, expected(t)) for v, t in zip(result.vectors, ["first fine", "second fine"])] == [True, True]
+    for task in (bad, also_bad):
+        with pytest.raises(UpstreamHTTPError) as info:
+            await task
+        assert info.value.status == 400
+    assert backend.calls[0][1] == ["first fine", "second fine", "far too long", "third fine"]
+    assert sorted(texts[0] for _, texts, _ in backend.calls[1:]) == sorted(backend.calls[0][1])
+    assert batcher.pending == 0
+    assert (await batcher.embed("m", ["third fine"])).cached == 1  # the good texts' vectors were cached
+
+
+async def test_a_rejected_unknown_model_fails_the_batch_without_retrying_each_text() -> None:
+    backend = FakeBackend(fail_on="a", fail_status=404)
+    batcher = make_batcher(backend, max_batch_size=2)
+    with pytest.raises(UpstreamHTTPError):
+        await batcher.embed("m", ["a", "b"])
+    assert len(backend.calls) == 1
+
+
+async def test_scoped_texts_share_neither_cache_entries_nor_pending_calls_across_scopes() -> None:
+    backend = FakeBackend()
+    timer = ManualTimer()
+    batcher = make_batcher(backend, cache=l1_cache(), timer=timer)
+    calls = [asyncio.create_task(batcher.embed("m", ["same text"], scope=s)) for s in ("tenant:a", "tenant:b")]
+    await until(lambda: batcher.pending == 2)
+    timer.fire_all()
+    first, second = await asyncio.gather(*calls)
+    assert first.coalesced == second.coalesced == 0
+    assert backend.inputs == ["same text", "same text"]
+    assert (await batcher.embed("m", ["same text"], scope="tenant:a")).cached == 1
+    other = asyncio.create_task(batcher.embed("m", ["same text"], scope="tenant:c"))
+    await until(lambda: batcher.pending == 1)  # a miss: it waits in a window
+    timer.fire_all()
+    assert (await other).cached == 0
 
 
 async def test_a_backend_reply_with_missing_vectors_fails_the_batch() -> None:

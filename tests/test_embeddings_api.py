@@ -1,12 +1,15 @@
-"""/v1/embeddings through the broker: coalescing, partial hits, order, Redis across restarts, Redis down."""
+"""/v1/embeddings through the broker: coalescing, partial hits, order, Redis, deadlines, limits and cache scope."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 
 import numpy as np
 
+from providers.simulator import start_simulator
+from providers.simulator_faults import SimulatorConfig
 from tests.conftest import provider_for
 
 
@@ -15,8 +18,9 @@ def emb_config(sim, **extra) -> dict:
             "embeddings": {"window_ms": 5}, **extra}
 
 
-async def embed(broker, inputs, **extra):
-    async with broker.http.post("/v1/embeddings", json={"model": "sim-embed", "input": inputs, **extra}) as resp:
+async def embed(running, inputs, headers=None, **extra):
+    async with running.http.post("/v1/embeddings", json={"model": "sim-embed", "input": inputs, **extra},
+                                headers=headers or {}) as resp:
         return resp.status, await resp.json(), resp.headers
 
 
@@ -79,3 +83,57 @@ async def test_bad_embedding_input_gets_a_400_envelope(simulator, start_broker):
     for bad in ("", [], ["ok", ""]):
         status, body, _ = await embed(broker, bad)
         assert status == 400 and body["error"]["param"] == "input"
+
+
+async def test_a_caller_past_its_deadline_gets_504_while_its_batch_still_answers_the_others(start_broker):
+    async with await start_simulator(SimulatorConfig(latency_base_ms=600)) as sim:
+        broker = await start_broker(emb_config(sim, embeddings={"window_ms": 50}))
+        (late, late_body, _), (patient, _, _) = await asyncio.gather(
+            embed(broker, "impatient text", broker={"timeout_s": 0.2}), embed(broker, "patient text"))
+        assert late == 504 and late_body["error"]["code"] == "deadline_exceeded"
+        assert patient == 200
+        assert sim.stats()["embedding_calls"] == 1  # one shared batch, not cancelled by the impatient caller
+
+
+async def test_the_tiers_request_timeout_bounds_an_embeddings_request(start_broker):
+    async with await start_simulator(SimulatorConfig(latency_base_ms=600)) as sim:
+        broker = await start_broker(emb_config(sim, tiers=[{"name": "standard", "request_timeout_s": 0.2}]))
+        status, body, _ = await embed(broker, "a slow text")
+        assert status == 504 and body["error"]["code"] == "deadline_exceeded"
+
+
+async def test_failed_requests_give_their_reserved_tokens_back(simulator, start_broker):
+    broker = await start_broker(emb_config(simulator, tiers=[{"name": "standard", "tpm": 60}]))
+    text = "a sentence of some sixteen tokens that the upstream is going to refuse every single time"
+    simulator.set_faults(status_override=400)
+    for i in range(3):  # 18 tokens each: with the last one, past the limit unless each failure settles to 0
+        status, _, _ = await embed(broker, f"{text} {i}")
+        assert status == 400
+    simulator.set_faults(status_override=None)
+    status, _, headers = await embed(broker, text)
+    assert status == 200, headers
+
+
+def _key_headers(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _two_tenants(scope: str) -> dict:
+    keys = [{"sha256": hashlib.sha256(t.encode()).hexdigest(), "tenant": t} for t in ("alpha", "beta")]
+    return {"auth": {"mode": "keys", "keys": keys}, "embeddings": {"window_ms": 5, "cache_scope": scope}}
+
+
+async def test_tenant_cache_scope_keeps_one_tenants_cache_hits_from_another(simulator, start_broker):
+    broker = await start_broker(emb_config(simulator, **_two_tenants("tenant")))
+    await embed(broker, "a private text", headers=_key_headers("alpha"))
+    status, _, headers = await embed(broker, "a private text", headers=_key_headers("beta"))
+    assert status == 200 and headers["X-Broker-Cache"] == "miss"
+    _, _, headers = await embed(broker, "a private text", headers=_key_headers("alpha"))
+    assert headers["X-Broker-Cache"] == "hit"
+
+
+async def test_the_global_cache_scope_shares_hits_across_tenants(simulator, start_broker):
+    broker = await start_broker(emb_config(simulator, **_two_tenants("global")))
+    await embed(broker, "a shared text", headers=_key_headers("alpha"))
+    _, _, headers = await embed(broker, "a shared text", headers=_key_headers("beta"))
+    assert headers["X-Broker-Cache"] == "hit"

@@ -115,3 +115,49 @@ def test_embedding_fingerprint_depends_on_model_text_dimensions_and_version():
 
 def test_chat_and_embedding_fingerprints_never_collide():
     assert chat_fingerprint({"model": "m"}) != embedding_fingerprint("m", "", dimensions=None, cache_version="1")
+
+
+@pytest.mark.parametrize("change", [
+    {"top_k": 5},
+    {"min_p": 0.1},
+    {"service_tier": "flex"},
+    {"repetition_penalty": 1.2},
+    {"extra_body_vendor_knob": {"mode": "fast"}},
+], ids=lambda c: next(iter(c)))
+def test_unknown_body_fields_change_the_fingerprint(change):
+    assert chat_fingerprint(_body(**change)) != chat_fingerprint(_body())
+
+
+@pytest.mark.parametrize("change", [
+    {"user": "alice"},
+    {"safety_identifier": "u-1"},
+    {"stream": False},
+    {"stream_options": {"include_usage": True}},
+    {"store": True},
+    {"metadata": {"team": "x"}},
+    {"prompt_cache_key": "k"},
+    {"broker": {"tier": "batch"}},
+], ids=lambda c: next(iter(c)))
+def test_fields_that_cannot_change_the_answer_leave_the_fingerprint_alone(change):
+    assert chat_fingerprint(_body(**change)) == chat_fingerprint(_body())
+
+
+def test_a_body_field_named_like_an_internal_key_cannot_collide_with_it():
+    assert chat_fingerprint(_body(cache_version="2")) != chat_fingerprint(_body(), cache_version="2")
+
+
+def test_unknown_message_fields_change_the_fingerprint():
+    base = _body()
+    tagged = _body(messages=[base["messages"][0], {**base["messages"][1], "cache_control": {"type": "ephemeral"}}])
+    assert chat_fingerprint(tagged) != chat_fingerprint(base)
+
+
+def test_without_whitespace_collapsing_only_the_ends_are_stripped():
+    assert normalize_text("  def f():\n    return 1\n", lowercase=False, collapse_whitespace=False) == (
+        "def f():\n    return 1")
+    indented = _body(messages=[{"role": "user", "content": "if x:\n    y()"}])
+    flat = _body(messages=[{"role": "user", "content": "if x: y()"}])
+    assert chat_fingerprint(indented) == chat_fingerprint(flat)
+    assert chat_fingerprint(indented, collapse_whitespace=False) != chat_fingerprint(flat, collapse_whitespace=False)
+    padded = _body(messages=[{"role": "user", "content": "  if x:\n    y()\n"}])
+    assert chat_fingerprint(padded, collapse_whitespace=False) == chat_fingerprint(indented, collapse_whitespace=False)

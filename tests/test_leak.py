@@ -64,3 +64,18 @@ def test_naming_another_members_id_is_flagged():
 def test_min_words_must_be_positive():
     with pytest.raises(ValueError):
         find_leaks({}, {}, min_words=0)
+
+
+def test_a_short_request_quoted_whole_is_a_leak_but_tiny_ones_are_not():
+    requests = {"aaaaaa": "What is my account balance?", "bbbbbb": "tell me a joke please now",
+                "cccccc": "Yes or no?"}
+    answers = {"aaaaaa": "Your balance is private.",
+               "bbbbbb": "Sure. Someone asked: what is my account balance. Also yes or no.",
+               "cccccc": "Yes."}
+    assert find_leaks(answers, requests, min_words=8) == {"bbbbbb"}
+
+
+def test_a_short_request_is_not_a_leak_when_the_answering_member_asked_it_too():
+    requests = {"aaaaaa": "What is my account balance?", "bbbbbb": "What is my account balance? And my limit?"}
+    answers = {"aaaaaa": "x", "bbbbbb": "You asked: what is my account balance and my limit."}
+    assert find_leaks(answers, requests, min_words=8) == set()

@@ -35,3 +35,17 @@ async def test_requests_succeed_when_the_ledger_cannot_write(simulator, start_br
                                  "ledger": {"path": str(blocker / "ledger.sqlite3"), "flush_interval_s": 0.05}})
     status, _, _ = await broker.chat("still answered")
     assert status == 200
+
+
+async def test_every_request_gets_its_own_ledger_row_whatever_x_request_id_the_client_sends(
+        simulator, start_broker, tmp_path):
+    path = tmp_path / "ledger.sqlite3"
+    broker = await start_broker({"providers": [provider_for(simulator)], "merge": {"enabled": False},
+                                 "ledger": {"path": str(path), "flush_interval_s": 0.05}})
+    for question in ("first", "second", "third"):
+        status, _, headers = await broker.chat(question, headers={"X-Request-ID": "constant-id"})
+        assert status == 200 and headers["X-Request-ID"] == "constant-id"  # still echoed to the client
+    await broker.broker.ledger.flush()
+    ids = [r[0] for r in sqlite3.connect(path).execute("SELECT request_id FROM ledger").fetchall()]
+    assert len(ids) == 3 and len(set(ids)) == 3
+    assert "constant-id" not in ids

@@ -115,3 +115,13 @@ async def test_glob_routes_pause_merging_for_the_models_they_match(breakers: dic
     await record(breakers["a"], failures=3, successes=7)
     assert policy.merging_allowed("sim-small") is False
     assert policy.merging_allowed("gpt-x") is True
+
+
+def test_the_degraded_gauge_keeps_one_series_per_known_model_and_one_for_the_rest(
+        breakers: dict[str, CircuitBreaker]) -> None:
+    metrics = Metrics(max_model_labels=3)
+    policy = DegradationPolicy({"*": ["c"]}, breakers, metrics)
+    for n in range(50):
+        assert policy.merging_allowed(f"client-chosen-{n}")
+    series = {s.labels["model"] for s in metrics.degraded.collect()[0].samples}
+    assert series == {"client-chosen-0", "client-chosen-1", "client-chosen-2", "other"}

@@ -10,9 +10,10 @@ import pytest
 
 from breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
 from broker.clock import FakeClock
-from broker.errors import DeadlineExceeded, UpstreamError, UpstreamHTTPError, UpstreamUnavailable
+from broker.errors import DeadlineExceeded, UpstreamError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
 from broker.metrics import Metrics
 from broker.upstream_limiter import UpstreamLimiter
+from providers.openai_compat import read_timeout_for
 from providers.pool import ProviderPools, Upstream, order_upstreams
 from providers.retry import RetryPolicy
 
@@ -35,6 +36,7 @@ class FakeProvider:
         self._script = list(script or [])
         self._gate = gate
         self._usage_tokens = usage_tokens
+        self.timeouts: list[float] = []
 
     async def _enter(self) -> None:
         self.calls += 1
@@ -50,6 +52,7 @@ class FakeProvider:
             self.active -= 1
 
     async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        self.timeouts.append(timeout)
         await self._enter()
         reply: dict[str, Any] = {"choices": [{"message": {"content": f"from {self.name}"}}]}
         if self._usage_tokens is not None:
@@ -74,6 +77,21 @@ class FakeProvider:
 
     async def close(self) -> None:
         return None
+
+
+class TimingOutProvider(FakeProvider):
+    """A Provider whose every chat call times out: after its whole timeout, or after `after_s` if set."""
+
+    def __init__(self, name: str, clock: FakeClock, *, after_s: float | None = None) -> None:
+        super().__init__(name)
+        self._clock = clock
+        self._after_s = after_s
+
+    async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        self.calls += 1
+        self.timeouts.append(timeout)
+        self._clock.advance(timeout if self._after_s is None else self._after_s)
+        raise UpstreamTimeout("upstream chat timed out")
 
 
 def pools_of(*upstreams: Upstream, clock: FakeClock, metrics: Metrics | None = None, **options: Any) -> ProviderPools:
@@ -325,4 +343,87 @@ async def test_usage_beyond_the_estimate_is_charged_to_the_upstream_budget(fake_
     fake_clock.advance(1)
     limiter.poke()
     assert (await waiting)[1] == "a"
+    limiter.close()
+
+
+async def test_timeouts_set_by_callers_short_deadlines_never_open_the_breaker(fake_clock: FakeClock) -> None:
+    metrics = Metrics()
+    provider = TimingOutProvider("a", fake_clock)
+    breaker = breaker_for("a", fake_clock)
+    pools = pools_of(Upstream(provider, breaker=breaker), clock=fake_clock, metrics=metrics)
+    for _ in range(12):
+        with pytest.raises(DeadlineExceeded):
+            await pools.chat("m", BODY, deadline=fake_clock() + 0.05)
+    assert provider.calls == 12 and provider.timeouts[0] == pytest.approx(0.05)
+    assert breaker.state is BreakerState.CLOSED and breaker.snapshot()["calls"] == 0
+    assert sample(metrics, "mergebroker_upstream_calls_total", provider="a", outcome="deadline") == 12
+
+
+async def test_a_read_timeout_within_the_deadline_still_opens_the_breaker(fake_clock: FakeClock) -> None:
+    provider = TimingOutProvider("a", fake_clock)
+    breaker = breaker_for("a", fake_clock)
+    pools = pools_of(Upstream(provider, breaker=breaker), clock=fake_clock)
+    with pytest.raises(UpstreamUnavailable):  # two slow attempts trip it; the third round is refused
+        await pools.chat("m", BODY, deadline=fake_clock() + 60)
+    assert provider.timeouts[0] == pytest.approx(read_timeout_for(16, token_rate=50.0))
+    assert breaker.state is BreakerState.OPEN
+
+
+async def test_a_timeout_well_before_a_bounding_deadline_still_counts_against_the_breaker(
+        fake_clock: FakeClock) -> None:
+    provider = TimingOutProvider("a", fake_clock, after_s=1.0)  # e.g. the connect timeout of an unreachable host
+    breaker = breaker_for("a", fake_clock)
+    pools = pools_of(Upstream(provider, breaker=breaker), clock=fake_clock, retry=RetryPolicy(attempts=1))
+    with pytest.raises(UpstreamTimeout):
+        await pools.chat("m", BODY, deadline=fake_clock() + 3)  # under the 5.32 s read timeout
+    assert breaker.snapshot()["calls"] == 1 and breaker.snapshot()["error_ratio"] == 1
+
+
+async def test_the_read_timeout_is_the_shared_rule_applied_to_the_bodys_output_budget(fake_clock: FakeClock) -> None:
+    provider = FakeProvider("a")
+    pools = pools_of(Upstream(provider, token_rate=100.0), clock=fake_clock)
+    bodies = [BODY, {**BODY, "max_tokens": None, "max_completion_tokens": 900}, {**BODY, "max_tokens": -5},
+              {"model": "m", "messages": []}]
+    for body in bodies:
+        await pools.chat("m", body, deadline=fake_clock() + 600)
+    assert provider.timeouts == [read_timeout_for(n, token_rate=100.0) for n in (16, 900, None, None)]
+
+
+async def test_a_credentials_rejection_fails_over_and_counts_against_the_breaker(fake_clock: FakeClock) -> None:
+    rejected = UpstreamHTTPError(401, "Incorrect API key provided: sk-...wxyz",
+                                 body={"error": {"message": "Incorrect API key provided: sk-...wxyz",
+                                                 "type": "invalid_request_error", "code": "invalid_api_key"}})
+    a, b = FakeProvider("a", [rejected]), FakeProvider("b")
+    breaker = breaker_for("a", fake_clock)
+    pools = pools_of(Upstream(a, breaker=breaker), Upstream(b), clock=fake_clock)
+    assert (await pools.chat("m", BODY, deadline=fake_clock() + 60))[1] == "b"
+    assert breaker.snapshot()["calls"] == 1 and breaker.snapshot()["error_ratio"] == 1
+
+
+async def test_a_caller_fault_gives_back_the_tokens_it_took_even_for_an_absurd_estimate(
+        fake_clock: FakeClock) -> None:
+    limiter = UpstreamLimiter(None, tpm=6000, clock=fake_clock)  # a bucket of 100 tokens
+    provider = FakeProvider("a", [UpstreamHTTPError(400, "max_tokens is too large")])
+    pools = pools_of(Upstream(provider, limiter=limiter), clock=fake_clock)
+    with pytest.raises(UpstreamHTTPError):
+        await pools.chat("m", BODY, deadline=fake_clock() + 60, tokens=10**12)
+    # The clock stands still: the next call goes at once only if the rejected one left the bucket full.
+    assert (await asyncio.wait_for(pools.chat("m", BODY, deadline=fake_clock() + 60, tokens=100), 0.5))[1] == "a"
+    limiter.close()
+
+
+async def test_a_call_that_timed_out_waiting_for_a_slot_returns_its_request_and_tokens(
+        fake_clock: FakeClock) -> None:
+    limiter = UpstreamLimiter(rpm=120, tpm=6000, clock=fake_clock)  # a burst of 2 requests, 100 tokens
+    gate = asyncio.Event()
+    upstream = Upstream(FakeProvider("a", gate=gate), limiter=limiter, max_in_flight=1)
+    pools = pools_of(upstream, clock=fake_clock)
+    held = asyncio.create_task(pools.chat("m", BODY, deadline=fake_clock() + 60, tokens=10))
+    await settle()
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(pools.chat("m", BODY, deadline=fake_clock() + 0.05, tokens=90), 5)
+    gate.set()
+    await held
+    # One request and 90 tokens are left only if the timed-out call returned both.
+    assert (await asyncio.wait_for(pools.chat("m", BODY, deadline=fake_clock() + 60, tokens=90), 0.5))[1] == "a"
     limiter.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from broker.cli import build_parser, serve_overrides
 from broker.settings import ConfigError, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +40,7 @@ def test_config_path_from_environment(tmp_path):
     ("default_tier: nope\n", "default_tier"),
     ("providers:\n  - name: p\n    base_url: ftp://x\n", "base_url"),
     ("providers:\n  - name: p\n    base_url: http://x\n    api_key: sk-1\n", "providers.0.api_key"),
+    ("ledger:\n  postgres_dsn: postgresql://u:pw@db/x\n", "ledger.postgres_dsn"),
     ("surprise: 1\n", "surprise"),
     ("auth:\n  mode: keys\n", "auth.keys"),
 ])
@@ -65,3 +67,30 @@ def test_every_command_has_useful_help(command):
                             timeout=60)
     assert result.returncode == 0
     assert "usage: mergebroker " + command in result.stdout
+
+
+def test_command_line_flags_win_over_environment_and_file(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  port: 9000\n  host: 0.0.0.0\nmerge:\n  scope: user\n")
+    monkeypatch.setenv("MERGEBROKER_SERVER__PORT", "9100")
+    monkeypatch.setenv("MERGEBROKER_SERVER__HOST", "10.0.0.1")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--port", "9300"])
+    settings = load_settings(args.config, overrides=serve_overrides(args))
+    assert settings.server.port == 9300
+    assert settings.server.host == "10.0.0.1"  # no --host: the environment still wins over the file
+    assert settings.merge.scope == "user"
+
+
+def test_overrides_merge_into_file_sections_instead_of_replacing_them(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("merge:\n  scope: user\n  lowercase: false\n")
+    settings = load_settings(path, environ={}, overrides={"merge": {"collapse_whitespace": False}})
+    merge = settings.merge
+    assert (merge.scope, merge.lowercase, merge.collapse_whitespace) == ("user", False, False)
+
+
+def test_postgres_dsn_is_read_from_the_named_environment_variable(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("ledger:\n  postgres_dsn_env: PG_DSN\n")
+    settings = load_settings(path, environ={"PG_DSN": "postgresql://u:pw@db/x"})
+    assert settings.ledger.postgres_dsn.get_secret_value() == "postgresql://u:pw@db/x"

@@ -118,3 +118,30 @@ def test_tagged_mode_ignores_the_system_prompt():
     other = _body(messages=[{"role": "system", "content": "Be verbose."}, {"role": "user", "content": "Hi"}])
     assert _key(_body(), include_system=False) == _key(other, include_system=False)
     assert _key(_body()) != _key(other)
+
+
+@pytest.mark.parametrize("change", [
+    {"top_k": 5},
+    {"min_p": 0.1},
+    {"service_tier": "flex"},
+    {"vendor_knob": {"mode": "fast"}},
+    {"store": True},
+    {"metadata": {"team": "x"}},
+    {"safety_identifier": "u-1"},
+], ids=lambda c: next(iter(c)))
+def test_requests_differing_in_any_other_field_never_share_a_merged_call(change):
+    assert _key(_body(**change)) != _key(_body())
+
+
+@pytest.mark.parametrize("change", [
+    {"max_tokens": 50},
+    {"max_completion_tokens": 70},
+    {"user": "alice"},
+    {"stream": False},
+    {"n": 1},
+    {"logprobs": False},
+    {"modalities": ["text"]},
+    {"broker": {"tier": "batch"}},
+], ids=lambda c: next(iter(c)))
+def test_per_member_fields_and_explicit_defaults_do_not_keep_requests_apart(change):
+    assert _key(_body(**change)) == _key(_body())

@@ -73,7 +73,7 @@ async def test_missing_and_unknown_keys_are_401_in_the_openai_envelope(simulator
         status, body, _ = await broker.chat("hello", headers=headers)
         assert status == 401
         assert_envelope(body, "invalid_api_key")
-    assert rejected(broker, "", "unauthorized") == 2
+    assert rejected(broker, "unknown", "unauthorized") == 2
     status, _, _ = await broker.chat("hello", headers=bearer("good-key"))
     assert status == 200
     assert simulator.stats()["chat_calls"] == 1
@@ -89,6 +89,18 @@ async def test_a_tier_the_key_may_not_use_or_that_does_not_exist_is_403(simulato
     assert status == 403
     assert_envelope(body, "unknown_tier")
     assert simulator.stats()["chat_calls"] == 0
+
+
+async def test_refusals_label_only_configured_tiers_so_junk_headers_add_no_metric_series(simulator, start_broker):
+    auth = {"mode": "keys", "keys": [{"sha256": sha("k"), "tenant": "a", "tiers": ["free"]}]}
+    broker = await start_broker(config(simulator, [OPEN_TIER, LIMITED], auth=auth))
+    for i in range(3):
+        status, _, _ = await broker.chat("hi", headers=bearer("k", **{"X-Broker-Tier": f"junk-{i}"}))
+        assert status == 403
+    status, _, _ = await broker.chat("hi", headers={"X-Broker-Tier": "limited"})
+    assert status == 401
+    assert rejected(broker, "unknown", "forbidden") == 3 and rejected(broker, "limited", "unauthorized") == 1
+    assert "junk" not in broker.broker.metrics.render().decode()
 
 
 async def test_gateway_mode_needs_the_shared_secret_over_http(simulator, start_broker):

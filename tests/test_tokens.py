@@ -91,3 +91,11 @@ def test_prompt_estimate_uses_the_fallback_when_the_tokenizer_is_missing(monkeyp
     monkeypatch.setattr(tokens, "_encoder", lambda: None)
     got = tokens.estimate_prompt_tokens([{"role": "user", "content": PROSE}])
     assert got == 3 + 3 + tokens.fallback_text_tokens("user") + tokens.fallback_text_tokens(PROSE)
+
+
+@pytest.mark.parametrize("text", ["word " * 250_000, "hello world " * 100_000], ids=["over_200k_tokens", "1M_chars"])
+def test_a_text_too_long_for_the_tokenizer_is_estimated_instead_of_failing(text: str) -> None:
+    assert tokens.count_text_tokens(text) == tokens.fallback_text_tokens(text)
+    messages = [{"role": "user", "content": text}]
+    assert tokens.estimate_prompt_tokens(messages) >= tokens.fallback_text_tokens(text)
+    assert tokens.estimate_embedding_tokens([text, "short"]) == tokens.fallback_text_tokens(text) + truth("short")

@@ -96,20 +96,44 @@ async def test_cancelled_waiter_is_removed_and_does_not_block_others(fake_clock:
     await rec.stop()
 
 
-async def test_call_bigger_than_the_bucket_waits_for_a_full_bucket_then_goes_into_debt(fake_clock: FakeClock) -> None:
+async def test_a_call_bigger_than_the_bucket_takes_one_full_bucket_and_no_debt(fake_clock: FakeClock) -> None:
     limiter = UpstreamLimiter(rpm=None, tpm=600, clock=fake_clock)  # bucket of 10, 10 per second
+    assert await asyncio.wait_for(limiter.acquire(10**12, 0), 1) == 10  # an absurd estimate costs one bucket
     rec = Recorder(limiter)
-    await rec.start("huge", tokens=50)
     await rec.start("next", tokens=10)
-    assert rec.served == ["huge"]
+    assert rec.served == []
+    fake_clock.advance(1)  # one second refills the bucket: the huge estimate left no debt behind
+    limiter.poke()
+    await settle()
+    assert rec.served == ["next"]
+
+
+async def test_usage_settled_beyond_what_was_taken_is_still_charged(fake_clock: FakeClock) -> None:
+    limiter = UpstreamLimiter(rpm=None, tpm=600, clock=fake_clock)
+    taken = await limiter.acquire(50, 0)
+    limiter.give_back(taken - 50)  # the call really used 50: 40 of debt
+    rec = Recorder(limiter)
+    await rec.start("next", tokens=10)
     fake_clock.advance(4.9)
     limiter.poke()
     await settle()
-    assert rec.served == ["huge"]  # 40 tokens of debt plus 10 for "next" take 5 s
+    assert rec.served == []  # 40 tokens of debt plus 10 for "next" take 5 s
     fake_clock.advance(0.1)
     limiter.poke()
     await settle()
-    assert rec.served == ["huge", "next"]
+    assert rec.served == ["next"]
+
+
+async def test_a_refund_returns_the_request_as_well_as_the_tokens(fake_clock: FakeClock) -> None:
+    limiter = UpstreamLimiter(rpm=60, tpm=600, clock=fake_clock)  # one request per second, bucket of 10
+    taken = await limiter.acquire(10, 0)
+    rec = Recorder(limiter)
+    await rec.start("next", tokens=10)
+    assert rec.served == []
+    limiter.refund(taken)  # the first call was never sent
+    await settle()
+    assert rec.served == ["next"]
+    await rec.stop()
 
 
 async def test_given_back_tokens_let_the_next_waiter_go(fake_clock: FakeClock) -> None:

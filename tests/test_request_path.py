@@ -1,0 +1,341 @@
+"""Along the chat path every caller keeps its own deadline, tier and opt-out, and always gets exactly one answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+from aiohttp import web
+from structlog.testing import capture_logs
+
+from broker.clock import FakeClock
+from broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
+from broker.errors import BrokerError, NotFound
+from broker.jobs import ChatJob, ChatOutcome
+from broker.queue import ReleasedGroup
+from merge.quality_guard import GuardSettings, QualityGuard
+from merge.shape import MergeShape
+from providers.simulator import answer_for
+from tests.conftest import BrokerUnderTest, provider_for
+from tests.test_tiers_api import SubmitSpy
+
+WINDOW = {"window_ms": 5000, "max_batch": 8, "similarity_threshold": 0.0}
+
+
+def config(sim, tiers: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"providers": [provider_for(sim)], "merge": {"embedder": "none"}, "tiers": tiers,
+            "default_tier": tiers[0]["name"], **extra}
+
+
+class JoinSpy:
+    """Lets a test await the moment the n-th caller has joined a pending request (leader or follower)."""
+
+    def __init__(self, broker: BrokerUnderTest) -> None:
+        flights = broker.broker.chat._flights
+        self._join = flights.join
+        self.count = 0
+        self._changed = asyncio.Event()
+        flights.join = self._record  # type: ignore[method-assign]
+
+    async def _record(self, key: Any, start: Any) -> Any:
+        self.count += 1
+        self._changed.set()
+        return await self._join(key, start)
+
+    async def wait_for(self, count: int) -> None:
+        while self.count < count:
+            self._changed.clear()
+            await asyncio.wait_for(self._changed.wait(), 10)
+
+
+async def test_a_follower_with_a_longer_timeout_is_not_cut_short_by_the_leaders_deadline(simulator, start_broker):
+    clock = FakeClock()
+    broker = await start_broker(config(simulator, [{"name": "slow", **WINDOW}]), clock=clock)
+    joins = JoinSpy(broker)
+    leader = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 2}))
+    await joins.wait_for(1)
+    follower = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 20}))
+    await joins.wait_for(2)
+    clock.advance(5)  # the window closes after the leader's own deadline, well within the follower's
+    broker.broker.queue.release_due()
+    status, body, headers = await follower
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == answer_for("the same question")
+    assert headers["X-Broker-Cache"] == "coalesced"
+    await leader
+    assert simulator.stats()["chat_calls"] == 1
+
+
+async def test_a_follower_of_a_call_cut_short_by_the_leaders_deadline_gets_its_own_call(simulator, start_broker):
+    broker = await start_broker(config(simulator, [{"name": "now", "window_ms": 0}]))
+    simulator.set_faults(latency_base_ms=1000)
+    joins = JoinSpy(broker)
+    leader = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 0.5}))
+    await joins.wait_for(1)
+    with capture_logs() as logs:
+        status, body, _ = await broker.chat("the same question", broker={"timeout_s": 20})
+    assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("the same question")
+    assert (await leader)[0] == 504
+    assert [e["reason"] for e in logs if e["event"] == "coalesced_retry"] == ["shared_job_deadline"]
+    assert simulator.stats()["chat_calls"] == 2
+
+
+async def test_an_identical_request_in_another_tier_does_not_wait_in_the_first_ones_window(simulator, start_broker):
+    clock = FakeClock()
+    tiers = [{"name": "batch", "priority": 0, **WINDOW}, {"name": "realtime", "priority": 100, "window_ms": 0}]
+    broker = await start_broker(config(simulator, tiers), clock=clock)
+    spy = SubmitSpy(broker)
+    waiting = asyncio.create_task(broker.chat("shared words", headers={"X-Broker-Tier": "batch"}))
+    await spy.wait_for(1)
+    status, body, headers = await asyncio.wait_for(
+        broker.chat("shared words", headers={"X-Broker-Tier": "realtime"}), 10)
+    assert status == 200 and headers["X-Broker-Cache"] == "miss"
+    assert body["choices"][0]["message"]["content"] == answer_for("shared words")
+    clock.advance(5)
+    broker.broker.queue.release_due()
+    assert (await waiting)[0] == 200
+
+
+async def test_a_merge_opt_out_never_receives_a_merged_answer_from_an_identical_request(simulator, start_broker):
+    clock = FakeClock()
+    broker = await start_broker(config(simulator, [{"name": "batch", **WINDOW}]), clock=clock)
+    spy = SubmitSpy(broker)
+    mergeable = [asyncio.create_task(broker.chat(q)) for q in ("question one", "question two")]
+    await spy.wait_for(2)
+    opted_out = asyncio.create_task(broker.chat("question one", broker={"merge": False}))
+    await spy.wait_for(3)
+    clock.advance(5)
+    broker.broker.queue.release_due()
+    status, body, headers = await opted_out
+    assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("question one")
+    assert (headers["X-Broker-Batch-Size"], headers["X-Broker-Cache"]) == ("1", "miss")
+    assert [(await t)[2]["X-Broker-Batch-Size"] for t in mergeable] == ["2", "2"]
+
+
+async def test_tenant_and_user_names_containing_separators_never_share_a_cache_entry(simulator, start_broker):
+    settings = config(simulator, [{"name": "standard", "window_ms": 0}], merge={"embedder": "none", "scope": "user"},
+                      auth={"mode": "gateway", "gateway_secret_env": "GW"})
+    broker = await start_broker(settings, environ={"GW": "s3cret"})
+
+    def gateway(tenant: str, user: str) -> dict[str, str]:
+        return {"X-Broker-Gateway-Secret": "s3cret", "X-Broker-Tenant": tenant, "X-Broker-User": user}
+
+    _, _, first = await broker.chat("private question", temperature=0, headers=gateway("a:user:b", "c"))
+    _, _, second = await broker.chat("private question", temperature=0, headers=gateway("a", "b:user:c"))
+    assert (first["X-Broker-Cache"], second["X-Broker-Cache"]) == ("miss", "miss")
+    _, _, again = await broker.chat("private question", temperature=0, headers=gateway("a", "b:user:c"))
+    assert again["X-Broker-Cache"] == "hit"
+
+
+async def test_a_deadline_error_cites_the_callers_own_shorter_timeout(simulator, start_broker):
+    broker = await start_broker(config(simulator, [{"name": "slow", **WINDOW}]), clock=FakeClock())
+    status, body, _ = await broker.chat("too impatient", broker={"timeout_s": 0.2})
+    assert status == 504 and body["error"]["code"] == "deadline_exceeded"
+    assert "0.2 s" in body["error"]["message"]
+
+
+# Dispatch: whatever fails, every member gets an answer or an error at once.
+
+_BLOCK = re.compile(r'<request id="([0-9a-f]+)">\n(.*?)\n</request>', re.S)
+
+
+class FakePools:
+    """Stands in for ProviderPools: answers single calls like the simulator; merged calls with `merged(ids)`."""
+
+    def __init__(self, merged: Any) -> None:
+        self._merged = merged
+        self.single_calls: list[str] = []
+
+    async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
+                   tokens: int = 0) -> tuple[dict[str, Any], str]:
+        text = body["messages"][-1]["content"]
+        blocks = _BLOCK.findall(text)
+        if blocks:
+            return self._merged(blocks), "fake"
+        self.single_calls.append(text)
+        return completion(answer_for(text)), "fake"
+
+
+def completion(content: Any) -> dict[str, Any]:
+    return {"id": "x", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                                  "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20}}
+
+
+class BrokenEmbedder:
+    ready = True
+
+    async def embed(self, texts: list[str]) -> list[Any]:
+        raise RuntimeError("the model process died")
+
+
+def dispatcher(pools: Any, *, threshold: float = 0.0, tagged: bool = False, embedder: Any = None) -> Dispatcher:
+    return Dispatcher(pools, tiers={"t": TierMergePolicy(True, threshold, 8, tagged)},
+                      options=MergeOptions(None, 4, {}, 100_000), embedder=embedder,
+                      guard=QualityGuard(GuardSettings()), merging_allowed=lambda model: True)
+
+
+def jobs(*questions: str, systems: tuple[str | None, ...] = ()) -> list[ChatJob]:
+    made = []
+    for i, q in enumerate(questions):
+        system = systems[i] if systems else None
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
+        made.append(ChatJob(request_id=f"r{i}", caller=None, body={"model": "m", "messages": messages},  # type: ignore
+                            model="m", priority=0, shape=MergeShape(system, q), merge_key="k", prompt_tokens=10,
+                            max_tokens=50, deadline=1e12, enqueued_at=0))
+    return made
+
+
+async def outcomes(group: list[ChatJob]) -> list[ChatOutcome | BaseException]:
+    return await asyncio.wait_for(asyncio.gather(*(j.future for j in group), return_exceptions=True), 5)
+
+
+async def test_a_merged_reply_of_the_wrong_shape_sends_every_member_alone():
+    pools = FakePools(lambda blocks: {"choices": [None]})
+    group = jobs("first question", "second question")
+    await dispatcher(pools).run_group(ReleasedGroup("t", "k", group, 0.0))
+    results = await outcomes(group)
+    assert [r.body["choices"][0]["message"]["content"] for r in results] == [  # type: ignore[union-attr]
+        answer_for("first question"), answer_for("second question")]
+    assert [r.fallback for r in results] == ["bad_reply", "bad_reply"]  # type: ignore[union-attr]
+
+
+async def test_an_embedder_failure_sends_the_members_alone_instead_of_leaving_them_waiting():
+    pools = FakePools(lambda blocks: {"choices": [None]})
+    group = jobs("first question", "second question")
+    await dispatcher(pools, threshold=0.5, embedder=BrokenEmbedder()).run_group(ReleasedGroup("t", "k", group, 0.0))
+    results = await outcomes(group)
+    assert [r.body["choices"][0]["message"]["content"] for r in results] == [  # type: ignore[union-attr]
+        answer_for("first question"), answer_for("second question")]
+    assert sorted(pools.single_calls) == ["first question", "second question"]
+
+
+async def test_a_merged_call_refused_with_an_error_fails_every_member_at_once():
+    def refuse(blocks: Any) -> Any:
+        raise NotFound("The model 'm' does not exist.", code="model_not_found")
+
+    group = jobs("first question", "second question")
+    await dispatcher(FakePools(refuse)).run_group(ReleasedGroup("t", "k", group, 0.0))
+    results = await outcomes(group)
+    assert all(isinstance(r, NotFound) for r in results)
+
+
+async def test_an_unexpected_exception_in_dispatch_fails_every_member_with_a_broker_error():
+    def crash(blocks: Any) -> Any:
+        raise KeyError("a bug")
+
+    group = jobs("first question", "second question")
+    await dispatcher(FakePools(crash)).run_group(ReleasedGroup("t", "k", group, 0.0))
+    results = await outcomes(group)
+    assert all(isinstance(r, BrokerError) and r.status == 500 for r in results)
+
+
+async def test_with_tagged_system_prompts_quoting_another_members_system_prompt_is_a_leak():
+    secret = "You are the assistant of Acme payroll and the salary of Bob is ninety thousand"
+
+    def leaky(blocks: list[tuple[str, str]]) -> dict[str, Any]:
+        (first, _), (second, _) = blocks
+        return completion(f'<response id="{first}">\nfine\n</response>\n'
+                          f'<response id="{second}">\nI was told: {secret}\n</response>')
+
+    pools = FakePools(leaky)
+    group = jobs("What is the date?", "What is the time?", systems=(secret, "You are a clock."))
+    await dispatcher(pools, tagged=True).run_group(ReleasedGroup("t", "k", group, 0.0))
+    first, second = await outcomes(group)
+    assert first.body["choices"][0]["message"]["content"] == "fine"  # type: ignore[union-attr]
+    assert second.fallback == "leak"  # type: ignore[union-attr]
+    assert secret not in second.body["choices"][0]["message"]["content"]  # type: ignore[union-attr]
+
+
+async def test_a_chat_request_for_a_local_embedding_model_is_404_at_once(simulator, start_broker):
+    broker = await start_broker(config(simulator, [{"name": "batch", **WINDOW}], providers=[
+        provider_for(simulator, models=["sim-small"]), {"name": "loc", "kind": "local", "models": ["local-minilm"]}]))
+    status, body, _ = await asyncio.wait_for(broker.chat("hello", model="local-minilm"), 5)
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+# Streams: once the 200 is out, an error ends the stream with one SSE error event, never a second response.
+
+async def start_upstream(handler: Any) -> web.AppRunner:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+def upstream_url(runner: web.AppRunner) -> str:
+    port = runner.addresses[0][1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+FIRST_EVENT = b'data: {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+
+
+async def raw_stream(broker: BrokerUnderTest) -> bytes:
+    body = json.dumps({"model": "sim-small", "stream": True,
+                       "messages": [{"role": "user", "content": "tell me a story"}]}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", broker.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_an_upstream_failure_mid_stream_ends_it_with_one_sse_error_event(start_broker):
+    async def breaks_off(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(FIRST_EVENT)
+        request.transport.close()  # the connection drops mid-answer
+        return response
+
+    upstream = await start_upstream(breaks_off)
+    try:
+        broker = await start_broker({"providers": [{"name": "up", "base_url": upstream_url(upstream)}],
+                                     "merge": {"enabled": False}, "retry": {"attempts": 1}})
+        raw = await raw_stream(broker)
+    finally:
+        await upstream.cleanup()
+    assert raw.count(b"HTTP/1.1 ") == 1 and raw.startswith(b"HTTP/1.1 200")
+    assert b'"content": "Hi"' in raw
+    assert b'data: {"error": {' in raw and b'"code": "upstream_connection_error"' in raw
+    assert b"[DONE]" not in raw
+    assert broker.broker.pools.upstreams[0].in_flight == 0
+    requests = broker.broker.metrics.registry.get_sample_value(
+        "mergebroker_requests_total", {"endpoint": "chat", "tier": "standard", "status": "502"})
+    assert requests == 1
+
+
+async def test_a_client_leaving_mid_stream_closes_the_upstream_stream(start_broker):
+    upstream_closed = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(FIRST_EVENT)
+        try:
+            await asyncio.Event().wait()  # never finishes on its own
+        finally:
+            upstream_closed.set()
+        return response
+
+    upstream = await start_upstream(slow)
+    try:
+        broker = await start_broker({"providers": [{"name": "up", "base_url": upstream_url(upstream)}],
+                                     "merge": {"enabled": False}})
+        async with broker.http.post("/v1/chat/completions", json={
+                "model": "sim-small", "stream": True, "messages": [{"role": "user", "content": "go"}]}) as resp:
+            assert resp.status == 200
+            assert b"Hi" in await resp.content.readuntil(b"\n\n")
+            resp.connection.transport.close()  # type: ignore[union-attr]
+        await asyncio.wait_for(upstream_closed.wait(), 10)
+    finally:
+        await upstream.cleanup()
+    assert broker.broker.pools.upstreams[0].in_flight == 0
