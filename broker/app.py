@@ -176,7 +176,9 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
         embedder = CachingEmbedder(BatchingEmbedder(LocalEmbedder(host, int8=int8)))
     dispatcher = Dispatcher(
         pools,
-        tiers={t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged")
+        tiers={t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
+                                       (t.similarity_budget_ms if t.similarity_budget_ms is not None
+                                        else max(t.window_ms, 50.0)) / 1000)
                for t in settings.tiers},
         options=MergeOptions(settings.merge.header, settings.merge.leak_min_words, settings.merge.context_tokens,
                              settings.merge.default_context_tokens),
@@ -253,6 +255,7 @@ def freeze_startup_objects() -> None:
 
 async def _load_model(host: SentenceModelHost) -> None:
     await host.load()
+    await host.encode(["warm the model up before the first real group"], int8=True)  # first calls are slow
     freeze_startup_objects()  # the model's objects too
 
 

@@ -43,6 +43,7 @@ class TierMergePolicy:
     threshold: float
     max_batch: int
     tagged_system: bool = False
+    similarity_budget_s: float = 0.05  # longest a group waits for its vectors before it is sent unmerged
 
 
 @dataclass(frozen=True)
@@ -94,19 +95,39 @@ class Dispatcher:
         if needs_embedding(len(jobs), policy.threshold):
             if self._embedder is None or not self._embedder.ready:
                 return [[j] for j in jobs]  # cannot judge similarity yet: send alone, never wrongly merged
-            started = time.perf_counter()
-            try:
-                vectors = await self._embedder.embed([j.shape.user_text for j in jobs])  # type: ignore[union-attr]
-            except Exception as exc:  # noqa: BLE001 - without similarity, sending alone is always correct
-                log.warning("embedding_failed", tier=tier, size=len(jobs), error=type(exc).__name__)
+            vectors = await self._vectors(tier, jobs, policy.similarity_budget_s)
+            if vectors is None:
                 return [[j] for j in jobs]
-            if self._metrics:
-                self._metrics.embedding_seconds.observe(time.perf_counter() - started)
         budget = self._options.context_tokens.get(model, self._options.default_context_tokens)
         costs = [j.prompt_tokens + j.max_tokens for j in jobs]
         plan = group_by_similarity(vectors, threshold=policy.threshold, max_batch=policy.max_batch,
                                    costs=costs, budget=budget)
         return [[jobs[i] for i in batch] for batch in plan]
+
+    async def _vectors(self, tier: str, jobs: list[ChatJob], budget_s: float) -> Any:
+        """The group's prompt vectors, or None when the model fails or is slower than `budget_s`.
+
+        A worker never waits long on the model: a busy model would otherwise hold every group behind it.
+        Past the budget the group goes out unmerged (always correct), and the encode still finishes in the
+        background, so the vectors are cached for the paraphrases that come next.
+        """
+        started = time.perf_counter()
+        encode = asyncio.ensure_future(self._embedder.embed([j.shape.user_text for j in jobs]))  # type: ignore
+        try:
+            vectors = await asyncio.wait_for(asyncio.shield(encode), budget_s)
+        except asyncio.TimeoutError:
+            encode.add_done_callback(_retrieve)
+            if self._metrics:
+                self._metrics.merge_skipped.labels("similarity_slow").inc(len(jobs))
+            return None
+        except Exception as exc:  # noqa: BLE001 - without similarity, sending alone is always correct
+            log.warning("embedding_failed", tier=tier, size=len(jobs), error=type(exc).__name__)
+            if self._metrics:
+                self._metrics.merge_skipped.labels("similarity_failed").inc(len(jobs))
+            return None
+        if self._metrics:
+            self._metrics.embedding_seconds.observe(time.perf_counter() - started)
+        return vectors
 
     async def _run_batch(self, tier: str, jobs: list[ChatJob]) -> None:
         live = [j for j in jobs if not j.future.done()]  # callers gone before dispatch are dropped
@@ -306,6 +327,12 @@ def apply_stop(text: str, stop: str | list[str] | None) -> str:
     sequences = [stop] if isinstance(stop, str) else list(stop or [])
     cut = min((i for i in (text.find(s) for s in sequences if s) if i >= 0), default=len(text))
     return text[:cut]
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark a background encode's error as seen (it is logged where it matters: the next caller's encode)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int]) -> dict[str, Any]:

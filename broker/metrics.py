@@ -60,6 +60,9 @@ class Metrics:
                                             registry=r)
         self.split_fallback = Counter(p + "split_fallback", "Merged members re-sent alone, by reason.",
                                       ["reason"], registry=r)
+        self.merge_skipped = Counter(p + "merge_skipped", "Requests of mergeable groups sent unmerged, by reason "
+                                     "(similarity_slow: the model missed its budget; similarity_failed).",
+                                     ["reason"], registry=r)
         self.embedding_seconds = Histogram(p + "embedding_seconds", "Similarity-embedding time per window batch.",
                                            buckets=LATENCY_BUCKETS, registry=r)
         # Breakers and degradation.

@@ -83,6 +83,9 @@ class TierSettings(_Strict):
     request_timeout_s: float = Field(60.0, gt=0)
     merge: bool = True
     similarity_threshold: float = Field(0.85, ge=0, le=1)
+    similarity_budget_ms: float | None = Field(
+        None, ge=0, description="Longest a group waits for its prompt vectors before it is sent unmerged "
+                                "(default: the window, at least 50 ms).")
     omitted_temperature_is_zero: bool = False
     system_prompts: Literal["exact", "tagged"] = "exact"
 

@@ -13,7 +13,8 @@ BATCH = {"X-Broker-Tier": "batch"}
 
 def config(sim, **extra) -> dict:
     base = {"providers": [provider_for(sim)],
-            "tiers": [{"name": "standard", "priority": 50, "window_ms": 200, "max_batch": 4},
+            "tiers": [{"name": "standard", "priority": 50, "window_ms": 200, "max_batch": 4,
+                       "similarity_budget_ms": 30_000},  # a loaded test machine must not skip merging
                       {"name": "batch", "priority": 0, "window_ms": 200, "max_batch": 8, "similarity_threshold": 0.0}]}
     base.update(extra)
     return base

@@ -1,0 +1,61 @@
+"""The dispatcher never lets a slow similarity model hold a group: past its budget the group goes out unmerged."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from broker.admission import Caller
+from broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
+from broker.jobs import ChatJob
+from broker.metrics import Metrics
+from broker.queue import ReleasedGroup
+from merge.embedder import FakeEmbedder
+from merge.quality_guard import GuardSettings, QualityGuard
+from merge.shape import merge_shape
+from providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from providers.pool import ProviderPools, Upstream
+from providers.simulator import answer_for
+
+
+class StuckEmbedder(FakeEmbedder):
+    """A model that never finishes (until released)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def embed(self, texts):
+        await self.release.wait()
+        return await super().embed(texts)
+
+
+def job(text: str) -> ChatJob:
+    body = {"model": "sim-small", "messages": [{"role": "user", "content": text}]}
+    return ChatJob(request_id=text, caller=Caller("t", "standard"), body=body, model="sim-small", priority=0,
+                   shape=merge_shape(body), merge_key="k", prompt_tokens=5, max_tokens=50,
+                   deadline=time.monotonic() + 30, enqueued_at=time.monotonic())
+
+
+async def test_a_group_whose_vectors_miss_the_budget_is_sent_unmerged(simulator):
+    metrics = Metrics()
+    provider = OpenAICompatProvider(HttpProviderSettings(name="sim", base_url=simulator.url))
+    pools = ProviderPools([Upstream(provider)], metrics=metrics)
+    embedder = StuckEmbedder()
+    dispatcher = Dispatcher(
+        pools, tiers={"standard": TierMergePolicy(True, 0.85, 4, similarity_budget_s=0.05)},
+        options=MergeOptions(None, 8, {}, 8192), embedder=embedder, guard=QualityGuard(GuardSettings()),
+        merging_allowed=lambda model: True, metrics=metrics)
+    jobs = [job("How do I reset my password?"), job("How can I reset my password?")]
+    try:
+        await dispatcher.run_group(ReleasedGroup("standard", "k", jobs, 0.0))
+        for j in jobs:
+            outcome = j.future.result()
+            assert outcome.batch_size == 1
+            assert outcome.body["choices"][0]["message"]["content"] == answer_for(j.request_id)
+        assert metrics.registry.get_sample_value("mergebroker_merge_skipped_total",
+                                                 {"reason": "similarity_slow"}) == 2
+        assert simulator.stats()["merged_calls"] == 0
+    finally:
+        embedder.release.set()
+        await pools.close()
