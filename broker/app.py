@@ -160,45 +160,17 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
         for model in p.models:
             routes.setdefault(model, []).append(p.name)
     policy = DegradationPolicy(routes, breakers, metrics)
+    host, embedder = _similarity_model(settings, providers)
+    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock)
     tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
              for t in settings.tiers]
     queue: MergeQueue[ChatJob] = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock,
-                                            metrics=metrics)
-    needs_model = settings.merge.enabled and settings.merge.embedder != "none" and any(
-        t.merge and t.similarity_threshold > 0 for t in settings.tiers)
-    int8 = settings.merge.embedder == "local-int8"
-    serves_local = any(p.kind == "local" for p in providers)
-    host = None
-    if needs_model or serves_local:
-        host = SentenceModelHost(threads=settings.embeddings.model_threads, int8_copy=needs_model and int8)
-    embedder = None
-    if host is not None and needs_model:
-        embedder = CachingEmbedder(BatchingEmbedder(LocalEmbedder(host, int8=int8)))
-    dispatcher = Dispatcher(
-        pools,
-        tiers={t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
-                                       (t.similarity_budget_ms if t.similarity_budget_ms is not None
-                                        else max(t.window_ms, 50.0)) / 1000)
-               for t in settings.tiers},
-        options=MergeOptions(settings.merge.header, settings.merge.leak_min_words, settings.merge.context_tokens,
-                             settings.merge.default_context_tokens),
-        embedder=embedder,
-        guard=QualityGuard(GuardSettings(settings.merge.quality_guard_ratio, settings.merge.quality_guard_min_batches,
-                                         settings.merge.quality_guard_cooldown_s), clock=clock),
-        merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock)
+                                            metrics=metrics, on_partners=dispatcher.prefetch)
     limiter: Any = RateLimiter(clock)
     if redis is not None and settings.redis.share_limits:
         limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
-    chat_cache = None
-    if settings.cache.enabled:
-        l2 = None
-        if redis is not None:
-            l2 = RedisCache(redis, prefix=f"mb:chat:{settings.merge.cache_version}:", ttl_s=settings.cache.ttl_s,
-                            jitter_ratio=settings.cache.jitter_ratio)
-        chat_cache = TwoLevelCache(LruCache(max_entries=settings.cache.max_entries, max_bytes=settings.cache.max_bytes,
-                                            ttl_s=settings.cache.ttl_s, clock=clock), l2)
-    chat = ChatService(settings, queue=queue, pools=pools, limiter=limiter, cache=chat_cache, metrics=metrics,
-                       clock=clock)
+    chat = ChatService(settings, queue=queue, pools=pools, limiter=limiter, cache=_chat_cache(settings, redis, clock),
+                       metrics=metrics, clock=clock)
     embeddings = build_embedding_service(settings, pools=pools, host=host, redis=redis, limiter=limiter,
                                          metrics=metrics, providers=providers, clock=clock)
     workers = WorkerPool(queue, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
@@ -217,6 +189,46 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger)
     await _start(broker, providers)
     return broker
+
+
+def _similarity_model(settings: Settings, providers: list[ProviderSettings]
+                      ) -> tuple[SentenceModelHost | None, CachingEmbedder | None]:
+    """The one local model (if merging or /v1/embeddings needs it) and the merge engine's embedder over it."""
+    needs_model = settings.merge.enabled and settings.merge.embedder != "none" and any(
+        t.merge and t.similarity_threshold > 0 for t in settings.tiers)
+    int8 = settings.merge.embedder == "local-int8"
+    if not needs_model and not any(p.kind == "local" for p in providers):
+        return None, None
+    host = SentenceModelHost(threads=settings.embeddings.model_threads, int8_copy=needs_model and int8)
+    embedder = CachingEmbedder(BatchingEmbedder(LocalEmbedder(host, int8=int8))) if needs_model else None
+    return host, embedder
+
+
+def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbedder | None,
+                policy: DegradationPolicy, metrics: Metrics, clock: Clock) -> Dispatcher:
+    tiers = {t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
+                                     (t.similarity_budget_ms if t.similarity_budget_ms is not None
+                                      else max(t.window_ms, 50.0)) / 1000)
+             for t in settings.tiers}
+    m = settings.merge
+    return Dispatcher(
+        pools, tiers=tiers,
+        options=MergeOptions(m.header, m.leak_min_words, m.context_tokens, m.default_context_tokens),
+        embedder=embedder,
+        guard=QualityGuard(GuardSettings(m.quality_guard_ratio, m.quality_guard_min_batches,
+                                         m.quality_guard_cooldown_s), clock=clock),
+        merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock)
+
+
+def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache | None:
+    if not settings.cache.enabled:
+        return None
+    l2 = None
+    if redis is not None:
+        l2 = RedisCache(redis, prefix=f"mb:chat:{settings.merge.cache_version}:", ttl_s=settings.cache.ttl_s,
+                        jitter_ratio=settings.cache.jitter_ratio)
+    return TwoLevelCache(LruCache(max_entries=settings.cache.max_entries, max_bytes=settings.cache.max_bytes,
+                                  ttl_s=settings.cache.ttl_s, clock=clock), l2)
 
 
 async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:

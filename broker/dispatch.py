@@ -71,6 +71,27 @@ class Dispatcher:
         self._metrics = metrics
         self._clock = clock
         self._batch_metrics: dict[str, tuple[Any, Any]] = {}  # labelled children by tier, looked up once
+        self._prefetching: set[asyncio.Future[Any]] = set()
+
+    def prefetch(self, tier: str, jobs: list[ChatJob]) -> None:
+        """Start embedding prompts that have a merge partner while their window is still open.
+
+        The queue calls this as partners arrive; the vectors land in the embedder's cache (or are awaited
+        there if still running), so the group rarely waits for the model when its window closes.
+        """
+        policy = self._tiers.get(tier)
+        if (policy is None or not policy.merge or self._embedder is None or not self._embedder.ready
+                or not needs_embedding(2, policy.threshold)):
+            return
+        texts = [j.shape.user_text for j in jobs if j.shape is not None]
+        if texts:
+            task = asyncio.ensure_future(self._embedder.embed(texts))
+            self._prefetching.add(task)
+            task.add_done_callback(self._prefetched)
+
+    def _prefetched(self, task: asyncio.Future[Any]) -> None:
+        self._prefetching.discard(task)
+        _retrieve(task)
 
     async def run_group(self, group: ReleasedGroup[ChatJob]) -> None:
         """Answer every member of the group (result or error); never raises but for cancellation."""

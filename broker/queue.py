@@ -20,7 +20,7 @@ import asyncio
 import collections
 import functools
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Callable, Generic, Protocol, TypeVar
 
 import structlog
 
@@ -87,7 +87,10 @@ class MergeQueue(Generic[T]):
     """Bounded per-tier queues with merge windows; `take()` hands out groups by effective priority."""
 
     def __init__(self, tiers: list[TierWindow], *, aging_per_s: float = 10.0, clock: Clock = monotonic,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, on_partners: Callable[[str, list[T]], None] | None = None) -> None:
+        """`on_partners(tier, items)` hears of requests as soon as they have a merge partner in their window
+        (both of the first pair, then each newcomer), so work such as embedding can overlap the window."""
+        self._on_partners = on_partners
         self._tiers = {t.name: t for t in tiers}
         self._aging = aging_per_s
         self._clock = clock
@@ -130,6 +133,8 @@ class MergeQueue(Generic[T]):
             group.timer = loop.call_later(tier.window_s, self._release, tier.name, item.merge_key)
         group.items.append(item)
         self._open_count[tier.name] += 1
+        if self._on_partners is not None and len(group.items) > 1:
+            self._on_partners(tier.name, group.items if len(group.items) == 2 else [item])
         if len(group.items) >= tier.max_batch:
             self._release(tier.name, item.merge_key)
         elif self._open_count[tier.name] >= tier.max_queue:

@@ -262,8 +262,8 @@ class BatchingEmbedder:
 class CachingEmbedder:
     """An `Embedder` that remembers vectors by text hash (LRU) and asks `inner` only for unseen texts.
 
-    All misses of one `embed` call, duplicates collapsed, go to `inner` in a single call.
-    Concurrent calls for the same unseen text are not coalesced here; both ask `inner`.
+    All misses of one `embed` call, duplicates collapsed, go to `inner` in a single call; a text already
+    being encoded for another caller is awaited, not encoded again (prefetched texts rely on this).
     """
 
     def __init__(self, inner: Embedder, *, max_entries: int = 10000) -> None:
@@ -272,6 +272,7 @@ class CachingEmbedder:
         self._inner = inner
         self._max_entries = max_entries
         self._vectors: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._pending: dict[bytes, asyncio.Future[np.ndarray]] = {}
 
     @property
     def ready(self) -> bool:
@@ -281,24 +282,48 @@ class CachingEmbedder:
         return len(self._vectors)
 
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Unit vectors for `texts`; cached rows come from memory, the rest from one `inner` call."""
+        """Unit vectors for `texts`; cached rows come from memory, texts being encoded for another caller
+        are awaited (never encoded twice), the rest come from one `inner` call."""
         if not texts:
             return await self._inner.embed([])
         keys = [hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in texts]
         found: dict[bytes, np.ndarray] = {}
+        waiting: dict[bytes, asyncio.Future[np.ndarray]] = {}
         misses: dict[bytes, str] = {}
         for key, text in zip(keys, texts):
             vector = self._vectors.get(key)
             if vector is not None:
                 self._vectors.move_to_end(key)
                 found[key] = vector
+            elif key in self._pending:
+                waiting[key] = self._pending[key]
             else:
                 misses.setdefault(key, text)
         if misses:
-            fresh = await self._inner.embed(list(misses.values()))
-            for key, vector in zip(misses, fresh):
-                found[key] = self._remember(key, vector)
+            found.update(await self._encode(misses))
+        for key, future in waiting.items():
+            found[key] = await asyncio.shield(future)
         return np.stack([found[key] for key in keys]).astype(np.float32, copy=False)
+
+    async def _encode(self, misses: dict[bytes, str]) -> dict[bytes, np.ndarray]:
+        loop = asyncio.get_running_loop()
+        futures = {key: loop.create_future() for key in misses}
+        self._pending.update(futures)
+        try:
+            fresh = await self._inner.embed(list(misses.values()))
+        except BaseException as exc:
+            for key, future in futures.items():
+                self._pending.pop(key, None)
+                if not future.done():
+                    future.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+                    future.exception()  # seen: the caller below raises it
+            raise
+        vectors = {}
+        for (key, future), vector in zip(futures.items(), fresh):
+            self._pending.pop(key, None)
+            vectors[key] = self._remember(key, vector)
+            future.set_result(vectors[key])
+        return vectors
 
     def _remember(self, key: bytes, vector: np.ndarray) -> np.ndarray:
         stored = np.array(vector, dtype=np.float32)

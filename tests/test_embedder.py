@@ -114,3 +114,31 @@ async def test_batching_embedder_gathers_concurrent_calls_into_the_next_model_ca
     for i, vectors in enumerate(results[1:]):
         assert vectors.shape[0] == 2
         assert (vectors[0] == (await FakeEmbedder().embed([f"text {i}"]))[0]).all()
+
+
+async def test_caching_embedder_never_encodes_a_text_that_is_already_being_encoded():
+    import asyncio
+
+    from merge.embedder import CachingEmbedder, FakeEmbedder
+
+    class Gated(FakeEmbedder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = asyncio.Event()
+            self.seen: list[list[str]] = []
+
+        async def embed(self, texts):
+            self.seen.append(list(texts))
+            await self.gate.wait()
+            return await super().embed(texts)
+
+    inner = Gated()
+    caching = CachingEmbedder(inner)
+    prefetch = asyncio.create_task(caching.embed(["a", "b"]))
+    await asyncio.sleep(0)
+    group = asyncio.create_task(caching.embed(["a", "b", "c"]))
+    await asyncio.sleep(0)
+    inner.gate.set()
+    first, second = await asyncio.gather(prefetch, group)
+    assert inner.seen == [["a", "b"], ["c"]]
+    assert (second[:2] == first).all()

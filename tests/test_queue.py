@@ -206,3 +206,15 @@ def test_aged_rank_orders_like_aging_priority_at_any_time():
     assert aged_rank(0, enqueued_at=1000.0 - 9.9, aging_per_s=10) < fresh_realtime
     assert aged_rank(0, enqueued_at=1000.0 - 10.1, aging_per_s=10) > fresh_realtime
     assert aged_rank(5, enqueued_at=1.0, aging_per_s=0) == 5.0
+
+
+async def test_requests_are_announced_as_soon_as_they_have_a_merge_partner(fake_clock):
+    heard: list[tuple[str, list[Item]]] = []
+    q = MergeQueue([tier(max_batch=8)], clock=fake_clock, on_partners=lambda t, items: heard.append((t, list(items))))
+    first, second, third, alone = Item("std"), Item("std"), Item("std"), Item("std", merge_key="other")
+    q.submit(first)
+    q.submit(alone)
+    assert heard == []
+    q.submit(second)
+    q.submit(third)
+    assert heard == [("std", [first, second]), ("std", [third])]
