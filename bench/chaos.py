@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
-from bench.harness import (Process, TimedSample, format_table, get_json, latency_summary, open_loop_for,
-                           passthrough_config, processes_together, results_path, set_faults, sim_base_url,
+from bench.harness import (Process, TimedSample, cpu_probe_ms, format_table, get_json, latency_summary, open_loop_for,
+                           passthrough_config, processes_together, results_path, run_meta, set_faults, sim_base_url,
                            start_broker, start_simulator, tolerant_chat_request, warm_up, write_results)
 
 FAST_FAIL_CODE = "upstream_unavailable"
@@ -59,7 +59,7 @@ def phases(healthy_s: float, errors_s: float, outage_s: float, recovery_s: float
 
 FULL = Plan(phases(4.0, 5.0, 5.0, 8.0), rate=40.0, poll_s=0.05,
             breaker={"window_s": 5.0, "min_calls": 10, "open_s": 2.0, "open_max_s": 4.0})
-QUICK = Plan(phases(0.5, 0.8, 0.8, 1.4), rate=40.0, poll_s=0.05,
+QUICK = Plan(phases(0.4, 0.6, 0.6, 1.0), rate=40.0, poll_s=0.05,
              breaker={"window_s": 2.0, "min_calls": 5, "open_s": 0.5, "open_max_s": 0.5})
 
 
@@ -155,6 +155,7 @@ def analyse(samples: list[TimedSample], sent: int, timeline: Timeline) -> dict[s
 
 async def run(plan: Plan) -> dict[str, Any]:
     """Start the simulator and the broker, run the phases under steady traffic, return the results."""
+    started, probe = time.perf_counter(), cpu_probe_ms()
     async with processes_together(start_simulator()) as (sim,):
         config = passthrough_config(sim_base_url(sim), breaker=plan.breaker)
         async with processes_together(start_broker(config)) as (broker,):
@@ -170,7 +171,7 @@ async def run(plan: Plan) -> dict[str, Any]:
             await poller
             timeline.upstream_calls_end = (await get_json(sim.url + "/stats"))["chat_calls"]
     timed = [s for s in samples if isinstance(s, TimedSample)]
-    return {"plan": asdict(plan), **analyse(timed, sent, timeline)}
+    return {"plan": asdict(plan), **analyse(timed, sent, timeline), "meta": run_meta(started, probe)}
 
 
 def report(result: dict[str, Any]) -> str:

@@ -12,14 +12,17 @@ from typing import Any
 from matplotlib.figure import Figure
 
 DPI = 100
-COLOURS = {"passthrough": "#7f7f7f", "batch": "#1f77b4", "standard": "#ff7f0e", "pinned": "#2ca02c"}
+COLOURS = {"passthrough": "#7f7f7f", "batch": "#1f77b4", "standard": "#ff7f0e", "float": "#2ca02c",
+           "budget": "#9467bd"}
 
 
 def _colour(run_name: str) -> str:
     if run_name.startswith("passthrough"):
         return COLOURS["passthrough"]
-    if "thread" in run_name:
-        return COLOURS["pinned"]
+    if "float" in run_name:
+        return COLOURS["float"]
+    if "budget" in run_name:
+        return COLOURS["budget"]
     return COLOURS["standard"] if "standard" in run_name else COLOURS["batch"]
 
 
@@ -37,7 +40,7 @@ def latency_cdf(main: dict[str, Any]) -> Figure:
     ax.set_ylabel("fraction of requests answered")
     ax.set_ylim(0, 1.01)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper left", fontsize="small")  # the curves rise on the right; the upper left stays empty
     ax.set_title(f"Latency CDF, mixed workload at {main['rate']:g} req/s: passthrough vs. merging")
     return fig
 

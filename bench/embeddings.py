@@ -5,7 +5,9 @@ Three measurements, each against real broker processes:
    (`embeddings: {window_ms: 0, max_batch_size: 1}`), every text new so nothing comes from a cache;
 2. cache latency: a miss, an L1 hit, and an L2 hit (Redis, a `redis-server` child process; the broker is
    restarted so its L1 is empty and the vector must come from Redis);
-3. on a stream where 40 % of the texts repeat an earlier one, the share of texts that reach the model.
+3. on a stream where 40 % of the texts repeat an earlier one, the share of texts that reach the model;
+4. in this process, the similarity model's CPU per call and per text by batch size, float vs. int8 copy
+   (`merge.embedder: local` vs. `local-int8`), on one torch thread as the broker runs it.
 `python -m bench.embeddings [--quick]` writes `bench/results/embeddings.json`.
 """
 
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import os
 import shutil
 import subprocess
 import tempfile
@@ -26,9 +29,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 import aiohttp
 import redis.asyncio as aioredis
 
-from bench.harness import (Process, RequestFn, Sample, closed_loop, free_port, percentile, start_broker, start_simulator,
-                           write_json)
-from bench.merging import ONE_TORCH_THREAD, Metrics, delta, extra_environ, scrape
+from bench.harness import (Process, RequestFn, Sample, closed_loop, cpu_probe_ms, free_port, off_loop_seconds,
+                           percentile, run_meta, start_broker, start_simulator, write_json)
+from bench.merging import Metrics, delta, scrape
 from bench.workloads import distinct_texts, with_repeats
 
 RESULTS_PATH = Path(__file__).parent / "results" / "embeddings.json"
@@ -48,16 +51,17 @@ class EmbeddingPlan:
     repeat_texts: int = 600
     repeat_share: float = 0.4
     repeat_concurrency: int = 16
-    pinned_threads_too: bool = True  # also run the matrix with torch pinned to one thread (the workaround)
+    cost_batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    cost_texts: int = 64  # texts per batch size and model (at least 3 calls each)
 
     def step_count(self) -> int:
-        """How many progress steps `run_embeddings` reports."""
-        return (2 if self.pinned_threads_too else 1) * 2 + 1
+        """How many progress steps `run_embeddings` reports: two setups, the cache probe, the model cost."""
+        return 4
 
 
 FULL_EMBEDDING_PLAN = EmbeddingPlan()
 QUICK_EMBEDDING_PLAN = EmbeddingPlan(concurrencies=(1, 16), seconds_per_level=1.0, cache_texts=10,
-                                     repeat_texts=60, pinned_threads_too=False)
+                                     repeat_texts=60, cost_batch_sizes=(1, 8), cost_texts=8)
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,6 @@ class EmbeddingSetup:
 
     name: str
     batching: bool
-    env: tuple[tuple[str, str], ...] = ()
 
 
 def embedding_config(sim_url: str, *, batching: bool, redis_url: str | None = None) -> dict[str, Any]:
@@ -157,8 +160,7 @@ async def measure(broker: Process, send: RequestFn, drive: Drive) -> dict[str, A
 
 async def throughput_matrix(sim: Process, setup: EmbeddingSetup, plan: EmbeddingPlan) -> dict[str, Any]:
     """Texts/s and latency at each concurrency for one setup, then the repeated-texts stream on the same broker."""
-    with extra_environ(dict(setup.env)):
-        broker = await start_broker(embedding_config(sim.url, batching=setup.batching))
+    broker = await start_broker(embedding_config(sim.url, batching=setup.batching))
     try:
         await sequential(embedding_request(broker.url, lambda i: f"warm-up text {i} for {setup.name}"), 4)
         levels = []
@@ -244,15 +246,41 @@ async def _has_keys(client: Any, count: int) -> bool:
     return await _l2_keys(client) >= count
 
 
+async def model_cost(plan: EmbeddingPlan) -> list[dict[str, Any]]:
+    """CPU per model call and per text by batch size, float model and int8 copy, measured in this process.
+
+    The model runs on `SentenceModelHost`'s worker thread with one torch thread, as in the broker; its CPU
+    is the run time of this process's threads other than the main one, whose event loop only waits.
+    """
+    from merge.embedder import SentenceModelHost
+
+    host = SentenceModelHost(threads=1, int8_copy=True)
+    texts = iter(distinct_texts(10_000, namespace="[model cost] "))
+    rows = []
+    try:
+        await host.load()
+        for int8 in (False, True):
+            await host.encode([next(texts) for _ in range(8)], int8=int8)  # first-call costs stay out
+            for size in plan.cost_batch_sizes:
+                calls = max(3, plan.cost_texts // size)
+                cpu, started = off_loop_seconds(os.getpid()), time.perf_counter()
+                for _ in range(calls):
+                    await host.encode([next(texts) for _ in range(size)], int8=int8)
+                cpu_ms = 1000 * (off_loop_seconds(os.getpid()) - cpu) / calls
+                rows.append({"embedder": "local-int8" if int8 else "local", "batch": size, "calls": calls,
+                             "cpu_ms_per_call": cpu_ms, "cpu_ms_per_text": cpu_ms / size,
+                             "wall_ms_per_call": 1000 * (time.perf_counter() - started) / calls})
+    finally:
+        host.close()
+    return rows
+
+
 async def run_embeddings(plan: EmbeddingPlan = FULL_EMBEDDING_PLAN, *, on_step: OnStep | None = None
                          ) -> dict[str, Any]:
     """Every measurement of `plan`, as the JSON-ready dict written to `embeddings.json`."""
     done = on_step or (lambda name: None)
-    started = time.perf_counter()
+    started, probe = time.perf_counter(), cpu_probe_ms()
     setups = [EmbeddingSetup("one text per call", False), EmbeddingSetup("window batching", True)]
-    if plan.pinned_threads_too:
-        setups += [EmbeddingSetup("one text per call, torch 1 thread", False, ONE_TORCH_THREAD),
-                   EmbeddingSetup("window batching, torch 1 thread", True, ONE_TORCH_THREAD)]
     sim = await start_simulator()
     try:
         matrix = []
@@ -263,8 +291,10 @@ async def run_embeddings(plan: EmbeddingPlan = FULL_EMBEDDING_PLAN, *, on_step: 
         done("cache latency")
     finally:
         sim.stop()
-    return {"matrix": matrix, "cache": cache,
-            "meta": {"plan": asdict(plan), "model": LOCAL_MODEL, "duration_s": round(time.perf_counter() - started, 1)}}
+    cost = await model_cost(plan)
+    done("model cost")
+    return {"matrix": matrix, "cache": cache, "model_cost": cost,
+            "meta": {"plan": asdict(plan), "model": LOCAL_MODEL, **run_meta(started, probe)}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

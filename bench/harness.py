@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import itertools
 import json
 import os
@@ -433,3 +434,64 @@ async def warm_up(url: str, body_for: Callable[[int], tuple[dict[str, Any], dict
     send = tolerant_chat_request(url, body_for)
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(send(session, i) for i in range(requests)))
+
+
+def off_loop_seconds(pid: int) -> float:
+    """CPU seconds run by a process's threads other than its main one (schedstat, like `run_seconds`).
+
+    In the broker the main thread runs the event loop; the others are the embedding model's worker
+    thread (and, at start-up only, the thread that loads the tokenizer), so over a measurement window
+    this is the CPU the similarity model costs.
+    """
+    main = Path(f"/proc/{pid}/task/{pid}/schedstat")
+    try:
+        own = int(main.read_text().split()[0]) / 1e9
+    except (FileNotFoundError, ValueError, IndexError):
+        return 0.0
+    return run_seconds(pid) - own
+
+
+CODE_DIRS = ("broker", "merge", "breaker", "providers")
+
+
+def code_version() -> str | None:
+    """The commit the measured code comes from, marked when the broker code has uncommitted changes.
+
+    Read from git in the repository that holds this file (None outside a git checkout).
+    """
+    repo = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--", *CODE_DIRS).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{commit} with uncommitted changes to the broker code" if dirty else commit
+
+
+def cpu_probe_ms() -> float:
+    """Milliseconds a fixed pure-Python loop takes (best of 3): how fast the host runs right now.
+
+    A shared virtual machine can slow down without showing it in its load average; taken at the start
+    and the end of a benchmark, this says whether the run's absolute figures were measured on a slow host.
+    """
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        total = 0
+        for i in range(300_000):
+            total += i * i % 7
+        best = min(best, time.perf_counter() - started)
+    return round(1000 * best, 1)
+
+
+def run_meta(started: float, probe_at_start: float | None = None) -> dict[str, Any]:
+    """When, where and on which code a benchmark ran (UTC time, CPUs, load average, seconds since `started`),
+    with `cpu_probe_ms` at the start (`probe_at_start`, taken by the caller) and now."""
+    return {"generated_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()[0],
+            "duration_s": round(time.perf_counter() - started, 1), "code": code_version(),
+            "cpu_probe_ms_start": probe_at_start, "cpu_probe_ms_end": cpu_probe_ms()}

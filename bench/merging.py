@@ -5,28 +5,26 @@ warms it up, then drives one workload and reads three sources: the replies (late
 against `answer_for`), the broker's `/metrics` (merge counters, before/after deltas) and the
 simulator's `/stats` (upstream calls and tokens, reset before each run). Scenarios: the main mixed
 workload on the batch and standard tiers, hot-question bursts on the standard tier, and sweeps of the
-similarity threshold, the merge window and the arrival rate. `python -m bench.merging [--quick]`
-writes `bench/results/merging.json`.
+similarity threshold, the merge window and the arrival rate. The standard tier also runs with the float
+similarity model (`merge.embedder: local`) beside the int8 default (`local-int8`), so the default is
+judged by numbers, and with a longer similarity budget (`similarity_budget_ms`) than the default. `python -m bench.merging [--quick]` writes `bench/results/merging.json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import datetime
-import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness import (Process, RequestFn, Sample, chat_request, open_loop, percentile, post_json,
-                           start_broker, start_simulator, write_json)
+from bench.harness import (Process, RequestFn, Sample, chat_request, cpu_probe_ms, off_loop_seconds, open_loop,
+                           percentile, post_json, run_meta, start_broker, start_simulator, write_json)
 from bench.workloads import ChatItem, hot_question_topics, hot_question_versions, mixed_workload
 from broker.settings import default_tiers
 from providers.simulator import answer_for
@@ -59,7 +57,7 @@ class Plan:
 
     def run_count(self) -> int:
         """How many broker runs the plan makes (for progress bars)."""
-        return 5 + 3 + len(self.thresholds) + len(self.windows_ms) + len(self.rates)
+        return 6 + 4 + len(self.thresholds) + len(self.windows_ms) + len(self.rates)
 
 
 FULL_PLAN = Plan()
@@ -69,18 +67,23 @@ QUICK_PLAN = Plan(requests=120, sweep_requests=60, bursts=1, thresholds=(0.0, 0.
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One broker configuration: the tier the load uses, merging on or off, and tier overrides."""
+    """One broker configuration: the tier the load uses, merging on or off, tier overrides, similarity model."""
 
     name: str
     tier: str
     merge: bool = True
     window_ms: float | None = None
     threshold: float | None = None
-    env: tuple[tuple[str, str], ...] = ()  # extra environment of the broker process (the torch-threads runs)
+    embedder: str = "local-int8"  # `merge.embedder`; the broker's default
+    similarity_budget_ms: float | None = None  # the tier's `similarity_budget_ms`; None keeps the default
 
 
-# Pins torch to one intra-op thread in the broker: the workaround for the slow embedding thread (see the report).
-ONE_TORCH_THREAD = (("OMP_NUM_THREADS", "1"),)
+# The standard tier with the float similarity model, and with a longer similarity budget, beside the defaults.
+FLOAT_RUN = "merge/standard, float model"
+LONG_BUDGET_MS = 200.0
+BUDGET_RUN = f"merge/standard, similarity budget {LONG_BUDGET_MS:g} ms"
+P99_ALLOWANCE_MS = 50.0  # merging may add its tier's window plus this much at p99 (the issue's target)
+EMBEDDING_CPU_GOAL_MS = 2.0  # similarity-embedding CPU per request (the issue's target)
 
 
 def broker_config(sim_url: str, spec: RunSpec) -> dict[str, Any]:
@@ -98,10 +101,12 @@ def broker_config(sim_url: str, spec: RunSpec) -> dict[str, Any]:
                 data["window_ms"] = spec.window_ms
             if spec.threshold is not None:
                 data["similarity_threshold"] = spec.threshold
+            if spec.similarity_budget_ms is not None:
+                data["similarity_budget_ms"] = spec.similarity_budget_ms
             embeds = spec.merge and data["similarity_threshold"] > 0
         tiers.append(data)
     return {"providers": [{"name": "sim", "base_url": sim_url + "/v1", "max_connections": 256}],
-            "tiers": tiers, "merge": {"enabled": spec.merge, "embedder": "local" if embeds else "none"}}
+            "tiers": tiers, "merge": {"enabled": spec.merge, "embedder": spec.embedder if embeds else "none"}}
 
 
 def chat_body(item: ChatItem) -> dict[str, Any]:
@@ -173,6 +178,12 @@ def _content(sample: Sample) -> str | None:
         return None
 
 
+def _batch_size(sample: Sample) -> int:
+    """How many requests shared the upstream call that answered `sample` (its `X-Broker-Batch-Size`)."""
+    value = next((v for k, v in sample.headers.items() if k.lower() == "x-broker-batch-size"), "1")
+    return int(value) if value.isdigit() else 1
+
+
 def _rejections(before: Metrics, after: Metrics) -> dict[str, float]:
     """Requests the broker refused during the run, by reason (rate_limited, queue_full, deadline, ...)."""
     reasons = {dict(labels).get("reason", "") for name, labels in after if name == "mergebroker_rejected_total"}
@@ -186,11 +197,17 @@ def cdf_points(latencies_ms: Sequence[float], points: int = CDF_POINTS) -> list[
 
 
 def summarize_run(spec: RunSpec, samples: list[Sample], wall_s: float, before: Metrics, after: Metrics,
-                  sim_stats: dict[str, Any], cpu_s: float) -> dict[str, Any]:
-    """The figures of one run: per-request upstream cost, merge counters, latency, CPU, correctness."""
+                  sim_stats: dict[str, Any], cpu_s: float, model_cpu_s: float = 0.0) -> dict[str, Any]:
+    """The figures of one run: per-request upstream cost, merge counters, latency, CPU, correctness.
+
+    `cpu_s` is the broker's CPU over the run, `model_cpu_s` the part its threads other than the event loop
+    ran (the similarity model's worker thread): the embedding CPU.
+    """
     n = len(samples)
     lat = [s.latency_s * 1000 for s in samples]
     caches = [s.headers.get("X-Broker-Cache", "") for s in samples]
+    merged_lat = [ms for ms, s in zip(lat, samples) if s.status == 200 and _batch_size(s) > 1]
+    alone_lat = [ms for ms, s in zip(lat, samples) if s.status == 200 and _batch_size(s) == 1]
 
     def d(name: str, **labels: str) -> float:
         return delta(before, after, name, **labels)
@@ -209,14 +226,17 @@ def summarize_run(spec: RunSpec, samples: list[Sample], wall_s: float, before: M
         "mean_batch_size": _ratio(d("mergebroker_batch_size_sum", tier=spec.tier),
                                   d("mergebroker_batch_size_count", tier=spec.tier)),
         "split_fallback_rate": _ratio(d("mergebroker_split_fallback_total"), n),
+        "similarity_slow_rate": _ratio(d("mergebroker_merge_skipped_total", reason="similarity_slow"), n),
         "cache_hit_rate": _ratio(caches.count("hit"), n), "coalesced_rate": _ratio(caches.count("coalesced"), n),
         "p50_ms": percentile(lat, 50), "p90_ms": percentile(lat, 90), "p99_ms": percentile(lat, 99),
         "mean_ms": _ratio(sum(lat), n),
+        "p99_ms_merged": percentile(merged_lat, 99), "p99_ms_alone": percentile(alone_lat, 99),
         "queue_wait_ms_mean": 1000 * _ratio(d("mergebroker_queue_wait_seconds_sum", tier=spec.tier),
                                             d("mergebroker_queue_wait_seconds_count", tier=spec.tier)),
         "upstream_ms_mean": 1000 * _ratio(d("mergebroker_upstream_latency_seconds_sum"),
                                           d("mergebroker_upstream_latency_seconds_count")),
         "broker_cpu_ms_per_request": 1000 * _ratio(cpu_s, n),
+        "embedding_cpu_ms_per_request": 1000 * _ratio(model_cpu_s, n),
         "embedding_ms_per_request": 1000 * _ratio(d("mergebroker_embedding_seconds_sum"), n),
         "embedding_calls": d("mergebroker_embedding_seconds_count"),
         "latency_cdf_ms": cdf_points(lat),
@@ -234,42 +254,26 @@ async def warm_up(broker_url: str, tier: str, count: int = 12) -> None:
 
 async def measure(sim: Process, spec: RunSpec, items: Sequence[ChatItem], drive: Driver) -> dict[str, Any]:
     """Run `items` through a fresh broker configured by `spec` with `drive`; return `summarize_run`'s figures."""
-    with extra_environ(dict(spec.env)):
-        broker = await start_broker(broker_config(sim.url, spec))
+    broker = await start_broker(broker_config(sim.url, spec))
     try:
         await warm_up(broker.url, spec.tier)
-        before, cpu_before = await scrape(broker.url), broker.cpu()
+        before, cpu_before, model_before = await scrape(broker.url), broker.cpu(), off_loop_seconds(broker.proc.pid)
         await post_json(sim.url + "/stats/reset", {})
         samples, wall_s = await drive(chat_request(broker.url, body_source(items, spec.tier), keep_body=True))
-        cpu_s = broker.cpu() - cpu_before
+        cpu_s, model_cpu_s = broker.cpu() - cpu_before, off_loop_seconds(broker.proc.pid) - model_before
         after = await scrape(broker.url)
         async with aiohttp.ClientSession() as session:
             async with session.get(sim.url + "/stats") as resp:
                 sim_stats = await resp.json()
     finally:
         broker.stop()
-    return summarize_run(spec, samples, wall_s, before, after, sim_stats, cpu_s)
-
-
-@contextlib.contextmanager
-def extra_environ(extra: dict[str, str]) -> Iterator[None]:
-    """Set environment variables while a child process is spawned (the harness passes ours on)."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return summarize_run(spec, samples, wall_s, before, after, sim_stats, cpu_s, model_cpu_s)
 
 
 async def run_merging(plan: Plan = FULL_PLAN, *, on_run: OnRun | None = None) -> dict[str, Any]:
     """Every scenario of `plan`, as the JSON-ready dict written to `merging.json`."""
     done = on_run or (lambda name: None)
-    started = time.perf_counter()
+    started, probe = time.perf_counter(), cpu_probe_ms()
     sim = await start_simulator(*SIM_OPTIONS)
     try:
         async def run(spec: RunSpec, items: Sequence[ChatItem], drive: Driver) -> dict[str, Any]:
@@ -282,9 +286,7 @@ async def run_merging(plan: Plan = FULL_PLAN, *, on_run: OnRun | None = None) ->
     finally:
         sim.stop()
     results["meta"] = {"plan": asdict(plan), "simulator_options": list(SIM_OPTIONS), "model": MODEL,
-                       "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()[0],
-                       "generated_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "duration_s": round(time.perf_counter() - started, 1)}
+                       **run_meta(started, probe)}
     results["targets"] = check_targets(results)
     return results
 
@@ -299,8 +301,9 @@ async def _main_scenario(plan: Plan, run: Run) -> dict[str, Any]:
         for merge in (False, True):
             spec = RunSpec(f"{'merge' if merge else 'passthrough'}/{tier}", tier, merge=merge)
             runs[spec.name] = await run(spec, items, poisson(plan.rate, len(items)))
-    spec = RunSpec("merge/standard, torch 1 thread", "standard", env=ONE_TORCH_THREAD)
-    runs[spec.name] = await run(spec, items, poisson(plan.rate, len(items)))
+    for spec in (RunSpec(FLOAT_RUN, "standard", embedder="local"),
+                 RunSpec(BUDGET_RUN, "standard", similarity_budget_ms=LONG_BUDGET_MS)):
+        runs[spec.name] = await run(spec, items, poisson(plan.rate, len(items)))
     return {"rate": plan.rate, "requests": len(items), "runs": runs}
 
 
@@ -310,7 +313,8 @@ async def _burst_scenario(plan: Plan, run: Run) -> dict[str, Any]:
     drive = bursts(count, plan.burst_versions, plan.burst_spread_s, plan.burst_gap_s)
     runs = {}
     for spec in (RunSpec("passthrough/standard", "standard", merge=False), RunSpec("merge/standard", "standard"),
-                 RunSpec("merge/standard, torch 1 thread", "standard", env=ONE_TORCH_THREAD)):
+                 RunSpec(FLOAT_RUN, "standard", embedder="local"),
+                 RunSpec(BUDGET_RUN, "standard", similarity_budget_ms=LONG_BUDGET_MS)):
         runs[spec.name] = await run(spec, items, drive)
     return {"bursts": count, "versions": plan.burst_versions, "spread_ms": plan.burst_spread_s * 1000,
             "runs": runs}
@@ -344,7 +348,6 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     every = [r for scenario in (main, burst) for r in scenario.values()]
     every += [p for sweep in ("threshold_sweep", "window_sweep", "rate_sweep") for p in results[sweep]["points"]]
     merged = [main["merge/batch"], main["merge/standard"], burst["merge/standard"]]
-    pinned = "merge/standard, torch 1 thread"
     rows = [
         ("batch tier: upstream calls, x fewer than passthrough", fewer(main["passthrough/batch"], main["merge/batch"],
                                                                       "upstream_calls_per_request"), ">=", 4.0),
@@ -355,15 +358,12 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         ("wrong answers, all runs", float(sum(r["wrong_answers"] for r in every)), "==", 0.0),
         ("errors (non-200), all runs", float(sum(r["errors"] for r in every)), "==", 0.0),
         ("batch tier: p99 above passthrough (ms)", main["merge/batch"]["p99_ms"] - main["passthrough/batch"]["p99_ms"],
-         "<=", windows["batch"] + 50),
+         "<=", windows["batch"] + P99_ALLOWANCE_MS),
         ("standard tier: p99 above passthrough (ms)",
-         main["merge/standard"]["p99_ms"] - main["passthrough/standard"]["p99_ms"], "<=", windows["standard"] + 50),
-        ("embedding time per request (ms), worst merged run", max(r["embedding_ms_per_request"] for r in merged),
-         "<", 2.0),
-        ("with torch pinned to 1 thread: standard p99 above passthrough (ms)",
-         main[pinned]["p99_ms"] - main["passthrough/standard"]["p99_ms"], "<=", windows["standard"] + 50),
-        ("with torch pinned to 1 thread: embedding time per request (ms), worst run",
-         max(main[pinned]["embedding_ms_per_request"], burst[pinned]["embedding_ms_per_request"]), "<", 2.0),
+         main["merge/standard"]["p99_ms"] - main["passthrough/standard"]["p99_ms"], "<=",
+         windows["standard"] + P99_ALLOWANCE_MS),
+        ("embedding CPU per request (ms), worst merged run (int8 model)",
+         max(r["embedding_cpu_ms_per_request"] for r in merged), "<", EMBEDDING_CPU_GOAL_MS),
     ]
     compare = {">=": float.__ge__, "<=": float.__le__, "<": float.__lt__, "==": float.__eq__}
     return [{"name": name, "value": round(float(value), 3), "op": op, "target": target,

@@ -19,12 +19,13 @@ import argparse
 import asyncio
 import statistics
 import sys
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from bench.harness import (CpuWindow, Process, chat_request, closed_loop, format_table, latency_summary,
-                           open_loop_for, passthrough_config, processes_together, results_path, sim_base_url,
+from bench.harness import (CpuWindow, Process, chat_request, closed_loop, cpu_probe_ms, format_table, latency_summary,
+                           open_loop_for, passthrough_config, processes_together, results_path, run_meta, sim_base_url,
                            start_broker, start_proxy, start_simulator, summarize, write_results)
 
 TARGETS = ("direct", "proxy", "broker")
@@ -46,7 +47,7 @@ class Plan:
 
 
 FULL = Plan((1, 16, 64), (600, 1500, 2000), warmup=100, rounds=3, open_rate=150.0, open_s=8.0)
-QUICK = Plan((1, 16), (16, 32), warmup=4, rounds=1, open_rate=40.0, open_s=0.4)
+QUICK = Plan((1, 16), (8, 24), warmup=2, rounds=1, open_rate=40.0, open_s=0.25)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
 
 async def run(plan: Plan) -> dict[str, Any]:
     """Start the simulator, the proxy and the broker; run both parts; return the results."""
+    started, probe = time.perf_counter(), cpu_probe_ms()
     async with processes_together(start_simulator("--latency-base-ms", "0")) as (sim,):
         upstream = sim_base_url(sim)
         async with processes_together(start_proxy(upstream), start_broker(passthrough_config(upstream))) as (
@@ -164,7 +166,8 @@ async def run(plan: Plan) -> dict[str, Any]:
             summary = {str(c): summarize_concurrency(rows, c) for c in plan.concurrencies}
             loaded = await equal_load(rotated(targets, plan.rounds), plan.open_rate, plan.open_s)
     return {"plan": asdict(plan), "runs": rows, "summary": summary, "equal_load": loaded,
-            "targets": {**verdict(summary), "equal_load_added_p99_ms": loaded["broker_added_p99_ms"]}}
+            "targets": {**verdict(summary), "equal_load_added_p99_ms": loaded["broker_added_p99_ms"]},
+            "meta": run_meta(started, probe)}
 
 
 def report(result: dict[str, Any]) -> str:

@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Sequence
 
-from bench.harness import (CpuWindow, Process, Sample, closed_loop_until, format_table, latency_summary,
-                           open_loop_for, passthrough_config, processes_together, results_path, sim_base_url,
+from bench.harness import (CpuWindow, Process, Sample, closed_loop_until, cpu_probe_ms, format_table, latency_summary,
+                           open_loop_for, passthrough_config, processes_together, results_path, run_meta, sim_base_url,
                            start_broker, start_simulator, tolerant_chat_request, warm_up, write_results)
 
 QUEUE_OVERHEAD_TARGET_MS = 0.3
@@ -44,10 +45,11 @@ class Plan:
     phase_s: float
     batch_concurrency: int
     upstream_latency_ms: float
+    idle_s: float = 3.0  # both brokers idle after warm-up: the CPU they spend per second without requests
 
 
 FULL = Plan(rpm=600, realtime_rate=3.0, phase_s=30.0, batch_concurrency=32, upstream_latency_ms=20.0)
-QUICK = Plan(rpm=1200, realtime_rate=8.0, phase_s=1.2, batch_concurrency=8, upstream_latency_ms=5.0)
+QUICK = Plan(rpm=1200, realtime_rate=8.0, phase_s=1.2, batch_concurrency=8, upstream_latency_ms=5.0, idle_s=0.3)
 
 
 def tier_body(tier: str, run_id: str) -> Callable[[int], tuple[dict[str, Any], dict[str, str], str]]:
@@ -118,21 +120,30 @@ def verdict(unloaded: dict[str, Any], loaded: dict[str, Any], plain: dict[str, A
             "queue_overhead_ok": overhead < QUEUE_OVERHEAD_TARGET_MS}
 
 
+async def idle_cpu(brokers: dict[str, Process], seconds: float) -> dict[str, float]:
+    """CPU milliseconds per second each broker spends with no request in flight, over `seconds`."""
+    windows = {name: CpuWindow(broker) for name, broker in brokers.items()}
+    await asyncio.sleep(seconds)  # the idle period is the measurement itself
+    return {name: 1000 * window.seconds() / seconds for name, window in windows.items()}
+
+
 async def run(plan: Plan) -> dict[str, Any]:
     """Start the simulator and both brokers; run both phases; return the results."""
+    started, probe = time.perf_counter(), cpu_probe_ms()
     async with processes_together(start_simulator("--latency-base-ms", str(plan.upstream_latency_ms))) as (sim,):
         upstream = sim_base_url(sim)
         async with processes_together(start_broker(passthrough_config(upstream, rpm=plan.rpm)),
                                       start_broker(passthrough_config(upstream))) as (limited, plain):
             await asyncio.gather(*(warm_up(b.url, tier_body(t, "warm"), 4) for b in (limited, plain)
                                    for t in ("realtime", "batch")))
+            idle = await idle_cpu({"limited": limited, "plain": plain}, plan.idle_s)
             unloaded = await realtime_only(limited, plan)
             limit_rps = plan.rpm / 60
             loaded, pass_through = await asyncio.gather(
                 competing(limited, plan),
                 passthrough(plain, limit_rps, plan.realtime_rate / limit_rps, plan.phase_s))
-    return {"plan": asdict(plan), "unloaded": unloaded, "loaded": loaded, "passthrough": pass_through,
-            "targets": verdict(unloaded, loaded, pass_through, plan)}
+    return {"plan": asdict(plan), "idle_cpu_ms_per_s": idle, "unloaded": unloaded, "loaded": loaded,
+            "passthrough": pass_through, "targets": verdict(unloaded, loaded, pass_through, plan), "meta": run_meta(started, probe)}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -168,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.rpm:
-        plan = Plan(args.rpm, plan.realtime_rate, plan.phase_s, plan.batch_concurrency, plan.upstream_latency_ms)
+        plan = replace(plan, rpm=args.rpm)
     result = asyncio.run(run(plan))
     print(report(result))
     write_results(args.out, result)

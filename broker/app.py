@@ -208,7 +208,7 @@ def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbed
                 policy: DegradationPolicy, metrics: Metrics, clock: Clock) -> Dispatcher:
     tiers = {t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
                                      (t.similarity_budget_ms if t.similarity_budget_ms is not None
-                                      else max(t.window_ms, 50.0)) / 1000)
+                                      else max(4 * t.window_ms, 200.0)) / 1000)
              for t in settings.tiers}
     m = settings.merge
     return Dispatcher(

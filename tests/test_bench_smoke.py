@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,13 +25,15 @@ def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, t
     runs = {}
     for name in SCRIPTS:
         out = out_dir / f"{name}.json"
+        # Own process group: a script killed at teardown takes its simulator and brokers with it.
         proc = subprocess.Popen([sys.executable, "-m", f"bench.{name}", "--quick", "--out", str(out)], cwd=REPO,
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         runs[name] = (proc, out)
     yield runs
     for proc, _ in runs.values():
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 
@@ -45,7 +48,7 @@ def finished(runs: dict[str, tuple[subprocess.Popen[str], Path]], name: str) -> 
 
 def test_passthrough_quick_reports_all_three_targets_with_ratios(quick_runs) -> None:
     result = finished(quick_runs, "passthrough")
-    assert {"plan", "runs", "summary", "equal_load", "targets"} <= set(result)
+    assert {"plan", "runs", "summary", "equal_load", "targets", "meta"} <= set(result)
     for level in result["summary"].values():
         for target in ("direct", "proxy", "broker"):
             assert level[target]["rps"] > 0 and level[target]["errors"] == 0
@@ -57,7 +60,7 @@ def test_passthrough_quick_reports_all_three_targets_with_ratios(quick_runs) -> 
 
 def test_tiers_quick_reports_latency_per_tier_and_queue_overhead(quick_runs) -> None:
     result = finished(quick_runs, "tiers")
-    assert {"unloaded", "loaded", "passthrough", "targets"} <= set(result)
+    assert {"unloaded", "loaded", "passthrough", "targets", "meta"} <= set(result)
     for tier in ("realtime", "batch"):
         assert result["loaded"][tier]["requests"] > 0
         assert result["loaded"][tier]["ok"] == result["loaded"][tier]["requests"]
@@ -77,3 +80,4 @@ def test_chaos_quick_reports_phases_fast_fails_and_one_answer_each(quick_runs) -
     assert "recovery_to_closed_s" in result and result["breaker_timeline"]
     assert result["accounting"]["exactly_one_each"] is True
     assert result["accounting"]["sent"] == sum(p["sent"] for p in result["phases"])
+    assert result["meta"]["duration_s"] > 0
