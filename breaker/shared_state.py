@@ -23,7 +23,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from breaker.circuit import CircuitBreaker
-from broker.clock import Clock, Sleep, monotonic
+from broker.clock import Clock, Sleep, monotonic, sleep_or_event
 
 log = structlog.get_logger(__name__)
 
@@ -137,13 +137,7 @@ class SharedBreakerState:
 
     async def _wait(self) -> None:
         """Until `refresh_s` passed or a local transition wants publishing, whichever comes first."""
-        sleeper = asyncio.ensure_future(self._sleep(self._refresh_s))
-        waker = asyncio.ensure_future(self._wake.wait())
-        try:
-            await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            waker.cancel()
+        await sleep_or_event(self._sleep, self._refresh_s, self._wake)
 
 
 def record_for(to_state: str, open_remaining_s: float, wall_now: float, origin: str) -> dict[str, Any] | None:

@@ -28,3 +28,14 @@ class FakeClock:
     async def sleep(self, seconds: float) -> None:
         self.now += max(0.0, seconds)
         await asyncio.sleep(0)
+
+
+async def sleep_or_event(sleep: Sleep, seconds: float, event: asyncio.Event) -> None:
+    """Return after `seconds` on the injected `sleep`, or as soon as `event` is set, whichever comes first."""
+    sleeper = asyncio.ensure_future(sleep(seconds))
+    waker = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        waker.cancel()

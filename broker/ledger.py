@@ -264,13 +264,7 @@ class Ledger:
 
     async def _wait(self) -> None:
         """Until the interval passes, a full batch is pending, or stop() is called."""
-        sleeper = asyncio.ensure_future(self._sleep(self._interval))
-        waker = asyncio.ensure_future(self._wake.wait())
-        try:
-            await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            waker.cancel()
+        await clock.sleep_or_event(self._sleep, self._interval, self._wake)
         if not self._stopping:
             self._wake.clear()
 
