@@ -74,10 +74,6 @@ class ChatRequest(BaseModel):
             raise ValueError("stop may hold at most 4 sequences")
         return value
 
-    @property
-    def output_budget(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
