@@ -41,7 +41,8 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether `value` is an int proper (JSON true/false arrive as bool, a subclass of int, and are not)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -84,15 +85,15 @@ class SimulatorConfig:
                      if not (_is_number(getattr(self, n)) and getattr(self, n) >= 0)]
         problems += [f"{n} must be true or false" for n in ("reorder_blocks", "chatter", "down")
                      if not isinstance(getattr(self, n), bool)]
-        if not (_is_int(self.fail_first_n) and self.fail_first_n >= 0):
+        if not (is_int(self.fail_first_n) and self.fail_first_n >= 0):
             problems.append("fail_first_n must be an integer >= 0")
-        if not (self.status_override is None or (_is_int(self.status_override) and 400 <= self.status_override <= 599)):
+        if not (self.status_override is None or (is_int(self.status_override) and 400 <= self.status_override <= 599)):
             problems.append("status_override must be null or an HTTP error status (400..599)")
-        if not (_is_int(self.answer_words) and self.answer_words >= 1):
+        if not (is_int(self.answer_words) and self.answer_words >= 1):
             problems.append("answer_words must be an integer >= 1")
-        if not (_is_int(self.embedding_dim) and 1 <= self.embedding_dim <= MAX_EMBEDDING_DIM):
+        if not (is_int(self.embedding_dim) and 1 <= self.embedding_dim <= MAX_EMBEDDING_DIM):
             problems.append(f"embedding_dim must be an integer in [1, {MAX_EMBEDDING_DIM}]")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             problems.append("seed must be an integer")
         if not self.models or not all(isinstance(m, str) and m for m in self.models):
             problems.append("models must be non-empty names")
