@@ -1,0 +1,47 @@
+"""`mergebroker serve` with no config and no keys runs against the built-in simulated upstream and says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+from tests.conftest import free_port
+
+
+def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def test_serve_without_config_answers_from_the_simulated_upstream_and_logs_it(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERGEBROKER_")}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, _ = _get(f"http://127.0.0.1:{port}/healthz")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)  # polling a child process's port: there is no event to wait on
+        status, body = _get(f"http://127.0.0.1:{port}/v1/chat/completions",
+                            {"model": "sim-small", "messages": [{"role": "user", "content": "hello"}],
+                             "broker": {"merge": False}})
+        assert status == 200 and body["choices"][0]["message"]["content"].startswith("Answer ")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    events = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    assert any(e.get("event") == "simulated_upstream" and e.get("level") == "warning" for e in events)
+    assert any(e.get("event") == "request" and e.get("status") == 200 for e in events)
