@@ -19,6 +19,7 @@ from typing import Mapping
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from broker.errors import Forbidden, Unauthorized
+from broker.ratelimit import LimitSpec
 from broker.settings import ApiKeySettings, AuthSettings
 
 TENANT_HEADER = "X-Broker-Tenant"
@@ -37,6 +38,12 @@ class Caller:
     key_rpm: int | None = None
     key_tpm: int | None = None
     user: str | None = None
+
+    def limits(self, tier_limit: LimitSpec) -> list[LimitSpec]:
+        """The admission limits for this caller: its tier's, and its API key's own when the key has any."""
+        if self.key_id and (self.key_rpm or self.key_tpm):
+            return [tier_limit, LimitSpec(f"key:{self.key_id}", self.key_rpm, self.key_tpm)]
+        return [tier_limit]
 
 
 @dataclass(frozen=True)

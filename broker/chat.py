@@ -81,10 +81,7 @@ class ChatService:
 
     def limit_specs(self, caller: Caller) -> list[LimitSpec]:
         """The admission limits that apply to `caller`: its tier's, and its API key's when it has any."""
-        specs = [self._tier_limits[caller.tier]]
-        if caller.key_id and (caller.key_rpm or caller.key_tpm):
-            specs.append(LimitSpec(f"key:{caller.key_id}", caller.key_rpm, caller.key_tpm))
-        return specs
+        return caller.limits(self._tier_limits[caller.tier])
 
     async def admit(self, caller: Caller, body: dict[str, Any]) -> tuple[Reservation, int, int]:
         """Reserve rate-limit budget: estimated prompt tokens plus the output budget.
@@ -113,7 +110,7 @@ class ChatService:
         tier = self._tiers[caller.tier]
         if tier.omitted_temperature_is_zero and body.get("temperature") is None:
             body = {**body, "temperature": 0}
-        limit_s = effective_timeout(tier, timeout_s)
+        limit_s = tier.timeout_for(timeout_s)
         deadline = self._clock() + limit_s
         self.check_fast_fail(body["model"])
         reservation, prompt_tokens, max_tokens = await self.admit(caller, body)
@@ -238,7 +235,7 @@ class ChatService:
                      ) -> tuple[AsyncIterator[bytes], str, Reservation]:
         """Open an upstream stream for a streaming request (dispatched alone, never merged)."""
         tier = self._tiers[caller.tier]
-        deadline = self._clock() + effective_timeout(tier, timeout_s)
+        deadline = self._clock() + tier.timeout_for(timeout_s)
         self.check_fast_fail(body["model"])
         reservation, prompt_tokens, max_tokens = await self.admit(caller, body)
         try:
@@ -250,11 +247,6 @@ class ChatService:
             await reservation.settle(0)
             raise
         return chunks, provider, reservation
-
-
-def effective_timeout(tier: TierSettings, timeout_s: float | None) -> float:
-    """Seconds a request may take: the tier's limit, or the caller's `broker.timeout_s` when shorter."""
-    return min(tier.request_timeout_s, timeout_s or tier.request_timeout_s)
 
 
 def prompt_estimate_needed(settings: Settings) -> bool:

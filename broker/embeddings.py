@@ -78,13 +78,10 @@ class EmbeddingService:
         caller that runs out of time only stops waiting: a batch it shares goes on for the others.
         """
         tier = self._settings.tier(caller.tier)
-        options = parsed.broker
-        budget = min(tier.request_timeout_s, (options.timeout_s if options else None) or tier.request_timeout_s)
+        budget = tier.timeout_for(parsed.broker.timeout_s if parsed.broker else None)
         tokens = estimate_embedding_tokens(parsed.input)
-        specs = [LimitSpec(f"tier:{tier.name}", tier.rpm, tier.tpm)]
-        if caller.key_id and (caller.key_rpm or caller.key_tpm):
-            specs.append(LimitSpec(f"key:{caller.key_id}", caller.key_rpm, caller.key_tpm))
-        reservation = await self._limiter.reserve(specs, tokens)
+        reservation = await self._limiter.reserve(caller.limits(LimitSpec(f"tier:{tier.name}", tier.rpm, tier.tpm)),
+                                                  tokens)
         started = self._clock()
         try:
             async with asyncio.timeout(budget):

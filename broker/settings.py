@@ -93,6 +93,10 @@ class TierSettings(_Strict):
     def queue_hard_cap(self) -> int:
         return self.hard_cap or 2 * self.max_queue
 
+    def timeout_for(self, requested_s: float | None) -> float:
+        """Seconds a request may take: this tier's limit, or the caller's `broker.timeout_s` when shorter."""
+        return min(self.request_timeout_s, requested_s or self.request_timeout_s)
+
 
 def default_tiers() -> list[TierSettings]:
     return [
