@@ -16,11 +16,11 @@ ARG TORCH_INDEX_URL=""
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; \
     else pip install torch==2.13.0; fi
 COPY pyproject.toml README.md ./
+COPY core ./core
 COPY broker ./broker
 COPY merge ./merge
 COPY breaker ./breaker
 COPY providers ./providers
-COPY bench ./bench
 COPY configs ./configs
 RUN pip install . \
     && useradd --create-home --uid 10001 broker \

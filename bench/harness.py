@@ -93,7 +93,7 @@ def _spawn(args: list[str], name: str) -> tuple[subprocess.Popen[bytes], Path]:
 async def start_simulator(*options: str) -> Process:
     """`mergebroker simulate` on a free port, e.g. start_simulator("--latency-base-ms", "300")."""
     port = free_port()
-    proc, log = _spawn([sys.executable, "-m", "broker.cli", "simulate", "--port", str(port), *options], "sim")
+    proc, log = _spawn([sys.executable, "-m", "mergebroker.broker.cli", "simulate", "--port", str(port), *options], "sim")
     p = Process(proc, port, log)
     await _wait_http(p.url + "/v1/models")
     return p
@@ -106,7 +106,7 @@ async def start_broker(config: dict[str, Any]) -> Process:
               "logging": {"level": "warning"}}
     path = Path(tempfile.mkdtemp(prefix="mb-bench-cfg-")) / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc, log = _spawn([sys.executable, "-m", "broker.cli", "serve", "--config", str(path)], "broker")
+    proc, log = _spawn([sys.executable, "-m", "mergebroker.broker.cli", "serve", "--config", str(path)], "broker")
     p = Process(proc, port, log)
     await _wait_http(p.url + "/readyz")
     return p

@@ -20,10 +20,9 @@ from typing import Any, AsyncIterator, Callable
 import pybreaker
 import structlog
 
-from breaker.window import Outcome, SlidingWindow, WindowStats
-from broker.clock import Clock, monotonic
-from broker.errors import UpstreamError, UpstreamTimeout
-from broker.metrics import Metrics
+from mergebroker.breaker.window import Outcome, SlidingWindow, WindowStats
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import UpstreamError, UpstreamTimeout
 
 log = structlog.get_logger(__name__)
 
@@ -107,16 +106,6 @@ def next_open_s(current_s: float, settings: BreakerSettings) -> float:
     return min(current_s * settings.open_backoff, settings.open_max_s)
 
 
-def metrics_listener(metrics: Metrics) -> TransitionCallback:
-    """A transition callback that keeps `breaker_state` and `breaker_transitions` up to date."""
-
-    def on_transition(provider: str, _from: str, to: str, _reason: dict[str, Any]) -> None:
-        metrics.breaker_state.labels(provider=provider).set(STATE_LEVEL[BreakerState(to)])
-        metrics.breaker_transitions.labels(provider=provider, to=to).inc()
-
-    return on_transition
-
-
 @dataclass(frozen=True)
 class _Ticket:
     """An admitted call: the state epoch it was admitted in, and whether it holds a probe slot."""
@@ -146,15 +135,12 @@ class CircuitBreaker:
     """
 
     def __init__(self, name: str, settings: BreakerSettings, *, clock: Clock = monotonic,
-                 on_transition: TransitionCallback | None = None, metrics: Metrics | None = None) -> None:
+                 on_transition: TransitionCallback | None = None) -> None:
         self._name = name
         self._settings = settings
         self._clock = clock
         self._window = SlidingWindow(settings.window_s, clock)
         self._callbacks: list[TransitionCallback] = []
-        if metrics is not None:
-            metrics.breaker_state.labels(provider=name).set(0)
-            self._callbacks.append(metrics_listener(metrics))
         if on_transition is not None:
             self._callbacks.append(on_transition)
         self._open_s = settings.open_s

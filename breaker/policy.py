@@ -10,13 +10,16 @@ from __future__ import annotations
 import fnmatch
 from typing import Mapping, Sequence
 
-from breaker.circuit import BreakerState, CircuitBreaker
-from broker.metrics import Metrics
+from mergebroker.breaker.circuit import BreakerState, CircuitBreaker
+from typing import Callable
 
 WILDCARD = "*"
 """The routes key whose providers serve every model."""
 
 MIN_RETRY_AFTER_S = 0.1
+
+MergingCallback = Callable[[str, bool], None]
+"""Told `(model, merging_allowed)` on every decision, e.g. to export the degraded state."""
 
 
 def all_open_retry_after(breakers: Sequence[CircuitBreaker | None]) -> float | None:
@@ -37,10 +40,10 @@ class DegradationPolicy:
     """
 
     def __init__(self, routes: Mapping[str, Sequence[str]], breakers: Mapping[str, CircuitBreaker],
-                 metrics: Metrics | None = None) -> None:
+                 on_merging: MergingCallback | None = None) -> None:
         self._routes = {model: tuple(names) for model, names in routes.items()}
         self._breakers = dict(breakers)
-        self._metrics = metrics
+        self._on_merging = on_merging
 
     def providers_for(self, model: str) -> list[str]:
         """The providers able to serve `model`: its own routes, then glob routes (`"*"`, `"gpt-*"`), without
@@ -54,8 +57,8 @@ class DegradationPolicy:
     def merging_allowed(self, model: str) -> bool:
         """False while any breaker of the model's providers is degraded, half-open or open."""
         allowed = not any(breaker.degraded for breaker in self._breakers_of(model))
-        if self._metrics is not None:
-            self._metrics.degraded.labels(model=self._metrics.model_label(model)).set(0 if allowed else 1)
+        if self._on_merging is not None:
+            self._on_merging(model, allowed)
         return allowed
 
     def fast_fail_retry_after(self, model: str) -> float | None:

@@ -22,8 +22,8 @@ import redis.asyncio as redis
 import structlog
 from redis.exceptions import RedisError
 
-from breaker.circuit import CircuitBreaker
-from broker.clock import Clock, Sleep, monotonic, sleep_or_event
+from mergebroker.breaker.circuit import CircuitBreaker
+from mergebroker.clock import Clock, Sleep, monotonic, sleep_or_event
 
 log = structlog.get_logger(__name__)
 

@@ -6,7 +6,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
-from broker.clock import Clock
+from mergebroker.clock import Clock
 
 
 class Outcome(enum.Enum):

@@ -18,9 +18,9 @@ from typing import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from broker.errors import Forbidden, Unauthorized
-from broker.ratelimit import LimitSpec
-from broker.settings import ApiKeySettings, AuthSettings
+from mergebroker.errors import Forbidden, Unauthorized
+from mergebroker.broker.ratelimit import LimitSpec
+from mergebroker.broker.settings import ApiKeySettings, AuthSettings
 
 TENANT_HEADER = "X-Broker-Tenant"
 TIER_HEADER = "X-Broker-Tier"

@@ -10,116 +10,48 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import structlog
 from aiohttp import web
 
-from breaker.circuit import BreakerSettings, CircuitBreaker
-from breaker.policy import DegradationPolicy
-from breaker.shared_state import SharedBreakerState
-from broker.admission import Authenticator
-from broker.chat import ChatService
-from broker.clock import Clock, Sleep, monotonic
-from broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
-from broker.embeddings import EmbeddingService, build_embedding_service
-from broker.jobs import ChatJob
-from broker.ledger import Ledger
-from broker.ledger_store import open_store
-from broker.metrics import Metrics
-from broker.middleware import SETTINGS_MAX_BODY, error_middleware
-from broker.queue import MergeQueue, TierWindow
-from broker.ratelimit import RateLimiter
-from broker.ratelimit_redis import RedisRateLimiter
-from broker.settings import ProviderSettings, Settings
-from broker.tokens import count_text_tokens
-from broker.upstream_limiter import UpstreamLimiter
-from broker.workers import WorkerPool
-from merge.cache import TwoLevelCache
-from merge.embedder import BatchingEmbedder, CachingEmbedder, LocalEmbedder, SentenceModelHost
-from merge.lru import LruCache
-from merge.quality_guard import GuardSettings, QualityGuard
-from merge.redis_cache import RedisCache, make_redis_client
-from providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
-from providers.pool import ProviderPools, Upstream
-from providers.retry import RetryPolicy
+from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
+from mergebroker.breaker.policy import DegradationPolicy
+from mergebroker.breaker.shared_state import SharedBreakerState
+from mergebroker.broker.admission import Authenticator
+from mergebroker.broker.chat import ChatService
+from mergebroker.clock import Clock, Sleep, monotonic
+from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
+from mergebroker.broker.embeddings import build_embedding_service
+from mergebroker.broker.jobs import ChatJob
+from mergebroker.broker.ledger import Ledger
+from mergebroker.broker.ledger_store import open_store
+from mergebroker.broker.metrics import Metrics, PoolMetrics, breaker_listener, merging_listener
+from mergebroker.broker.middleware import error_middleware
+from mergebroker.broker.routes import add_routes
+from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY, Broker
+from mergebroker.broker.queue import MergeQueue, TierWindow
+from mergebroker.broker.ratelimit import RateLimiter
+from mergebroker.broker.ratelimit_redis import RedisRateLimiter
+from mergebroker.broker.settings import ProviderSettings, Settings
+from mergebroker.broker.tokens import count_text_tokens
+from mergebroker.providers.pacing import UpstreamLimiter
+from mergebroker.broker.workers import WorkerPool
+from mergebroker.merge.cache import TwoLevelCache
+from mergebroker.merge.embedder import BatchingEmbedder, CachingEmbedder
+from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
+from mergebroker.merge.lru import LruCache
+from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
+from mergebroker.merge.redis_cache import RedisCache, make_redis_client
+from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from mergebroker.providers.pool import ProviderPools, Upstream
+from mergebroker.providers.retry import RetryPolicy
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass
-class Broker:
-    """Everything a running broker holds; built once per app."""
-
-    settings: Settings
-    metrics: Metrics
-    auth: Authenticator
-    pools: ProviderPools
-    queue: MergeQueue[ChatJob]
-    chat: ChatService
-    embeddings: EmbeddingService
-    policy: DegradationPolicy
-    breakers: dict[str, CircuitBreaker]
-    model_host: SentenceModelHost | None
-    workers: WorkerPool
-    simulated_upstream: Any = None
-    redis: Any = None
-    shared_breakers: Any = None
-    ledger: Ledger | None = None
-    background: set[asyncio.Task[Any]] = field(default_factory=set)
-
-    def ready(self) -> tuple[bool, dict[str, Any]]:
-        """Ready to serve: providers configured, workers running, the embedding model loaded (if used)."""
-        model_loaded = self.model_host is None or self.model_host.ready
-        checks = {
-            "providers": len(self.pools.upstreams) > 0,
-            "workers": self.workers.alive(),
-            "embedding_model": model_loaded,
-        }
-        return all(checks.values()), checks
-
-    def stats(self) -> dict[str, Any]:
-        """A JSON snapshot for gateways and humans without Prometheus."""
-        m = self.metrics
-        tiers = {}
-        for t in self.settings.tiers:
-            batches = _sample(m, "mergebroker_batches_total", tier=t.name)
-            merged = _sample(m, "mergebroker_merged_requests_total", tier=t.name)
-            requests = sum(_sample(m, "mergebroker_requests_total", endpoint="chat", tier=t.name, status=s)
-                           for s in _statuses(m))
-            tiers[t.name] = {"queue_depth": self.queue.depth(t.name), "requests": requests,
-                             "merge_rate": merged / requests if requests else 0.0,
-                             "mean_batch_size": _mean(m, "mergebroker_batch_size", tier=t.name),
-                             "batches": batches}
-        providers = {u.name: {"in_flight": u.in_flight,
-                              **(u.breaker.snapshot() if u.breaker else {"state": "closed"})}
-                     for u in self.pools.upstreams}
-        return {"tiers": tiers, "providers": providers}
-
-
-def _sample(metrics: Metrics, name: str, **labels: str) -> float:
-    value = metrics.registry.get_sample_value(name, labels)
-    return float(value or 0.0)
-
-
-def _mean(metrics: Metrics, name: str, **labels: str) -> float:
-    count = _sample(metrics, name + "_count", **labels)
-    return _sample(metrics, name + "_sum", **labels) / count if count else 0.0
-
-
-def _statuses(metrics: Metrics) -> set[str]:
-    return {s.labels["status"] for family in metrics.requests.collect() for s in family.samples
-            if "status" in s.labels}
-
-
-BROKER = web.AppKey("broker", Broker)
-
-
 def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> web.Application:
     """The aiohttp application for `settings`; components are built when it starts."""
-    from broker.routes import add_routes
-
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
     app[SETTINGS_MAX_BODY] = settings.server.max_body_bytes
     add_routes(app)
@@ -142,7 +74,7 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     simulated = None
     providers = list(settings.providers)
     if not providers:
-        from providers.simulator import start_simulator
+        from mergebroker.providers.simulator import start_simulator
 
         simulated = await start_simulator()
         providers = [ProviderSettings(name="simulated", base_url=simulated.url)]
@@ -150,16 +82,17 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
                     message="No provider configured: serving from the built-in simulated upstream "
                             "(answers are synthetic). Configure providers or pass --upstream URL.")
     redis = make_redis_client(settings.redis.url) if settings.redis.url else None
-    breakers = {p.name: CircuitBreaker(p.name, _breaker_settings(p), clock=clock, metrics=metrics)
+    breakers = {p.name: CircuitBreaker(p.name, _breaker_settings(p), clock=clock,
+                                       on_transition=breaker_listener(metrics, p.name))
                 for p in providers if p.kind == "openai"}
     upstreams = [_upstream(p, breakers[p.name], clock) for p in providers if p.kind == "openai"]
     pools = ProviderPools(upstreams, strategy=settings.routing, retry=RetryPolicy(**settings.retry.model_dump()),
-                          clock=clock, sleep=sleep, metrics=metrics)
+                          clock=clock, sleep=sleep, observer=PoolMetrics(metrics))
     routes: dict[str, list[str]] = {}
     for p in providers:
         for model in p.models:
             routes.setdefault(model, []).append(p.name)
-    policy = DegradationPolicy(routes, breakers, metrics)
+    policy = DegradationPolicy(routes, breakers, merging_listener(metrics))
     host, embedder = _similarity_model(settings, providers)
     dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock)
     tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
@@ -284,7 +217,7 @@ def _background(broker: Broker, coro: Any, name: str) -> None:
 
 
 async def stop_broker(broker: Broker) -> None:
-    from broker.errors import Overloaded
+    from mergebroker.errors import Overloaded
 
     for job in broker.queue.close():
         job.fail(Overloaded("The broker is shutting down.", retry_after=1))

@@ -16,20 +16,20 @@ from typing import Any, AsyncIterator, Callable
 
 import structlog
 
-from broker.admission import Caller
-from broker.clock import Clock, monotonic
-from broker.errors import DeadlineExceeded, UpstreamUnavailable
-from broker.jobs import ChatJob, ChatOutcome
-from broker.metrics import Metrics
-from broker.queue import MergeQueue, aged_rank
-from broker.ratelimit import LimitSpec, Reservation
-from broker.settings import Settings, TierSettings
-from broker.tokens import estimate_prompt_tokens
-from merge.cache import TwoLevelCache
-from merge.coalesce import SingleFlight
-from merge.fingerprint import chat_fingerprint
-from merge.shape import compatibility_key, merge_shape
-from providers.pool import ProviderPools
+from mergebroker.broker.admission import Caller
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import DeadlineExceeded, UpstreamUnavailable
+from mergebroker.broker.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.queue import MergeQueue, aged_rank
+from mergebroker.broker.ratelimit import LimitSpec, Reservation
+from mergebroker.broker.settings import Settings, TierSettings
+from mergebroker.broker.tokens import estimate_prompt_tokens
+from mergebroker.merge.cache import TwoLevelCache
+from mergebroker.merge.coalesce import SingleFlight
+from mergebroker.merge.fingerprint import chat_fingerprint
+from mergebroker.merge.shape import compatibility_key, merge_shape
+from mergebroker.providers.pool import ProviderPools
 
 log = structlog.get_logger(__name__)
 

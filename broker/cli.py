@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import os
 import sys
 from typing import Any, Sequence
@@ -29,13 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="OpenAI-compatible base URL (e.g. https://api.example.com/v1) serving every model; "
                             "repeat for a pool with failover. API key from $MERGEBROKER_UPSTREAM_API_KEY.")
 
-    from providers.simulator import add_simulate_arguments
+    from mergebroker.providers.simulator_cli import add_simulate_arguments
 
     simulate = sub.add_parser("simulate", help="run the simulated OpenAI-compatible upstream",
                               description="Run the simulated upstream used by tests, demos and benchmarks.")
     add_simulate_arguments(simulate)
 
-    from broker.report import add_report_arguments
+    from mergebroker.broker.report import add_report_arguments
 
     report = sub.add_parser("report", help="summarise the usage ledger",
                             description="Requests, merge rate, cache rates, tokens and calls saved, cost per tenant.")
@@ -56,17 +57,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+BENCH_FROM_CHECKOUT = ("mergebroker bench runs from a checkout of the repository (bench/ is not installed): "
+                       "cd into the checkout and run `.venv/bin/mergebroker bench` (or `python -m bench.report`) there.")
+
+
+def _bench(argv: list[str]) -> int:
+    """Run the checkout's benchmark runner; it has its own parser, which takes every option."""
+    if os.path.isfile(os.path.join("bench", "report.py")) and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a console script does not put the working directory on the path
+    try:
+        # Looked up at run time, not imported: bench/ is not part of the installed package.
+        runner = importlib.import_module("bench.report")
+    except ModuleNotFoundError:
+        print(BENCH_FROM_CHECKOUT, file=sys.stderr)
+        return 2
+    return runner.main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and "-h" not in argv and "--help" not in argv:
-        from bench.report import main as bench_main  # its own parser takes every option
-
-        return bench_main(argv[1:])
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     if args.command == "simulate":
-        from providers.simulator import serve_simulator
+        from mergebroker.providers.simulator_cli import serve_simulator
 
         try:
             asyncio.run(serve_simulator(args))
@@ -74,11 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 0
     if args.command == "report":
-        from broker.report import run_report
+        from mergebroker.broker.report import run_report
 
         return run_report(args)
     if args.command == "warm-cache":
-        from broker.warm_cache import run_warm_cache
+        from mergebroker.broker.warm_cache import run_warm_cache
 
         return run_warm_cache(args)
     return 2
@@ -100,9 +116,9 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from broker.app import create_app
-    from broker.logging import configure_logging
-    from broker.settings import ConfigError, load_settings
+    from mergebroker.broker.app import create_app
+    from mergebroker.broker.logging import configure_logging
+    from mergebroker.broker.settings import ConfigError, load_settings
 
     try:
         settings = load_settings(args.config, overrides=serve_overrides(args))

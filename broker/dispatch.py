@@ -17,20 +17,20 @@ from typing import Any, Awaitable, Callable
 
 import structlog
 
-from broker.clock import Clock, monotonic
-from broker.errors import BrokerError, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
-from broker.jobs import ChatJob, ChatOutcome
-from broker.metrics import Metrics
-from broker.queue import ReleasedGroup
-from broker.tokens import count_text_tokens, estimate_prompt_tokens
-from merge.embedder import Embedder
-from merge.grouping import group_by_similarity, needs_embedding
-from merge.leak import find_leaks
-from merge.prompt import MergeMember, build_combined_messages, merged_max_tokens, new_batch_ids
-from merge.quality_guard import QualityGuard
-from merge.split import BlockFailure, split_reply
-from merge.usage import apportion_usage
-from providers.pool import ProviderPools
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import BrokerError, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
+from mergebroker.broker.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.queue import ReleasedGroup
+from mergebroker.broker.tokens import count_text_tokens, estimate_prompt_tokens
+from mergebroker.merge.embedder import Embedder
+from mergebroker.merge.grouping import group_by_similarity, needs_embedding
+from mergebroker.merge.leak import find_leaks
+from mergebroker.merge.prompt import MergeMember, build_combined_messages, merged_max_tokens, new_batch_ids
+from mergebroker.merge.quality_guard import QualityGuard
+from mergebroker.merge.split import split_reply
+from mergebroker.merge.usage import apportion_usage
+from mergebroker.providers.pool import ProviderPools
 
 log = structlog.get_logger(__name__)
 

@@ -15,22 +15,23 @@ from typing import Any
 
 import numpy as np
 
-from broker.admission import Caller
-from broker.clock import Clock, monotonic
-from broker.errors import DeadlineExceeded, InvalidRequest
-from broker.metrics import Metrics
-from broker.ratelimit import LimitSpec
-from broker.schemas import EmbeddingRequest
-from broker.settings import ProviderSettings, Settings
-from broker.tokens import count_text_tokens, estimate_embedding_tokens
-from merge.cache import TwoLevelCache
-from merge.embedder import SentenceModelHost
-from merge.embedding_batcher import EmbedResult, EmbeddingBatcher, cache_metrics_hook
-from merge.lru import LruCache
-from merge.redis_cache import RedisCache
-from merge.vector_codec import to_base64
-from providers.local_embeddings import LocalEmbeddingBackend
-from providers.pool import ProviderPools
+from mergebroker.broker.admission import Caller
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import DeadlineExceeded, InvalidRequest
+from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.ratelimit import LimitSpec
+from mergebroker.broker.schemas import EmbeddingRequest
+from mergebroker.broker.settings import ProviderSettings, Settings
+from mergebroker.broker.tokens import count_text_tokens, estimate_embedding_tokens
+from mergebroker.merge.cache import TwoLevelCache
+from mergebroker.broker.embedding_engine import EmbeddingBatcher, cache_metrics_hook
+from mergebroker.providers.base import EmbedResult
+from mergebroker.providers.local_model import SentenceModelHost
+from mergebroker.merge.lru import LruCache
+from mergebroker.merge.redis_cache import RedisCache
+from mergebroker.merge.vector_codec import to_base64
+from mergebroker.providers.local_embeddings import LocalEmbeddingBackend
+from mergebroker.providers.pool import ProviderPools
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.admission import Caller
-from merge.shape import MergeShape
+from mergebroker.broker.admission import Caller
+from mergebroker.merge.shape import MergeShape
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from typing import Literal, Protocol, Sequence
 
 import structlog
 
-from broker import clock
+from mergebroker import clock
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ import sqlite3
 import threading
 from typing import Any, Sequence
 
-from broker.ledger import LedgerRecord, LedgerStore
+from mergebroker.broker.ledger import LedgerRecord, LedgerStore
 
 COLUMNS = tuple(f.name for f in dataclasses.fields(LedgerRecord))
 

@@ -7,6 +7,8 @@ The Grafana dashboard and alert rules in `configs/` query exactly these names.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -100,3 +102,46 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
+
+
+# The lower layers report through callbacks and observers; these adapters turn their reports into metrics.
+
+BREAKER_STATE_LEVEL = {"closed": 0, "half-open": 1, "open": 2}
+
+
+def breaker_listener(metrics: Metrics, provider: str) -> Callable[[str, str, str, dict[str, Any]], None]:
+    """A breaker transition callback that keeps `breaker_state` and `breaker_transitions` up to date.
+
+    Building it sets the provider's state to closed, so the series exists before the first transition.
+    """
+    metrics.breaker_state.labels(provider=provider).set(0)
+
+    def on_transition(name: str, _from: str, to: str, _reason: dict[str, Any]) -> None:
+        metrics.breaker_state.labels(provider=name).set(BREAKER_STATE_LEVEL[to])
+        metrics.breaker_transitions.labels(provider=name, to=to).inc()
+
+    return on_transition
+
+
+def merging_listener(metrics: Metrics) -> Callable[[str, bool], None]:
+    """A degradation-policy callback that exports whether merging is paused per model."""
+
+    def on_merging(model: str, allowed: bool) -> None:
+        metrics.degraded.labels(model=metrics.model_label(model)).set(0 if allowed else 1)
+
+    return on_merging
+
+
+class PoolMetrics:
+    """The provider pools' observer: retries, calls by outcome and call latency per provider."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def retried(self, provider: str, reason: str) -> None:
+        self._metrics.retries.labels(provider, reason).inc()
+
+    def called(self, provider: str, outcome: str, latency_s: float | None) -> None:
+        self._metrics.upstream_calls.labels(provider, outcome).inc()
+        if latency_s is not None:
+            self._metrics.upstream_latency.labels(provider).observe(latency_s)

@@ -9,7 +9,6 @@ follows it: the handler ends the stream itself and notes the error in `request[I
 
 from __future__ import annotations
 
-import functools
 import secrets
 import time
 import weakref
@@ -19,9 +18,10 @@ from typing import Any, Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from broker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
-from broker.ledger import LedgerRecord, saved_tokens
-from broker.metrics import Metrics
+from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
+from mergebroker.broker.ledger import LedgerRecord, saved_tokens
+from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY
 
 log = structlog.get_logger("mergebroker.access")
 
@@ -48,7 +48,6 @@ class RequestInfo:
 
 
 INFO = web.RequestKey("info", RequestInfo)
-SETTINGS_MAX_BODY = web.AppKey("max_body_bytes", int)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings", "/v1/models": "models"}
@@ -115,7 +114,7 @@ def _observe(request: web.Request, info: RequestInfo, response: web.StreamRespon
         return
     # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
     status = info.stream_error.status if info.stream_error is not None else response.status
-    broker = request.app.get(_broker_key())
+    broker = request.app.get(BROKER)
     if broker is not None:
         requests, latency = _request_metrics(broker.metrics, endpoint, info.tier, status)
         requests.inc()
@@ -126,13 +125,6 @@ def _observe(request: web.Request, info: RequestInfo, response: web.StreamRespon
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
              batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache,
              stream_error=(info.stream_error.code or info.stream_error.type) if info.stream_error else None)
-
-
-@functools.cache
-def _broker_key() -> Any:
-    from broker.app import BROKER  # app.py imports this module, so the key is looked up on first use
-
-    return BROKER
 
 
 _CHILDREN: weakref.WeakKeyDictionary[Metrics, dict[tuple[str, str, int], tuple[Any, Any]]] = (

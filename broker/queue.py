@@ -24,9 +24,9 @@ from typing import Callable, Generic, Protocol, TypeVar
 
 import structlog
 
-from broker.clock import Clock, monotonic
-from broker.errors import Overloaded
-from broker.metrics import Metrics
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import Overloaded
+from mergebroker.broker.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 

@@ -20,9 +20,9 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from broker.clock import Clock
-from broker.errors import RateLimited
-from broker.ratelimit import (BucketLevel, BucketRequest, LimitSpec, RateLimiter, Reservation,
+from mergebroker.clock import Clock
+from mergebroker.errors import RateLimited
+from mergebroker.broker.ratelimit import (BucketLevel, BucketRequest, LimitSpec, RateLimiter, Reservation,
                               bucket_requests, ratelimit_headers, refusal)
 
 log = structlog.get_logger(__name__)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Iterable, Mapping, TextIO
 
-from broker.ledger import LedgerRecord
-from broker.ledger_store import open_store
+from mergebroker.broker.ledger import LedgerRecord
+from mergebroker.broker.ledger_store import open_store
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -10,13 +10,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from broker.admission import TIER_HEADER, Caller
-from broker.app import BROKER, Broker
-from broker.chat import CacheControl
-from broker.clock import Clock, monotonic
-from broker.errors import BrokerError, InvalidRequest, NotFound, UnsupportedMediaType
-from broker.middleware import INFO
-from broker.schemas import parse_chat, parse_embeddings
+from mergebroker.broker.admission import TIER_HEADER, Caller
+from mergebroker.broker.state import BROKER, Broker
+from mergebroker.broker.chat import CacheControl
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import BrokerError, InvalidRequest, NotFound, UnsupportedMediaType
+from mergebroker.broker.middleware import INFO
+from mergebroker.broker.schemas import parse_chat, parse_embeddings
 
 log = structlog.get_logger(__name__)
 

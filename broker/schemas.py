@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from broker.errors import InvalidRequest
+from mergebroker.errors import InvalidRequest
 
 BROKER_FIELD = "broker"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from broker.app import build_broker, stop_broker
-from broker.errors import BrokerError
-from broker.settings import ConfigError, load_settings
+from mergebroker.broker.app import build_broker, stop_broker
+from mergebroker.errors import BrokerError
+from mergebroker.broker.settings import ConfigError, load_settings
 
 
 def run_warm_cache(args: argparse.Namespace) -> int:

@@ -10,11 +10,11 @@ from typing import Any
 
 import structlog
 
-from broker.clock import Clock, monotonic
-from broker.dispatch import Dispatcher
-from broker.jobs import ChatJob
-from broker.metrics import Metrics
-from broker.queue import MergeQueue
+from mergebroker.clock import Clock, monotonic
+from mergebroker.broker.dispatch import Dispatcher
+from mergebroker.broker.jobs import ChatJob
+from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.queue import MergeQueue
 
 log = structlog.get_logger(__name__)
 

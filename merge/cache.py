@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Protocol, Sequence
 
-from merge.lru import LruCache
-from merge.redis_cache import RedisCache, make_redis_client
+from mergebroker.merge.lru import LruCache
+from mergebroker.merge.redis_cache import RedisCache, make_redis_client
 
 __all__ = ["LruCache", "MetricsHook", "RedisCache", "SecondLevelCache", "TwoLevelCache", "make_redis_client"]
 

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
-from broker.clock import Clock, monotonic
+from mergebroker.clock import Clock, monotonic
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import structlog
 
-from broker.clock import Clock, monotonic
+from mergebroker.clock import Clock, monotonic
 
 log = structlog.get_logger(__name__)
 V = TypeVar("V")

@@ -15,7 +15,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from broker.clock import Clock, monotonic
+from mergebroker.clock import Clock, monotonic
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from merge.fingerprint import canonical_stop, canonical_value
+from mergebroker.merge.fingerprint import canonical_stop, canonical_value
 
 # Body fields whose presence (non-null, non-false) makes a request unmergeable.
 _BLOCKING_FIELDS = (

@@ -7,7 +7,10 @@ Implementations raise only `broker.errors.UpstreamError` subclasses.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
+
+import numpy as np
 
 
 class Provider(Protocol):
@@ -38,3 +41,17 @@ class Provider(Protocol):
     async def warm_up(self, connections: int) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedResult:
+    """Vectors in input order (read-only arrays when they come from the batcher) and their usage.
+
+    `cached` counts inputs answered from a cache, `coalesced` inputs that shared a text already
+    pending (another caller's, or an earlier duplicate in the same request); a backend leaves both 0.
+    """
+
+    vectors: list[np.ndarray]
+    prompt_tokens: int
+    cached: int = 0
+    coalesced: int = 0

@@ -12,9 +12,10 @@ from typing import Sequence
 
 import numpy as np
 
-from broker.errors import InvalidRequest, NotFound
-from merge.embedder import SentenceModelHost, normalize_rows
-from merge.embedding_batcher import EmbedResult
+from mergebroker.errors import InvalidRequest, NotFound
+from mergebroker.vectors import normalize_rows
+from mergebroker.providers.base import EmbedResult
+from mergebroker.providers.local_model import SentenceModelHost
 
 DEFAULT_MODEL_NAMES = ("all-MiniLM-L6-v2", "local-minilm")
 

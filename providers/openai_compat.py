@@ -16,14 +16,14 @@ import aiohttp
 import structlog
 from yarl import URL
 
-from broker.errors import (
+from mergebroker.errors import (
     UpstreamBadResponse,
     UpstreamConnectionError,
     UpstreamError,
     UpstreamHTTPError,
     UpstreamTimeout,
 )
-from providers.retry import parse_retry_after
+from mergebroker.providers.retry import parse_retry_after
 
 log = structlog.get_logger(__name__)
 

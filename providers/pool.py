@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Protocol, TypeVar
 
 import structlog
 
-from breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError, BreakerState, CircuitBreaker
-from breaker.policy import all_open_retry_after
-from broker.clock import Clock, Sleep, monotonic, sleep
-from broker.errors import (
+from mergebroker.breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError, BreakerState, CircuitBreaker
+from mergebroker.breaker.policy import all_open_retry_after
+from mergebroker.clock import Clock, Sleep, monotonic, sleep
+from mergebroker.errors import (
     DeadlineExceeded,
     NotFound,
     UpstreamBadResponse,
@@ -33,11 +33,10 @@ from broker.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from broker.metrics import Metrics
-from broker.upstream_limiter import UpstreamLimiter
-from providers.base import Provider
-from providers.openai_compat import read_timeout_for
-from providers.retry import RetryPolicy, call_with_retries, remaining, retry_reason
+from mergebroker.providers.pacing import UpstreamLimiter
+from mergebroker.providers.base import Provider
+from mergebroker.providers.openai_compat import read_timeout_for
+from mergebroker.providers.retry import RetryPolicy, call_with_retries, remaining, retry_reason
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -45,6 +44,26 @@ Strategy = Literal["least_in_flight", "round_robin"]
 EMBEDDINGS_TIMEOUT_S = 30.0
 DEADLINE_SLACK_S = 0.05
 """A timeout this close to the request's deadline is the deadline's doing (timers fire a little late or early)."""
+
+
+class PoolObserver(Protocol):
+    """What the pools report as they work (the service exports it as metrics; the pools know no metric names)."""
+
+    def retried(self, provider: str, reason: str) -> None:
+        """A call on `provider` (or "pool") failed with `reason` and will be retried."""
+
+    def called(self, provider: str, outcome: str, latency_s: float | None) -> None:
+        """One call on `provider` ended with `outcome`; `latency_s` is None when the breaker refused it."""
+
+
+class NullObserver:
+    """A PoolObserver that records nothing."""
+
+    def retried(self, provider: str, reason: str) -> None:
+        return None
+
+    def called(self, provider: str, outcome: str, latency_s: float | None) -> None:
+        return None
 
 
 @dataclass(eq=False)
@@ -110,14 +129,14 @@ class ProviderPools:
 
     def __init__(self, upstreams: list[Upstream], *, strategy: Strategy = "least_in_flight",
                  retry: RetryPolicy = RetryPolicy(), clock: Clock = monotonic, sleep: Sleep = sleep,
-                 metrics: Metrics | None = None) -> None:
+                 observer: PoolObserver | None = None) -> None:
         self.upstreams = upstreams
         self._by_model: dict[str, list[Upstream]] = {}
         self._strategy = strategy
         self._retry = retry
         self._clock = clock
         self._sleep = sleep
-        self._metrics = metrics
+        self._observer: PoolObserver = observer or NullObserver()
         for u in upstreams:
             if u.max_in_flight:
                 u._slots = asyncio.Semaphore(u.max_in_flight)
@@ -205,8 +224,7 @@ class ProviderPools:
                                        sleep=self._sleep, on_retry=self._count_retry)
 
     def _count_retry(self, exc: BaseException, _wait_s: float) -> None:
-        if self._metrics:
-            self._metrics.retries.labels(getattr(exc, "provider", "pool"), retry_reason(exc)).inc()
+        self._observer.retried(getattr(exc, "provider", "pool"), retry_reason(exc))
 
     async def _failover(self, model: str, upstreams: list[Upstream], attempt: Attempt[T],
                         spec: _CallSpec) -> tuple[T, str]:
@@ -337,10 +355,8 @@ class ProviderPools:
             outcome = "cancelled"
             raise
         finally:
-            if self._metrics:
-                self._metrics.upstream_calls.labels(u.name, outcome).inc()
-                if outcome != "breaker_open":
-                    self._metrics.upstream_latency.labels(u.name).observe(self._clock() - started)
+            latency = None if outcome == "breaker_open" else self._clock() - started
+            self._observer.called(u.name, outcome, latency)
 
     async def _attempt(self, u: Upstream, attempt: Attempt[T], timeout: float, deadline: float | None) -> T:
         try:

@@ -18,8 +18,8 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base, wait_random_exponential
 
-from broker.clock import Clock, Sleep
-from broker.errors import (
+from mergebroker.clock import Clock, Sleep
+from mergebroker.errors import (
     DeadlineExceeded,
     UpstreamBadResponse,
     UpstreamConnectionError,

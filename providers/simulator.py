@@ -22,20 +22,18 @@ from typing import Any, Mapping
 import structlog
 from aiohttp import web
 
-from broker.clock import Sleep
-from broker.errors import BrokerError, InvalidRequest
-from providers.simulator_cli import add_simulate_arguments, config_from_args, serve_simulator
-from providers.simulator_content import (INJECTION_MARKER, Reply, answer_for, block_answers, compose_reply,
+from mergebroker.clock import Sleep
+from mergebroker.errors import BrokerError, InvalidRequest
+from mergebroker.providers.simulator_content import (INJECTION_MARKER, Reply, answer_for, block_answers, compose_reply,
                                          count_tokens, embedding_vector, parse_request_blocks, prompt_tokens,
                                          question_text, stream_pieces)
-from providers.simulator_faults import MAX_EMBEDDING_DIM, FaultInjector, SimulatorConfig, error_response, is_int
+from mergebroker.providers.simulator_faults import MAX_EMBEDDING_DIM, FaultInjector, SimulatorConfig, error_response, is_int
 
 log = structlog.get_logger(__name__)
 
 __all__ = ["SimulatorConfig", "answer_for", "block_answers", "INJECTION_MARKER",
            "count_tokens", "prompt_tokens", "create_simulator_app", "start_simulator",
-           "RunningSimulator", "Simulator", "SimulatorStats", "SIMULATOR_KEY", "add_simulate_arguments",
-           "config_from_args", "serve_simulator"]
+           "RunningSimulator", "Simulator", "SimulatorStats", "SIMULATOR_KEY"]
 
 
 @dataclass

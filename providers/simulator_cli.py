@@ -8,7 +8,8 @@ from typing import Any
 
 import structlog
 
-from providers.simulator_faults import SimulatorConfig
+from mergebroker.providers.simulator import start_simulator
+from mergebroker.providers.simulator_faults import SimulatorConfig
 
 log = structlog.get_logger(__name__)
 
@@ -67,9 +68,6 @@ def config_from_args(ns: argparse.Namespace) -> SimulatorConfig:
 
 async def serve_simulator(ns: argparse.Namespace) -> None:
     """Serve the simulator from parsed `simulate` options until cancelled."""
-    # Imported here because providers.simulator imports this module to re-export the CLI names.
-    from providers.simulator import start_simulator
-
     simulator = await start_simulator(config_from_args(ns), host=getattr(ns, "host", "127.0.0.1"),
                                       port=getattr(ns, "port", DEFAULT_PORT))
     log.info("simulator_serving", url=simulator.url)

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import bpe_openai
 import numpy as np
 
-from providers.simulator_faults import DEFAULT_ANSWER_WORDS, SimulatorConfig, decide_truncate, render_blocks
+from mergebroker.providers.simulator_faults import DEFAULT_ANSWER_WORDS, SimulatorConfig, decide_truncate, render_blocks
 
 WORDS_PER_CHUNK = 3
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import structlog
 from aiohttp import web
 
-from broker.errors import error_body
+from mergebroker.errors import error_body
 
 log = structlog.get_logger(__name__)
 

@@ -5,4 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --with-redis
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# The architecture cannot drift silently: layer contracts, and no bare-name imports of the repository folders.
+scripts/check_layers.sh >/dev/null || { scripts/check_layers.sh; exit 1; }
+.venv/bin/ruff check --quiet --select TID251 .
 exec .venv/bin/python -m pytest "$@"

@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from broker.clock import FakeClock  # noqa: E402
+from mergebroker.clock import FakeClock  # noqa: E402
 
 
 def free_port() -> int:
@@ -82,7 +82,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 async def simulator():
     """The simulated upstream as a real server on a free loopback port."""
-    from providers.simulator import start_simulator
+    from mergebroker.providers.simulator import start_simulator
 
     sim = await start_simulator()
     try:
@@ -122,8 +122,8 @@ async def start_broker():
     """Factory: `await start_broker(settings_dict)` runs a broker on a free port; all are stopped at the end."""
     from aiohttp import web
 
-    from broker.app import BROKER, create_app
-    from broker.settings import load_settings
+    from mergebroker.broker.app import BROKER, create_app
+    from mergebroker.broker.settings import load_settings
 
     started: list[BrokerUnderTest] = []
 

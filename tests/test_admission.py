@@ -7,9 +7,9 @@ import hashlib
 import pytest
 from pydantic import SecretStr
 
-from broker.admission import Authenticator
-from broker.errors import Forbidden, Unauthorized
-from broker.settings import ApiKeySettings, AuthSettings
+from mergebroker.broker.admission import Authenticator
+from mergebroker.errors import Forbidden, Unauthorized
+from mergebroker.broker.settings import ApiKeySettings, AuthSettings
 
 TIERS = ("realtime", "standard", "batch")
 

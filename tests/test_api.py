@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker.clock import FakeClock
-from providers.simulator import answer_for
+from mergebroker.clock import FakeClock
+from mergebroker.providers.simulator import answer_for
 from tests.conftest import provider_for
 
 PASSTHROUGH = {"merge": {"enabled": False}}
@@ -55,7 +55,7 @@ async def test_models_list_asks_the_upstream_once_per_minute(simulator, start_br
 
 
 async def test_the_upstream_model_list_is_fetched_again_after_its_ttl():
-    from broker.routes import UpstreamModels
+    from mergebroker.broker.routes import UpstreamModels
 
     calls = []
 

@@ -10,10 +10,10 @@ import pytest
 import redis.asyncio as redis
 from structlog.testing import capture_logs
 
-from breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
-from breaker.shared_state import SharedBreakerState
-from broker.clock import FakeClock
-from broker.errors import UpstreamHTTPError
+from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
+from mergebroker.breaker.shared_state import SharedBreakerState
+from mergebroker.clock import FakeClock
+from mergebroker.errors import UpstreamHTTPError
 
 SETTINGS = BreakerSettings()
 PREFIX = "mb:test:breaker:"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from breaker.window import Outcome, SlidingWindow
-from broker.clock import FakeClock
+from mergebroker.breaker.window import Outcome, SlidingWindow
+from mergebroker.clock import FakeClock
 
 
 def test_empty_window_reports_zero_ratios(fake_clock: FakeClock) -> None:

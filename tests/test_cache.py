@@ -7,8 +7,8 @@ from typing import AsyncIterator
 import pytest
 import redis.asyncio as redis
 
-from broker.clock import FakeClock
-from merge.cache import LruCache, RedisCache, TwoLevelCache, make_redis_client
+from mergebroker.clock import FakeClock
+from mergebroker.merge.cache import LruCache, RedisCache, TwoLevelCache, make_redis_client
 
 
 def lru(clock: FakeClock, *, max_entries: int = 100, max_bytes: int = 1000, ttl_s: float | None = None) -> LruCache:

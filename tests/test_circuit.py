@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from breaker.circuit import BreakerOpenError, BreakerSettings, BreakerState, CircuitBreaker
-from broker.clock import FakeClock
-from broker.errors import UpstreamConnectionError, UpstreamError, UpstreamHTTPError, UpstreamTimeout
-from broker.metrics import Metrics
+from mergebroker.breaker.circuit import BreakerOpenError, BreakerSettings, BreakerState, CircuitBreaker
+from mergebroker.clock import FakeClock
+from mergebroker.errors import UpstreamConnectionError, UpstreamError, UpstreamHTTPError, UpstreamTimeout
+from mergebroker.broker.metrics import Metrics, breaker_listener
 
 SETTINGS = BreakerSettings()  # min_calls 10, error_ratio 0.10, slow 0.30 / 10 s, open 10 s x2 up to 120 s
 
@@ -285,7 +285,7 @@ async def test_transitions_are_logged_with_reason(breaker: CircuitBreaker) -> No
 
 async def test_metrics_follow_state_and_count_transitions(fake_clock: FakeClock) -> None:
     metrics = Metrics()
-    breaker = CircuitBreaker("beta", SETTINGS, clock=fake_clock, metrics=metrics)
+    breaker = CircuitBreaker("beta", SETTINGS, clock=fake_clock, on_transition=breaker_listener(metrics, "beta"))
 
     def gauge() -> float | None:
         return metrics.registry.get_sample_value("mergebroker_breaker_state", {"provider": "beta"})

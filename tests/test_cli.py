@@ -24,7 +24,7 @@ def test_serve_without_config_answers_from_the_simulated_upstream_and_logs_it(tm
     log_path = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERGEBROKER_")}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "mergebroker.broker.cli", "serve", "--port", str(port)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 60

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from merge.coalesce import SingleFlight
+from mergebroker.merge.coalesce import SingleFlight
 
 
 class Gated:
@@ -179,7 +179,7 @@ async def test_an_error_after_all_waiters_left_is_not_reported_as_never_retrieve
 async def test_join_shares_an_external_future_and_the_last_waiter_leaving_cancels_it():
     import asyncio
 
-    from merge.coalesce import SingleFlight
+    from mergebroker.merge.coalesce import SingleFlight
 
     flight: SingleFlight[str, str] = SingleFlight()
     started: list[asyncio.Future[str]] = []
@@ -209,7 +209,7 @@ async def test_join_shares_an_external_future_and_the_last_waiter_leaving_cancel
 async def test_join_reports_an_error_from_start_to_that_caller_alone():
     import pytest
 
-    from merge.coalesce import SingleFlight
+    from mergebroker.merge.coalesce import SingleFlight
 
     flight: SingleFlight[str, str] = SingleFlight()
 

@@ -9,9 +9,9 @@ from typing import Any, AsyncIterator, Callable
 import aiohttp
 import pytest
 
-from breaker.circuit import BreakerState
-from broker.clock import FakeClock
-from providers.simulator import SimulatorConfig, answer_for, start_simulator
+from mergebroker.breaker.circuit import BreakerState
+from mergebroker.clock import FakeClock
+from mergebroker.providers.simulator import SimulatorConfig, answer_for, start_simulator
 from tests.conftest import provider_for
 
 BATCH = {"X-Broker-Tier": "batch"}

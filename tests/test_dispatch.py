@@ -5,17 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-from broker.admission import Caller
-from broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
-from broker.jobs import ChatJob
-from broker.metrics import Metrics
-from broker.queue import ReleasedGroup
-from merge.embedder import FakeEmbedder
-from merge.quality_guard import GuardSettings, QualityGuard
-from merge.shape import merge_shape
-from providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
-from providers.pool import ProviderPools, Upstream
-from providers.simulator import answer_for
+from mergebroker.broker.admission import Caller
+from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
+from mergebroker.broker.jobs import ChatJob
+from mergebroker.broker.metrics import Metrics, PoolMetrics
+from mergebroker.broker.queue import ReleasedGroup
+from mergebroker.merge.embedder import FakeEmbedder
+from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
+from mergebroker.merge.shape import merge_shape
+from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from mergebroker.providers.pool import ProviderPools, Upstream
+from mergebroker.providers.simulator import answer_for
 
 
 class StuckEmbedder(FakeEmbedder):
@@ -40,7 +40,7 @@ def job(text: str) -> ChatJob:
 async def test_a_group_whose_vectors_miss_the_budget_is_sent_unmerged(simulator):
     metrics = Metrics()
     provider = OpenAICompatProvider(HttpProviderSettings(name="sim", base_url=simulator.url))
-    pools = ProviderPools([Upstream(provider)], metrics=metrics)
+    pools = ProviderPools([Upstream(provider)], observer=PoolMetrics(metrics))
     embedder = StuckEmbedder()
     dispatcher = Dispatcher(
         pools, tiers={"standard": TierMergePolicy(True, 0.85, 4, similarity_budget_s=0.05)},

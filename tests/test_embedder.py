@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker.errors import UpstreamBadResponse
-from merge.embedder import CachingEmbedder, FakeEmbedder, RemoteEmbedder, fake_vector, normalize_rows
+from mergebroker.errors import UpstreamBadResponse
+from mergebroker.vectors import normalize_rows
+from mergebroker.merge.embedder import CachingEmbedder, FakeEmbedder, RemoteEmbedder, fake_vector
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -89,7 +90,7 @@ async def test_remote_embedder_refuses_a_reply_with_the_wrong_number_of_rows() -
 async def test_batching_embedder_gathers_concurrent_calls_into_the_next_model_call():
     import asyncio
 
-    from merge.embedder import BatchingEmbedder, FakeEmbedder
+    from mergebroker.merge.embedder import BatchingEmbedder, FakeEmbedder
 
     class Gated(FakeEmbedder):
         def __init__(self) -> None:
@@ -119,7 +120,7 @@ async def test_batching_embedder_gathers_concurrent_calls_into_the_next_model_ca
 async def test_caching_embedder_never_encodes_a_text_that_is_already_being_encoded():
     import asyncio
 
-    from merge.embedder import CachingEmbedder, FakeEmbedder
+    from mergebroker.merge.embedder import CachingEmbedder, FakeEmbedder
 
     class Gated(FakeEmbedder):
         def __init__(self) -> None:

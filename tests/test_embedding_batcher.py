@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import redis.asyncio as redis_asyncio
 
-from broker.errors import Overloaded, UpstreamBadResponse, UpstreamHTTPError, UpstreamTimeout
-from broker.metrics import Metrics
-from merge.cache import LruCache, RedisCache, TwoLevelCache, make_redis_client
-from merge.embedder import fake_vector
-from merge.embedding_batcher import (EmbeddingBatcher, EmbedResult, TimerHandle, cache_metrics_hook, share_tokens,
+from mergebroker.errors import Overloaded, UpstreamBadResponse, UpstreamHTTPError, UpstreamTimeout
+from mergebroker.broker.metrics import Metrics
+from mergebroker.merge.cache import LruCache, RedisCache, TwoLevelCache, make_redis_client
+from mergebroker.merge.embedder import fake_vector
+from mergebroker.providers.base import EmbedResult
+from mergebroker.broker.embedding_engine import (EmbeddingBatcher, TimerHandle, cache_metrics_hook, share_tokens,
                                      window_decision)
 
 DIM = 16

@@ -8,8 +8,8 @@ import hashlib
 
 import numpy as np
 
-from providers.simulator import start_simulator
-from providers.simulator_faults import SimulatorConfig
+from mergebroker.providers.simulator import start_simulator
+from mergebroker.providers.simulator_faults import SimulatorConfig
 from tests.conftest import provider_for
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.errors import UpstreamHTTPError
+from mergebroker.errors import UpstreamHTTPError
 
 KEY_TAIL = "sk-...wxyz"
 

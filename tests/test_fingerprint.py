@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from merge.fingerprint import chat_fingerprint, embedding_fingerprint, normalize_text
+from mergebroker.merge.fingerprint import chat_fingerprint, embedding_fingerprint, normalize_text
 
 
 def _body(**overrides):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from merge.grouping import group_by_similarity, needs_embedding
+from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 
 
 def _unit(*rows):

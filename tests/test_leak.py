@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from merge.leak import find_leaks
+from mergebroker.merge.leak import find_leaks
 
 REQUESTS = {
     "aaa111": "Please explain in simple terms how photosynthesis turns sunlight into chemical energy for plants.",

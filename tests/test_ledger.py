@@ -9,9 +9,9 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from broker.ledger import Ledger, LedgerRecord, MemoryLedgerStore, saved_tokens
-from broker.ledger_store import LedgerStoreError, SqliteLedgerStore, open_store
-from merge.usage import apportion_usage
+from mergebroker.broker.ledger import Ledger, LedgerRecord, MemoryLedgerStore, saved_tokens
+from mergebroker.broker.ledger_store import LedgerStoreError, SqliteLedgerStore, open_store
+from mergebroker.merge.usage import apportion_usage
 
 
 def rec(request_id: str, **fields: object) -> LedgerRecord:

@@ -8,10 +8,11 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from broker.errors import InvalidRequest, NotFound
-from merge.embedder import LocalEmbedder, SentenceModelHost, normalize_rows
-from merge.embedding_batcher import EmbeddingBatcher
-from providers.local_embeddings import LocalEmbeddingBackend
+from mergebroker.errors import InvalidRequest, NotFound
+from mergebroker.broker.embedding_engine import EmbeddingBatcher
+from mergebroker.vectors import normalize_rows
+from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
+from mergebroker.providers.local_embeddings import LocalEmbeddingBackend
 
 pytestmark = pytest.mark.model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
-from providers.simulator import answer_for
+from mergebroker.providers.simulator import answer_for
 from tests.conftest import provider_for
 
 BATCH = {"X-Broker-Tier": "batch"}

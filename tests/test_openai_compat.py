@@ -13,8 +13,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
-from broker.errors import UpstreamBadResponse, UpstreamConnectionError, UpstreamHTTPError, UpstreamTimeout
-from providers.openai_compat import HttpProviderSettings, OpenAICompatProvider, read_timeout_for
+from mergebroker.errors import UpstreamBadResponse, UpstreamConnectionError, UpstreamHTTPError, UpstreamTimeout
+from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider, read_timeout_for
 from tests.conftest import free_port
 
 API_KEY = "sk-test-secret-123"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
-from breaker.policy import DegradationPolicy
-from broker.clock import FakeClock
-from broker.errors import UpstreamHTTPError
-from broker.metrics import Metrics
+from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
+from mergebroker.breaker.policy import DegradationPolicy
+from mergebroker.clock import FakeClock
+from mergebroker.errors import UpstreamHTTPError
+from mergebroker.broker.metrics import Metrics, merging_listener
 
 SETTINGS = BreakerSettings()
 
@@ -35,7 +35,7 @@ def metrics() -> Metrics:
 
 @pytest.fixture
 def policy(breakers: dict[str, CircuitBreaker], metrics: Metrics) -> DegradationPolicy:
-    return DegradationPolicy({"gpt-x": ["a", "b"], "*": ["c"]}, breakers, metrics)
+    return DegradationPolicy({"gpt-x": ["a", "b"], "*": ["c"]}, breakers, merging_listener(metrics))
 
 
 def degraded_gauge(metrics: Metrics, model: str) -> float | None:
@@ -109,7 +109,7 @@ def test_fast_fail_never_for_unknown_models_or_providers_without_breakers(breake
 
 async def test_glob_routes_pause_merging_for_the_models_they_match(breakers: dict[str, CircuitBreaker],
                                                                    metrics: Metrics) -> None:
-    policy = DegradationPolicy({"sim-*": ["a"]}, breakers, metrics)
+    policy = DegradationPolicy({"sim-*": ["a"]}, breakers, merging_listener(metrics))
     assert policy.providers_for("sim-small") == ["a"]
     assert policy.providers_for("gpt-x") == []
     await record(breakers["a"], failures=3, successes=7)
@@ -120,7 +120,7 @@ async def test_glob_routes_pause_merging_for_the_models_they_match(breakers: dic
 def test_the_degraded_gauge_keeps_one_series_per_known_model_and_one_for_the_rest(
         breakers: dict[str, CircuitBreaker]) -> None:
     metrics = Metrics(max_model_labels=3)
-    policy = DegradationPolicy({"*": ["c"]}, breakers, metrics)
+    policy = DegradationPolicy({"*": ["c"]}, breakers, merging_listener(metrics))
     for n in range(50):
         assert policy.merging_allowed(f"client-chosen-{n}")
     series = {s.labels["model"] for s in metrics.degraded.collect()[0].samples}

@@ -8,14 +8,14 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
-from broker.clock import FakeClock
-from broker.errors import DeadlineExceeded, UpstreamError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
-from broker.metrics import Metrics
-from broker.upstream_limiter import UpstreamLimiter
-from providers.openai_compat import read_timeout_for
-from providers.pool import ProviderPools, Upstream, order_upstreams
-from providers.retry import RetryPolicy
+from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
+from mergebroker.clock import FakeClock
+from mergebroker.errors import DeadlineExceeded, UpstreamError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
+from mergebroker.broker.metrics import Metrics, PoolMetrics
+from mergebroker.providers.pacing import UpstreamLimiter
+from mergebroker.providers.openai_compat import read_timeout_for
+from mergebroker.providers.pool import ProviderPools, Upstream, order_upstreams
+from mergebroker.providers.retry import RetryPolicy
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 NO_WAIT = RetryPolicy(attempts=3, backoff_base_s=0, backoff_max_s=0)
@@ -96,7 +96,7 @@ class TimingOutProvider(FakeProvider):
 
 def pools_of(*upstreams: Upstream, clock: FakeClock, metrics: Metrics | None = None, **options: Any) -> ProviderPools:
     return ProviderPools(list(upstreams), retry=options.pop("retry", NO_WAIT), clock=clock, sleep=clock.sleep,
-                         metrics=metrics, **options)
+                         observer=PoolMetrics(metrics) if metrics else None, **options)
 
 
 def breaker_for(name: str, clock: FakeClock, **settings: Any) -> CircuitBreaker:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from merge.prompt import (
+from mergebroker.merge.prompt import (
     DEFAULT_HEADER,
     TAGGED_HEADER,
     MergeMember,

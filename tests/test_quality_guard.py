@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from broker.clock import FakeClock
-from merge.quality_guard import GuardSettings, QualityGuard
+from mergebroker.clock import FakeClock
+from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 
 
 def test_pauses_above_the_fallback_share_and_resumes_after_cooldown():

@@ -11,10 +11,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from structlog.testing import capture_logs
 
-from broker.clock import FakeClock
-from broker.errors import RateLimited
-from broker.ratelimit import LimitSpec, RateLimiter
-from broker.ratelimit_redis import RedisRateLimiter
+from mergebroker.clock import FakeClock
+from mergebroker.errors import RateLimited
+from mergebroker.broker.ratelimit import LimitSpec, RateLimiter
+from mergebroker.broker.ratelimit_redis import RedisRateLimiter
 
 pytestmark = pytest.mark.redis
 

@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as redis
 from structlog.testing import capture_logs
 
-from broker.clock import FakeClock
-from merge.redis_cache import RedisCache, make_redis_client
+from mergebroker.clock import FakeClock
+from mergebroker.merge.redis_cache import RedisCache, make_redis_client
 
 
 @pytest.fixture

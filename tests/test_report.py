@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from broker.ledger import LedgerRecord
-from broker.ledger_store import SqliteLedgerStore
-from broker.report import (ModelPrice, add_report_arguments, build_report, parse_duration, render_json,
+from mergebroker.broker.ledger import LedgerRecord
+from mergebroker.broker.ledger_store import SqliteLedgerStore
+from mergebroker.broker.report import (ModelPrice, add_report_arguments, build_report, parse_duration, render_json,
                            render_table, run_report)
-from merge.usage import largest_remainder
+from mergebroker.merge.usage import largest_remainder
 
 NOW = 1_700_000_000.0
 PRICES = {"gpt-4o-mini": ModelPrice(input_per_m=2.0, output_per_m=8.0)}

@@ -10,14 +10,14 @@ from typing import Any
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from broker.clock import FakeClock
-from broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
-from broker.errors import BrokerError, NotFound
-from broker.jobs import ChatJob, ChatOutcome
-from broker.queue import ReleasedGroup
-from merge.quality_guard import GuardSettings, QualityGuard
-from merge.shape import MergeShape
-from providers.simulator import answer_for
+from mergebroker.clock import FakeClock
+from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
+from mergebroker.errors import BrokerError, NotFound
+from mergebroker.broker.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.queue import ReleasedGroup
+from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
+from mergebroker.merge.shape import MergeShape
+from mergebroker.providers.simulator import answer_for
 from tests.conftest import BrokerUnderTest, provider_for
 from tests.test_tiers_api import SubmitSpy
 

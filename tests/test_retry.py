@@ -8,15 +8,15 @@ import random
 
 import pytest
 
-from broker.clock import FakeClock
-from broker.errors import (
+from mergebroker.clock import FakeClock
+from mergebroker.errors import (
     DeadlineExceeded,
     UpstreamBadResponse,
     UpstreamConnectionError,
     UpstreamHTTPError,
     UpstreamTimeout,
 )
-from providers.retry import RetryPolicy, call_with_retries, parse_retry_after, remaining, retry_reason
+from mergebroker.providers.retry import RetryPolicy, call_with_retries, parse_retry_after, remaining, retry_reason
 
 
 class Script:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.cli import build_parser, serve_overrides
-from broker.settings import ConfigError, load_settings
+from mergebroker.broker.cli import build_parser, serve_overrides
+from mergebroker.broker.settings import ConfigError, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_invalid_config_names_the_field(tmp_path, text, field):
 def test_serve_exits_2_with_the_field_on_invalid_config(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("tiers:\n  - name: a\n    window_ms: -5\ndefault_tier: a\n")
-    result = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "--config", str(path)],
+    result = subprocess.run([sys.executable, "-m", "mergebroker.broker.cli", "serve", "--config", str(path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "tiers.0.window_ms" in result.stderr
@@ -63,7 +63,7 @@ def test_serve_exits_2_with_the_field_on_invalid_config(tmp_path):
 
 @pytest.mark.parametrize("command", ["serve", "simulate", "report", "warm-cache", "bench"])
 def test_every_command_has_useful_help(command):
-    result = subprocess.run([sys.executable, "-m", "broker.cli", command, "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "mergebroker.broker.cli", command, "--help"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0
     assert "usage: mergebroker " + command in result.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from merge.shape import MergeShape, compatibility_key, merge_shape
+from mergebroker.merge.shape import MergeShape, compatibility_key, merge_shape
 
 
 def _body(**overrides):

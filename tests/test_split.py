@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from merge.prompt import MergeMember, build_combined_messages, new_batch_ids
-from merge.split import BlockFailure, split_reply
+from mergebroker.merge.prompt import MergeMember, build_combined_messages, new_batch_ids
+from mergebroker.merge.split import BlockFailure, split_reply
 
 IDS = ["aaa111", "bbb222", "ccc333"]
 _REQUEST_BLOCK = re.compile(r'<request id="([^"]*)">\n(.*?)\n</request>', re.DOTALL)

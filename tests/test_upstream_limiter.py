@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from broker.clock import FakeClock
-from broker.upstream_limiter import UpstreamLimiter
+from mergebroker.clock import FakeClock
+from mergebroker.providers.pacing import UpstreamLimiter
 
 
 async def settle() -> None:

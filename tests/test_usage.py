@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from merge.usage import apportion_usage, largest_remainder
+from mergebroker.merge.usage import apportion_usage, largest_remainder
 
 
 def _sums(result):

@@ -30,28 +30,15 @@ from typing import Awaitable, Callable, Iterable, Protocol, Sequence
 import numpy as np
 import structlog
 
-from broker.errors import (BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamHTTPError,
+from mergebroker.errors import (BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamHTTPError,
                            UpstreamTimeout)
-from broker.metrics import Metrics
-from merge.cache import MetricsHook, TwoLevelCache
-from merge.fingerprint import embedding_fingerprint
-from merge.vector_codec import VectorDtype, decode_vector, encode_vector
+from mergebroker.broker.metrics import Metrics
+from mergebroker.merge.cache import MetricsHook, TwoLevelCache
+from mergebroker.providers.base import EmbedResult
+from mergebroker.merge.fingerprint import embedding_fingerprint
+from mergebroker.merge.vector_codec import VectorDtype, decode_vector, encode_vector
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EmbedResult:
-    """Vectors in input order (read-only arrays when they come from the batcher) and their usage.
-
-    `cached` counts inputs answered from a cache, `coalesced` inputs that shared a text already
-    pending (another caller's, or an earlier duplicate in the same request); a backend leaves both 0.
-    """
-
-    vectors: list[np.ndarray]
-    prompt_tokens: int
-    cached: int = 0
-    coalesced: int = 0
 
 
 Backend = Callable[[str, list[str], int | None], Awaitable[EmbedResult]]

@@ -22,8 +22,8 @@ import asyncio
 import heapq
 import itertools
 
-from broker.clock import Clock
-from broker.ratelimit import TokenBucket
+from mergebroker.clock import Clock
+from mergebroker.providers.token_bucket import TokenBucket
 
 
 class UpstreamLimiter:
