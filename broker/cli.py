@@ -114,9 +114,11 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import structlog
     from aiohttp import web
 
     from mergebroker.broker.app import create_app
+    from mergebroker.broker.eventloop import loop_kind, new_event_loop
     from mergebroker.broker.logging import configure_logging
     from mergebroker.broker.settings import ConfigError, load_settings
 
@@ -127,8 +129,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
     app = create_app(settings)
+    loop = new_event_loop(settings.server.event_loop)
+    asyncio.set_event_loop(loop)
+    structlog.get_logger(__name__).info("event_loop", kind=loop_kind(loop))
     web.run_app(app, host=settings.server.host, port=settings.server.port, print=None, access_log=None,
-               handler_cancellation=True)  # a client that disconnects is dropped from its window
+               handler_cancellation=True, loop=loop)  # a client that disconnects is dropped from its window
     return 0
 
 

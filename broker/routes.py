@@ -13,6 +13,7 @@ from aiohttp import web
 from mergebroker.broker.admission import TIER_HEADER, Caller
 from mergebroker.broker.state import BROKER, Broker
 from mergebroker.broker.chat import CacheControl
+from mergebroker import jsonio
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, InvalidRequest, NotFound, UnsupportedMediaType
 from mergebroker.broker.middleware import INFO
@@ -65,7 +66,7 @@ async def _json_body(request: web.Request) -> Any:
         raise UnsupportedMediaType(f"Content-Type must be application/json, got '{content_type}'.")
     raw = await request.read()
     try:
-        return json.loads(raw)
+        return jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly deep nesting
         raise InvalidRequest("We could not parse the JSON body of your request.", code="invalid_json") from None
 
@@ -125,7 +126,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         headers["X-Broker-Batch-Id"] = outcome.batch_id
     if outcome.fallback:
         headers["X-Broker-Fallback"] = outcome.fallback
-    return web.json_response(outcome.body, headers=headers)
+    return web.Response(body=jsonio.dumps(outcome.body), content_type="application/json", headers=headers)
 
 
 async def _stream(request: web.Request, broker: Broker, caller: Caller, body: dict[str, Any],

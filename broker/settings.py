@@ -31,6 +31,8 @@ class ServerSettings(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Requests over this size get 413.")
     workers: int = Field(64, gt=0, description="Concurrent dispatches taken from the tier queues.")
     aging_per_s: float = Field(10.0, ge=0, description="Priority points a released group gains per second waited.")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="The serving event loop: uvloop when installed (auto), or the standard asyncio loop.")
 
 
 class BreakerConfig(_Strict):
