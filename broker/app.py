@@ -95,7 +95,8 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     policy = DegradationPolicy(routes, breakers, merging_listener(metrics))
     host, embedder = _similarity_model(settings, providers)
     dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock)
-    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
+    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap,
+                        adaptive=t.window_policy == "adaptive", min_partners=t.window_min_partners)
              for t in settings.tiers]
     queue: MergeQueue[ChatJob] = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock,
                                             metrics=metrics, on_partners=dispatcher.prefetch)

@@ -84,6 +84,9 @@ class Metrics:
                                               buckets=BATCH_BUCKETS, registry=r)
         self.embedding_window_pending = Gauge(p + "embedding_window_pending",
                                               "Embedding texts waiting in the batching window.", registry=r)
+        self.window_decisions = Counter(p + "window_decisions", "Requests that opened a merge window (wait) or were "
+                                        "sent at once because no partner was likely (skip), by tier.",
+                                        ["tier", "decision"], registry=r)
 
     def model_label(self, model: str) -> str:
         """The `model` label value for `model`: the name itself for the first `max_model_labels` distinct

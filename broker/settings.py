@@ -90,6 +90,10 @@ class TierSettings(_Strict):
                                 "(default: the window, at least 50 ms).")
     omitted_temperature_is_zero: bool = False
     system_prompts: Literal["exact", "tagged"] = "exact"
+    window_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="adaptive: a request that likely gets no partner within the window is sent at once.")
+    window_min_partners: float = Field(
+        0.1, ge=0, description="adaptive: wait only when at least this many partners are expected in the window.")
 
     @property
     def queue_hard_cap(self) -> int:

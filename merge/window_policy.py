@@ -11,9 +11,11 @@ sends. So the estimate counts only arrivals that overlap a pending request of th
 For independent (Poisson) traffic at rate r this converges to r whatever the requests' latencies, and
 for a sequential client it stays 0, because its next request comes after the answer. Bursts show up as
 a high rate at once (many arrivals while the first is pending). Both sums decay with `half_life_s`,
-so the estimate follows the traffic of the last minute or so; a group with no history counts as
-quiet. A newcomer waits when `rate x window` (the expected partners within its window) reaches
-`min_partners`; one that finds its group's window already open always joins it (that costs nothing).
+so the estimate follows the traffic of the last minute or so; their ratio survives a quiet spell, so a
+quiet tenant keeps being sent at once. A group with no history yet waits, as a fixed window would: the
+first requests of a burst then merge, and a sequential client pays one window before it is known. A
+newcomer waits when `rate x window` (the expected partners within its window) reaches `min_partners`;
+one that finds its group's window already open always joins it (that costs nothing).
 
 `WindowEstimator` is synchronous and takes the time as an argument: the queue calls `arrive` and
 `depart` and acts on the answer.
@@ -39,6 +41,7 @@ class _Overlap:
     exposure_s: float = 0.0
     pending: int = 0
     updated: float = 0.0
+    seen: bool = False  # some pending time has been observed: the ratio means something
 
 
 def expected_partners(arrivals: float, exposure_s: float, window_s: float) -> float:
@@ -69,6 +72,8 @@ class WindowEstimator:
         state = self._state(group, now)
         state.arrivals += state.pending  # every pending request of the group sees this arrival
         state.pending += 1
+        if not state.seen and state.arrivals == 0:
+            return True  # no history: behave as a fixed window until there is some
         return expected_partners(state.arrivals, state.exposure_s, window_s) >= min_partners
 
     def depart(self, group: Hashable, now: float) -> None:
@@ -111,3 +116,4 @@ class WindowEstimator:
         state.exposure_s = state.exposure_s * decay + state.pending * self._tau * (1.0 - decay)
         state.arrivals *= decay
         state.updated = now
+        state.seen = state.seen or state.pending > 0

@@ -11,7 +11,7 @@ from mergebroker.merge.window_policy import WindowEstimator, expected_partners
 WINDOW_S = 0.05
 
 
-def test_a_sequential_client_never_waits_however_fast_it_sends():
+def test_a_sequential_client_waits_once_then_never_however_fast_it_sends():
     estimator = WindowEstimator()
     now, waits = 0.0, []
     for _ in range(200):
@@ -19,7 +19,8 @@ def test_a_sequential_client_never_waits_however_fast_it_sends():
         now += 0.001  # answered a millisecond later ...
         estimator.depart("g", now)
         now += 0.0001  # ... and the next request follows at once
-    assert not any(waits)
+    assert waits[0] and not any(waits[1:])
+    assert not estimator.arrive("g", now + 3600, window_s=WINDOW_S, min_partners=0.1)  # still quiet an hour on
 
 
 def test_independent_traffic_is_estimated_at_its_rate_and_waits():
@@ -40,14 +41,20 @@ def test_independent_traffic_is_estimated_at_its_rate_and_waits():
 def test_a_burst_waits_from_its_second_request_on():
     estimator = WindowEstimator()
     waits = [estimator.arrive("g", 5.0, window_s=WINDOW_S, min_partners=0.1) for _ in range(4)]
-    assert waits == [False, True, True, True]
+    assert waits == [True, True, True, True]  # the first: no history yet; the others: a partner is pending
+    for _ in range(4):
+        estimator.depart("g", 5.1)
+    assert estimator.arrive("g", 9.0, window_s=WINDOW_S, min_partners=0.1)  # the next burst's first waits too
 
 
-def test_groups_are_estimated_apart_and_a_quiet_group_sends_at_once():
+def test_groups_are_estimated_apart():
     estimator = WindowEstimator()
     for _ in range(5):
         estimator.arrive("busy", 1.0, window_s=WINDOW_S, min_partners=0.1)
-    assert not estimator.arrive("quiet", 1.0, window_s=WINDOW_S, min_partners=0.1)
+    estimator.arrive("quiet", 1.0, window_s=WINDOW_S, min_partners=0.1)
+    estimator.depart("quiet", 1.2)
+    assert estimator.arrive("busy", 1.3, window_s=WINDOW_S, min_partners=0.1)
+    assert not estimator.arrive("quiet", 1.3, window_s=WINDOW_S, min_partners=0.1)
 
 
 def test_only_the_most_recent_groups_are_kept_and_unknown_departures_are_ignored():
