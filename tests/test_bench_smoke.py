@@ -13,20 +13,22 @@ from typing import Any, Iterator
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ("passthrough", "tiers", "chaos")
+SCRIPTS = ("passthrough", "tiers", "chaos", "latency")
+EXTRA_ARGS = {"latency": ["--part", "sequential"]}  # its other parts run brokers on a 300 ms upstream: minutes
 TIMEOUT_S = 90
 
 
 @pytest.fixture(scope="module")
 def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen[str], Path]]]:
-    """All three scripts started at once (each is mostly process start-up and waiting), one JSON file each."""
+    """All the scripts started at once (each is mostly process start-up and waiting), one JSON file each."""
     out_dir = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     runs = {}
     for name in SCRIPTS:
         out = out_dir / f"{name}.json"
         # Own process group: a script killed at teardown takes its simulator and brokers with it.
-        proc = subprocess.Popen([sys.executable, "-m", f"bench.{name}", "--quick", "--out", str(out)], cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-m", f"bench.{name}", "--quick", "--out", str(out),
+                                 *EXTRA_ARGS.get(name, [])], cwd=REPO,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         runs[name] = (proc, out)
@@ -80,3 +82,10 @@ def test_chaos_quick_reports_phases_fast_fails_and_one_answer_each(quick_runs) -
     assert result["accounting"]["exactly_one_each"] is True
     assert result["accounting"]["sent"] == sum(p["sent"] for p in result["phases"])
     assert result["meta"]["duration_s"] > 0
+
+
+def test_latency_quick_runs_the_sequential_client_against_three_brokers(quick_runs) -> None:
+    result = finished(quick_runs, "latency")
+    summary = result["sequential"]["summary"]
+    assert set(summary) == {"passthrough", "adaptive", "fixed"} and result["sequential"]["errors"] == 0
+    assert {"added_p50_ms"} <= set(summary["adaptive"]) and summary["fixed"]["p50_ms"] > 0
