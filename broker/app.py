@@ -23,7 +23,6 @@ from mergebroker.broker.chat import ChatService
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
-from mergebroker.broker.jobs import ChatJob
 from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.ledger_store import open_store
 from mergebroker.broker.metrics import Metrics, PoolMetrics, breaker_listener, merging_listener
@@ -36,7 +35,7 @@ from mergebroker.broker.ratelimit_redis import RedisRateLimiter
 from mergebroker.broker.settings import ProviderSettings, Settings
 from mergebroker.broker.tokens import count_text_tokens
 from mergebroker.providers.pacing import UpstreamLimiter
-from mergebroker.broker.workers import WorkerPool
+from mergebroker.broker.workers import LocalJobQueue
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.embedder import BatchingEmbedder, CachingEmbedder
 from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
@@ -97,8 +96,9 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock)
     tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
              for t in settings.tiers]
-    queue: MergeQueue[ChatJob] = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock,
-                                            metrics=metrics, on_partners=dispatcher.prefetch)
+    windows = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock, metrics=metrics,
+                         on_partners=dispatcher.prefetch)
+    queue = LocalJobQueue(windows, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
     limiter: Any = RateLimiter(clock)
     if redis is not None and settings.redis.share_limits:
         limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
@@ -106,7 +106,6 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
                        metrics=metrics, clock=clock)
     embeddings = build_embedding_service(settings, pools=pools, host=host, redis=redis, limiter=limiter,
                                          metrics=metrics, providers=providers, clock=clock)
-    workers = WorkerPool(queue, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
     auth = Authenticator(settings.auth, tiers=tuple(t.name for t in settings.tiers), default_tier=settings.default_tier)
     shared = None
     if redis is not None and settings.redis.share_breakers:
@@ -118,7 +117,7 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     target = dsn.get_secret_value() if dsn else settings.ledger.path
     if target:
         ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s)
-    broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host, workers,
+    broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host,
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger)
     await _start(broker, providers)
     return broker
@@ -166,7 +165,7 @@ def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache |
 
 async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
     await asyncio.to_thread(count_text_tokens, "load the tokenizer before the first request")
-    broker.workers.start()
+    broker.queue.start()
     if broker.ledger is not None:
         await broker.ledger.start()
     if broker.shared_breakers is not None:
@@ -217,11 +216,7 @@ def _background(broker: Broker, coro: Any, name: str) -> None:
 
 
 async def stop_broker(broker: Broker) -> None:
-    from mergebroker.errors import Overloaded
-
-    for job in broker.queue.close():
-        job.fail(Overloaded("The broker is shutting down.", retry_after=1))
-    await broker.workers.stop()
+    await broker.queue.stop()
     if broker.shared_breakers is not None:
         await broker.shared_breakers.stop()
     for task in list(broker.background):

@@ -166,9 +166,9 @@ class Dispatcher:
     async def run_single(self, job: ChatJob, *, fallback: str | None = None) -> None:
         """Send one request on its own and resolve its future."""
         started = self._clock()
-        job.dispatched = True  # from here on `job.deadline` is the one the call runs under
+        deadline = job.mark_sent()  # from here on followers no longer extend it
         try:
-            body, provider = await self._pools.chat(job.model, job.body, deadline=job.deadline,
+            body, provider = await self._pools.chat(job.model, job.body, deadline=deadline,
                                                     priority=job.priority, tokens=job.prompt_tokens + job.max_tokens)
             job.resolve(ChatOutcome(body, provider, self._clock() - started, fallback=fallback))
         except BrokerError as exc:
@@ -191,9 +191,7 @@ class Dispatcher:
         body["messages"] = build_combined_messages(members, system_prompt=first.shape.system_prompt,  # type: ignore
                                                    header=self._options.header, tagged_system=policy.tagged_system)
         body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=12)
-        for job in jobs:
-            job.dispatched = True
-        deadline = min(j.deadline for j in jobs)
+        deadline = min([j.mark_sent() for j in jobs])
         started = self._clock()
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
