@@ -131,7 +131,8 @@ def to_messages(body: Mapping[str, Any], *, default_max_tokens: int,
     System and developer messages become `system` (joined by blank lines, in order); `max_tokens`
     (or `max_completion_tokens`, the smaller of both) defaults to `default_max_tokens`, because the
     Messages API requires one; `stop` becomes `stop_sequences`; `user` becomes `metadata.user_id`;
-    temperature, top_p and top_k pass through. `model_map` renames the model. Raises
+    temperature, top_p and top_k pass through when set (never added: models from Opus 4.7 on refuse
+    any sampling field, and their 400 names it). `model_map` renames the model. Raises
     `UpstreamUnsupported` naming the first field that cannot be carried.
     """
     _check_fields(body)
