@@ -32,7 +32,7 @@ from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY, Broker
 from mergebroker.broker.queue import MergeQueue, TierWindow
 from mergebroker.broker.ratelimit import RateLimiter
 from mergebroker.broker.ratelimit_redis import RedisRateLimiter
-from mergebroker.broker.settings import ProviderSettings, Settings
+from mergebroker.broker.settings import HTTP_PROVIDER_KINDS, ProviderSettings, Settings
 from mergebroker.broker.tokens import count_text_tokens
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.broker.workers import LocalJobQueue
@@ -42,6 +42,8 @@ from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
 from mergebroker.merge.lru import LruCache
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.redis_cache import RedisCache, make_redis_client
+from mergebroker.providers.anthropic import AnthropicProvider
+from mergebroker.providers.azure import AzureOpenAIProvider
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pool import ProviderPools, Upstream
 from mergebroker.providers.retry import RetryPolicy
@@ -83,8 +85,9 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     redis = make_redis_client(settings.redis.url) if settings.redis.url else None
     breakers = {p.name: CircuitBreaker(p.name, _breaker_settings(p), clock=clock,
                                        on_transition=breaker_listener(metrics, p.name))
-                for p in providers if p.kind == "openai"}
-    upstreams = [_upstream(p, breakers[p.name], clock) for p in providers if p.kind == "openai"]
+                for p in providers if p.kind in HTTP_PROVIDER_KINDS}
+    upstreams = [_upstream(p, breakers[p.name], clock, settings.merge.default_max_tokens)
+                 for p in providers if p.kind in HTTP_PROVIDER_KINDS]
     pools = ProviderPools(upstreams, strategy=settings.routing, retry=RetryPolicy(**settings.retry.model_dump()),
                           clock=clock, sleep=sleep, observer=PoolMetrics(metrics))
     routes: dict[str, list[str]] = {}
@@ -172,7 +175,7 @@ async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
         await broker.shared_breakers.start()
     if broker.model_host is not None:
         _background(broker, _load_model(broker.model_host), "model_load")
-    for p, u in zip([p for p in providers if p.kind == "openai"], broker.pools.upstreams):
+    for p, u in zip([p for p in providers if p.kind in HTTP_PROVIDER_KINDS], broker.pools.upstreams):
         if p.warmup_connections:
             _background(broker, u.provider.warm_up(p.warmup_connections), "warmup")
     if broker.auth.mode == "open":
@@ -238,11 +241,21 @@ def _breaker_settings(p: ProviderSettings) -> BreakerSettings:
     return BreakerSettings(**p.breaker.model_dump())
 
 
-def _upstream(p: ProviderSettings, breaker: CircuitBreaker, clock: Clock) -> Upstream:
-    provider = OpenAICompatProvider(HttpProviderSettings(
-        name=p.name, base_url=p.base_url.rstrip("/"),
-        api_key=p.api_key.get_secret_value() if p.api_key else None,
-        max_connections=p.max_connections, connect_timeout_s=p.connect_timeout_s))
+def _provider(p: ProviderSettings, default_max_tokens: int) -> OpenAICompatProvider:
+    """The HTTP provider of `p.kind`; Anthropic's fills a missing `max_tokens` with the merge default."""
+    http = HttpProviderSettings(name=p.name, base_url=p.base_url.rstrip("/"),
+                                api_key=p.api_key.get_secret_value() if p.api_key else None,
+                                max_connections=p.max_connections, connect_timeout_s=p.connect_timeout_s)
+    if p.kind == "anthropic":
+        return AnthropicProvider(http, default_max_tokens=default_max_tokens, anthropic_version=p.anthropic_version,
+                                 model_map=p.model_map)
+    if p.kind == "azure":
+        return AzureOpenAIProvider(http, api_version=p.api_version, deployments=p.deployments)
+    return OpenAICompatProvider(http)
+
+
+def _upstream(p: ProviderSettings, breaker: CircuitBreaker, clock: Clock, default_max_tokens: int) -> Upstream:
+    provider = _provider(p, default_max_tokens)
     limiter = UpstreamLimiter(p.rpm, p.tpm, clock=clock) if (p.rpm or p.tpm) else None
     return Upstream(provider, models=tuple(p.models), weight=p.weight, breaker=breaker, limiter=limiter,
                     max_in_flight=p.max_in_flight, token_rate=p.token_rate)

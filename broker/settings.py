@@ -48,7 +48,7 @@ class BreakerConfig(_Strict):
 
 class ProviderSettings(_Strict):
     name: str
-    kind: Literal["openai", "local"] = "openai"
+    kind: Literal["openai", "local", "anthropic", "azure"] = "openai"
     base_url: str = ""
     models: list[str] = Field(default_factory=lambda: ["*"], description='Model names served; "*" = any.')
     api_key_env: str | None = Field(None, description="Environment variable holding this provider's API key.")
@@ -62,6 +62,24 @@ class ProviderSettings(_Strict):
     tpm: int | None = Field(None, gt=0)
     warmup_connections: int = Field(0, ge=0)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    anthropic_version: str = Field("2023-06-01", min_length=1, description="kind anthropic: anthropic-version header.")
+    model_map: dict[str, str] = Field(default_factory=dict,
+                                      description="kind anthropic: callers' model name -> Anthropic model name.")
+    api_version: str = Field("2024-10-21", min_length=1, description="kind azure: the api-version query parameter.")
+    deployments: dict[str, str] = Field(default_factory=dict,
+                                        description="kind azure: callers' model name -> deployment name.")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "ProviderSettings":
+        if self.model_map and self.kind != "anthropic":
+            raise ValueError(f"providers.{self.name}.model_map: only for kind 'anthropic'")
+        if self.deployments and self.kind != "azure":
+            raise ValueError(f"providers.{self.name}.deployments: only for kind 'azure'")
+        return self
+
+
+HTTP_PROVIDER_KINDS = ("openai", "anthropic", "azure")
+"""Provider kinds reached over HTTP (each gets a breaker and a place in the pools); "local" runs in process."""
 
 
 class RetrySettings(_Strict):
@@ -233,7 +251,7 @@ class Settings(BaseSettings):
         if len(set(provider_names)) != len(provider_names):
             raise ValueError("providers: provider names must be unique")
         for p in self.providers:
-            if p.kind == "openai" and not p.base_url.startswith(("http://", "https://")):
+            if p.kind in HTTP_PROVIDER_KINDS and not p.base_url.startswith(("http://", "https://")):
                 raise ValueError(f"providers.{p.name}.base_url: must be an http(s) URL, got {p.base_url!r}")
         if self.auth.mode == "keys" and not self.auth.keys:
             raise ValueError("auth.keys: mode 'keys' needs at least one key")
