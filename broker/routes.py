@@ -14,7 +14,7 @@ from mergebroker.broker.admission import TIER_HEADER, Caller
 from mergebroker.broker.state import BROKER, Broker
 from mergebroker.broker.chat import CacheControl
 from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import BrokerError, InvalidRequest, NotFound, UnsupportedMediaType
+from mergebroker.errors import BrokerError, InvalidRequest, NotFound, RequestTimeout, UnsupportedMediaType
 from mergebroker.broker.middleware import INFO
 from mergebroker.broker.schemas import parse_chat, parse_embeddings
 
@@ -63,7 +63,12 @@ async def _json_body(request: web.Request) -> Any:
     content_type = request.headers.get("Content-Type", "")
     if content_type and not content_type.lower().startswith("application/json"):
         raise UnsupportedMediaType(f"Content-Type must be application/json, got '{content_type}'.")
-    raw = await request.read()
+    limit_s = request.app[BROKER].settings.server.body_timeout_s
+    try:
+        async with asyncio.timeout(limit_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise RequestTimeout(f"The request body did not arrive within {limit_s:g} s.") from None
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly deep nesting
