@@ -21,6 +21,7 @@ from mergebroker.breaker.shared_state import SharedBreakerState
 from mergebroker.broker.admission import Authenticator
 from mergebroker.broker.chat import ChatService
 from mergebroker.clock import Clock, Sleep, monotonic
+from mergebroker.broker.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
@@ -55,8 +56,11 @@ log = structlog.get_logger(__name__)
 
 def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> web.Application:
     """The aiohttp application for `settings`; components are built when it starts."""
-    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware],
+                          handler_args=HANDLER_ARGS)
     app[SETTINGS_MAX_BODY] = settings.server.max_body_bytes
+    app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
+                                  settings.server.max_json_depth)
     app[CONNECTIONS] = guard = ConnectionGuard(connection_limits(settings), clock=clock)
     add_routes(app)
 

@@ -39,6 +39,8 @@ class ServerSettings(_Strict):
                                 "(default: the open-file limit minus reserved_fds and providers' connections).")
     reserved_fds: int = Field(128, ge=0, description="Descriptors kept for Redis, logs and files by the default cap.")
     backlog: int = Field(128, gt=0, description="Listen backlog.")
+    max_json_depth: int = Field(64, ge=2, description="Deepest nesting a request body may have (400 above).")
+    max_messages: int = Field(2048, gt=0, description="Most messages one chat request may hold (400 above).")
     accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
 
 
