@@ -21,13 +21,17 @@ from mergebroker.breaker.shared_state import SharedBreakerState
 from mergebroker.broker.admission import Authenticator
 from mergebroker.broker.chat import ChatService
 from mergebroker.clock import Clock, Sleep, monotonic
+from mergebroker.broker.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
+from mergebroker.broker.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
 from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.ledger_store import open_store
-from mergebroker.broker.metrics import Metrics, PoolMetrics, breaker_listener, merging_listener
+from mergebroker.broker.metrics import (Metrics, PoolMetrics, breaker_listener, connections_listener,
+                                        merging_listener)
 from mergebroker.broker.middleware import error_middleware
 from mergebroker.broker.routes import add_routes
+from mergebroker.broker.server import CONNECTIONS
 from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY, Broker
 from mergebroker.broker.queue import MergeQueue, TierWindow
 from mergebroker.broker.ratelimit import RateLimiter
@@ -53,16 +57,23 @@ log = structlog.get_logger(__name__)
 
 def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> web.Application:
     """The aiohttp application for `settings`; components are built when it starts."""
-    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware],
+                          handler_args=HANDLER_ARGS)
     app[SETTINGS_MAX_BODY] = settings.server.max_body_bytes
+    app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
+                                  settings.server.max_json_depth)
+    app[CONNECTIONS] = guard = ConnectionGuard(connection_limits(settings), clock=clock)
     add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         broker = await build_broker(settings, clock=clock, sleep=sleep)
         app[BROKER] = broker
+        guard.observe(connections_listener(broker.metrics, guard.__len__))
+        sweeper = asyncio.create_task(guard.run())  # real time: it only acts on connections a GuardedSite tracks
         try:
             yield
         finally:
+            sweeper.cancel()
             await stop_broker(broker)
 
     app.cleanup_ctx.append(lifecycle)
@@ -124,6 +135,14 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger)
     await _start(broker, providers)
     return broker
+
+
+def connection_limits(settings: Settings) -> ConnectionLimits:
+    """The client-connection bounds; the default cap leaves descriptors for every provider's connections."""
+    s = settings.server
+    upstream_fds = sum(p.max_connections for p in settings.providers if p.kind == "openai") or 100
+    cap = s.max_connections or auto_max_connections(s.reserved_fds + upstream_fds)
+    return ConnectionLimits(cap, s.header_timeout_s, s.body_timeout_s, s.idle_timeout_s)
 
 
 def _similarity_model(settings: Settings, providers: list[ProviderSettings]

@@ -31,6 +31,17 @@ class ServerSettings(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Requests over this size get 413.")
     workers: int = Field(64, gt=0, description="Concurrent dispatches taken from the tier queues.")
     aging_per_s: float = Field(10.0, ge=0, description="Priority points a released group gains per second waited.")
+    header_timeout_s: float = Field(10.0, gt=0, description="Longest a client may take to send a request's headers.")
+    body_timeout_s: float = Field(30.0, gt=0, description="Longest a client may take to send a request's body (408).")
+    idle_timeout_s: float = Field(30.0, gt=0, description="Keep-alive: an idle client connection closes after this.")
+    max_connections: int | None = Field(
+        None, gt=0, description="Client connections per process; past it, stalled ones are closed first "
+                                "(default: the open-file limit minus reserved_fds and providers' connections).")
+    reserved_fds: int = Field(128, ge=0, description="Descriptors kept for Redis, logs and files by the default cap.")
+    backlog: int = Field(128, gt=0, description="Listen backlog.")
+    max_json_depth: int = Field(64, ge=2, description="Deepest nesting a request body may have (400 above).")
+    max_messages: int = Field(2048, gt=0, description="Most messages one chat request may hold (400 above).")
+    accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
 
 
 class BreakerConfig(_Strict):
