@@ -21,14 +21,27 @@ except ImportError:  # pragma: no cover - orjson is a dependency; the fallback k
 _LONG_DIGITS = re.compile(rb"\d{19}")  # 19 digits may exceed 64 bits; orjson would read it as a float
 
 
+NOT_PARSED: Any = object()
+"""What `parse_fast` returns when it leaves the text to the standard library."""
+
+
+def parse_fast(raw: bytes | str) -> Any:
+    """orjson's reading of `raw`, or `NOT_PARSED` when orjson is absent, refuses the text, or could misread it.
+
+    What orjson accepts is strict JSON: UTF-8, finite numbers, no lone surrogates, at most 1024 levels.
+    """
+    if orjson is None or _LONG_DIGITS.search(raw if isinstance(raw, bytes) else raw.encode()):
+        return NOT_PARSED
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return NOT_PARSED  # possibly valid for `json` (NaN, deep nesting): let it decide
+
+
 def loads(raw: bytes | str) -> Any:
     """Parse JSON; raises a `ValueError` (or `UnicodeDecodeError`, `RecursionError`) for bad input."""
-    if orjson is not None and not _LONG_DIGITS.search(raw if isinstance(raw, bytes) else raw.encode()):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass  # possibly valid for `json` (a huge integer, NaN): let it decide
-    return json.loads(raw)
+    value = parse_fast(raw)
+    return json.loads(raw) if value is NOT_PARSED else value
 
 
 def dumps(obj: Any) -> bytes:
