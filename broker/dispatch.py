@@ -28,7 +28,9 @@ from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 from mergebroker.merge.prompt import MergeMember, build_combined_messages, merged_max_tokens, new_batch_ids
 from mergebroker.merge.quality_guard import QualityGuard
-from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, Settlement,
+from mergebroker.broker.early_release import CountedUsage, StreamCall, StreamedReply, settle_usage, stream_blocks
+from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, BlockVerdict, SettleMember, SettleOptions,
+                                      Settlement, apply_stop, apportion_reported,
                                       every_member, settle, settle_call_error)
 from mergebroker.providers.pool import ProviderPools
 
@@ -185,11 +187,16 @@ class Dispatcher:
         body = self._merged_body(by_id, tagged)
         deadline = min([j.mark_sent() for j in jobs])
         members = [_settle_member(i, j, tagged) for i, j in by_id.items()]
+        prompt_estimate = estimate_prompt_tokens(body["messages"])
+        if self._pools.streams_merged(first.model):
+            call = StreamCall(first.model, body, deadline, first.priority, prompt_estimate + body["max_tokens"])
+            await self._run_streamed(tier, call, by_id, members, prompt_estimate, batch_id)
+            return
         started = self._clock()
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
             reply, provider = await self._pools.chat(first.model, body, deadline=deadline, priority=first.priority,
-                                                     tokens=estimate_prompt_tokens(body["messages"]) + body["max_tokens"])
+                                                     tokens=prompt_estimate + body["max_tokens"])
         except BrokerError as exc:
             settlement = settle_call_error(exc, members)
             if settlement.fallbacks:
@@ -207,6 +214,61 @@ class Dispatcher:
         shared = ChatOutcome({}, provider, self._clock() - started, batch_size=len(by_id), batch_id=batch_id)
         retry_alone = self._execute(tier, reply, shared, by_id, settlement)
         await asyncio.gather(*(self.run_single(job, fallback=reason) for job, reason in retry_alone))
+
+    async def _run_streamed(self, tier: str, call: StreamCall, by_id: dict[str, ChatJob],
+                            members: list[SettleMember], prompt_estimate: int, batch_id: str) -> None:
+        """Early release: the merged call streams, and each member is answered the moment its block closes
+        and passes its checks (usage counted); the ledger settles with the reported usage at the end."""
+        started, counted, stops = self._clock(), CountedUsage(prompt_estimate, members), {m.id: m.stop for m in members}
+        answers: dict[str, str] = {}
+        settled: dict[str, asyncio.Future[dict[str, int]]] = {}
+        retry_alone: list[asyncio.Future[None]] = []
+
+        def on_verdict(member_id: str, verdict: BlockVerdict, reply: StreamedReply) -> None:
+            job = by_id[member_id]
+            if verdict.answer is None:
+                self._count_fallback(verdict.reason or BAD_REPLY, 1)
+                log.info("split_fallback", batch_id=batch_id, reason=verdict.reason, request_id=job.request_id)
+                retry_alone.append(asyncio.ensure_future(self.run_single(job, fallback=verdict.reason)))
+                return
+            text = answers[member_id] = apply_stop(verdict.answer, stops[member_id])
+            settled[member_id] = asyncio.get_running_loop().create_future()
+            body = member_completion(reply.meta, text, counted.usage(member_id, text))
+            job.resolve(ChatOutcome(body, reply.provider, self._clock() - started, batch_size=len(by_id),
+                                    batch_id=batch_id, settled_usage=settled[member_id]))
+            if self._metrics:
+                self._metrics.early_released.labels(tier).inc()
+
+        structlog.contextvars.bind_contextvars(batch_id=batch_id)
+        try:
+            reply = await stream_blocks(self._pools, call, members, SettleOptions(self._options.leak_min_words),
+                                        on_verdict, clock=self._clock)
+        except BrokerError as exc:  # before the first chunk: as a failed merged call
+            settlement = settle_call_error(exc, members)
+            shared = ChatOutcome({}, "", self._clock() - started, batch_size=len(by_id), batch_id=batch_id)
+            retry_alone += [asyncio.ensure_future(self.run_single(job, fallback=reason))
+                            for job, reason in self._execute(tier, {}, shared, by_id, settlement)]
+        else:
+            self._guard.record(call.model, len(answers) < len(by_id))
+            usage = apportion_reported(reply.usage, members, answers) if reply.usage else {
+                i: counted.usage(i, text) for i, text in answers.items()}
+            settle_usage(settled, usage)
+            self._count_merged(tier, len(by_id), answers, members, reply.usage)
+        finally:
+            structlog.contextvars.unbind_contextvars("batch_id")
+            settle_usage(settled, {i: counted.usage(i, text) for i, text in answers.items()})  # never left open
+        await asyncio.gather(*retry_alone)
+
+    def _count_merged(self, tier: str, size: int, answers: dict[str, str], members: list[SettleMember],
+                      usage: dict[str, Any] | None) -> None:
+        """The merge counters of a streamed call (as `_execute` counts a whole reply's)."""
+        if not self._metrics or not answers:
+            return
+        self._metrics.merged_requests.labels(tier).inc(len(answers))
+        self._metrics.upstream_calls_saved.inc(size - 1)
+        sent = (usage or {}).get("prompt_tokens")
+        if isinstance(sent, int):
+            self._metrics.tokens_saved.inc(max(0, sum(m.alone_prompt_tokens for m in members) - sent))
 
     def _merged_body(self, by_id: dict[str, ChatJob], tagged: bool) -> dict[str, Any]:
         """The combined request: the first member's parameters, one tagged block per member."""

@@ -31,6 +31,9 @@ class ChatOutcome:
     batch_size: int = 1
     batch_id: str | None = None
     fallback: str | None = None  # why a merged member was re-sent alone, if it was
+    # Released early (before the merged reply ended): the usage apportioned from the provider's report,
+    # once it arrives; the body's usage is counted. The ledger waits for it (broker.middleware).
+    settled_usage: asyncio.Future[dict[str, int]] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(eq=False)

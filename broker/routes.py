@@ -114,6 +114,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     usage = outcome.body.get("usage") or {}
     info.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     info.completion_tokens = int(usage.get("completion_tokens") or 0)
+    info.usage_settles = outcome.settled_usage
     info.alone_prompt_tokens = result.prompt_estimate
     headers = {"X-Broker-Batch-Size": str(outcome.batch_size), "X-Broker-Cache": result.cache, **result.limit_headers}
     if outcome.batch_id:

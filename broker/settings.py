@@ -74,6 +74,9 @@ class ProviderSettings(_Strict):
     rpm: int | None = Field(None, gt=0)
     tpm: int | None = Field(None, gt=0)
     warmup_connections: int = Field(0, ge=0)
+    early_release: bool | None = Field(
+        None, description="Request merged calls as streams and answer each member as its block closes; default on "
+                          "for the OpenAI-compatible kinds (openai, azure); false for an upstream that cannot stream.")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     anthropic_version: str = Field("2023-06-01", min_length=1, description="kind anthropic: anthropic-version header.")
     model_map: dict[str, str] = Field(default_factory=dict,
@@ -89,6 +92,11 @@ class ProviderSettings(_Strict):
         if self.deployments and self.kind != "azure":
             raise ValueError(f"providers.{self.name}.deployments: only for kind 'azure'")
         return self
+
+    @property
+    def releases_early(self) -> bool:
+        """`early_release`, defaulting to on for the OpenAI-compatible kinds."""
+        return self.early_release if self.early_release is not None else self.kind in ("openai", "azure")
 
 
 HTTP_PROVIDER_KINDS = ("openai", "anthropic", "azure")

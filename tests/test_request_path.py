@@ -148,6 +148,9 @@ class FakePools:
         self._merged = merged
         self.single_calls: list[str] = []
 
+    def streams_merged(self, model: str) -> bool:
+        return False  # whole replies: these tests shape the merged reply as one body
+
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
                    tokens: int = 0) -> tuple[dict[str, Any], str]:
         text = body["messages"][-1]["content"]

@@ -1,0 +1,119 @@
+"""Early release: a merged call requested as a stream, each member judged as soon as its block closes.
+
+`stream_blocks` opens the merged call as a stream through the pools, reads its text as it arrives
+(`providers.sse`), splits it as it grows (`merge.stream_split`) and judges every closed block by the
+whole-reply rule (`merge.settle.settle_block`), handing each verdict to `on_verdict` at once, so the
+dispatcher can answer that member while the upstream still writes the later blocks.
+
+- A failure before the first chunk raises as `pools.chat` would: the caller settles it as a failed call.
+- A failure mid-stream, or the merged call's deadline passing, gives every member still without a
+  verdict `merged_call_failed` (re-sent alone); members already answered keep their answers.
+- What the stream said at its end (provider, ids, finish reason, reported usage) is in the `StreamedReply`.
+
+`CountedUsage` is a member's usage before the upstream reports any: its share of the combined prompt's
+estimated tokens and the counted tokens of its own answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import structlog
+
+from mergebroker.broker.tokens import count_text_tokens
+from mergebroker.clock import Clock
+from mergebroker.errors import BrokerError
+from mergebroker.merge.settle import MERGED_CALL_FAILED, BlockVerdict, SettleMember, SettleOptions, settle_block
+from mergebroker.merge.stream_split import BlockClosed, StreamEvent, StreamSplitter
+from mergebroker.merge.usage import apportion_usage
+from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.sse import chat_event
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class StreamedReply:
+    """What a streamed merged call said besides its blocks (filled in as it streams)."""
+
+    provider: str
+    meta: dict[str, Any] = field(default_factory=dict)  # id, created, model, system_fingerprint
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None  # as reported at the end (stream_options.include_usage)
+    failed: bool = False  # ended by an error or the deadline: open members got `merged_call_failed`
+
+
+OnVerdict = Callable[[str, BlockVerdict, StreamedReply], None]
+
+
+@dataclass(frozen=True)
+class StreamCall:
+    """One streamed merged call: where it goes and how long it may take."""
+
+    model: str
+    body: dict[str, Any]
+    deadline: float
+    priority: float
+    tokens: int
+
+
+async def stream_blocks(pools: ProviderPools, call: StreamCall, members: Sequence[SettleMember],
+                        options: SettleOptions, on_verdict: OnVerdict, *, clock: Clock) -> StreamedReply:
+    """Run `call` as a stream and hand each member's verdict to `on_verdict` as soon as it is known."""
+    body = {**call.body, "stream_options": {"include_usage": True}}
+    chunks, provider = await pools.stream_chat(call.model, body, deadline=call.deadline, priority=call.priority,
+                                               tokens=call.tokens)
+    reply = StreamedReply(provider)
+    splitter = StreamSplitter([m.id for m in members])
+    requests = {m.id: m.request_text for m in members}
+
+    def judge(events: list[StreamEvent]) -> None:
+        for event in events:
+            if isinstance(event, BlockClosed):
+                on_verdict(event.id, settle_block(event.id, event.answer, requests, options), reply)
+
+    try:
+        # The stream's own timeout bounds each gap between chunks; the call as a whole ends at its deadline.
+        async with asyncio.timeout(max(0.0, call.deadline - clock())):
+            async for chunk in chunks:
+                event = chat_event(chunk)
+                reply.meta.update(event.meta or {})
+                if event.text:
+                    judge(splitter.feed(event.text))
+                reply.finish_reason = event.finish_reason or reply.finish_reason
+                reply.usage = event.usage or reply.usage
+    except (BrokerError, TimeoutError) as exc:
+        log.warning("merged_stream_failed", size=len(members), open=len(splitter.pending), error=type(exc).__name__)
+        reply.failed = True
+        for member_id in splitter.pending:
+            on_verdict(member_id, BlockVerdict(None, MERGED_CALL_FAILED), reply)
+        return reply
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    judge(splitter.finish(reply.finish_reason))
+    return reply
+
+
+class CountedUsage:
+    """Members' usage from counted tokens: a share of the combined prompt's estimate, their answer's tokens."""
+
+    def __init__(self, prompt_estimate: int, members: Sequence[SettleMember]) -> None:
+        own = {m.id: m.own_prompt_tokens for m in members}
+        self._prompt = apportion_usage({"prompt_tokens": prompt_estimate},
+                                       shared_prompt_tokens=max(0, prompt_estimate - sum(own.values())),
+                                       member_prompt_tokens=own, member_completion_weights={})
+
+    def usage(self, member_id: str, answer: str) -> dict[str, int]:
+        """The usage object of `member_id` answering `answer`."""
+        prompt = self._prompt[member_id]["prompt_tokens"]
+        completion = count_text_tokens(answer)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def settle_usage(futures: Mapping[str, asyncio.Future[dict[str, int]]], usage: Mapping[str, dict[str, int]]) -> None:
+    """Hand each released member its final usage (the ledger waits for it); safe after cancellation."""
+    for member_id, future in futures.items():
+        if not future.done() and member_id in usage:
+            future.set_result(usage[member_id])
