@@ -131,6 +131,14 @@ class TierSettings(_Strict):
         "adaptive", description="adaptive: a request that likely gets no partner within the window is sent at once.")
     window_min_partners: float = Field(
         0.1, ge=0, description="adaptive: wait only when at least this many partners are expected in the window.")
+    merge_streams: bool | None = Field(
+        None, description="stream: true requests may merge, each member streaming its own block (default: on for "
+                          "batch only, since a later member's first token waits for the earlier blocks).")
+
+    @property
+    def streams_merge(self) -> bool:
+        """Whether streaming requests of this tier may merge (`merge_streams`; default: the batch tier only)."""
+        return self.merge_streams if self.merge_streams is not None else self.name == "batch"
 
     @property
     def queue_hard_cap(self) -> int:

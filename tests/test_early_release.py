@@ -22,12 +22,13 @@ USAGE = {"prompt_tokens": 400, "completion_tokens": 40, "total_tokens": 440}
 class GatedUpstream:
     """Streams `<response>` blocks for a merged call; waits on `gate` before the blocks after the first."""
 
-    def __init__(self, *, break_after_first: bool = False, leak_second: bool = False) -> None:
+    def __init__(self, *, break_after_first: bool = False, leak_second: bool = False, by_word: bool = False) -> None:
         self.gate = asyncio.Event()
         self.first_sent = asyncio.Event()
         self.bodies: list[dict] = []
         self.break_after_first = break_after_first
         self.leak_second = leak_second
+        self.by_word = by_word  # one event per word instead of two per block
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -63,7 +64,8 @@ class GatedUpstream:
                 if self.break_after_first:
                     request.transport.close()  # the upstream drops mid-reply
                     return response
-            for piece in (part[:7], part[7:]):  # a tag cut across two events
+            pieces = re.findall(r"\S+\s*|\s+", part) if self.by_word else (part[:7], part[7:])  # a tag cut in two
+            for piece in pieces:
                 await response.write(sse({"choices": [{"index": 0, "delta": {"content": piece}}]}))
         await response.write(sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
         if usage:
