@@ -40,7 +40,7 @@ ADDED_P50_TARGET_MS = 2.0
 SAVINGS_SHARE_TARGET = 0.95
 EARLY_RELEASE_CUT_TARGET = 0.30
 SEQUENTIAL = ("passthrough", "adaptive", "fixed")
-PARTS = ("sequential", "savings", "early_release")
+PARTS = ("sequential", "savings", "early_release", "merged_streams")
 
 
 @dataclass(frozen=True)
@@ -205,6 +205,48 @@ def summarize_early(latencies: dict[str, list[float]], merged: dict[str, list[bo
     return out
 
 
+async def first_token_ms(session: aiohttp.ClientSession, url: str, question: str) -> float | None:
+    """Milliseconds from sending a streaming request to its first content chunk (None: no content came)."""
+    body = {"model": "sim-small", "stream": True, "messages": [{"role": "user", "content": question}]}
+    started = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"content":"' in line.replace(b'": "', b'":"') \
+                    and b'"content":""' not in line.replace(b'": "', b'":"'):
+                first = (time.perf_counter() - started) * 1000
+                await resp.read()
+                return first
+    return None
+
+
+async def merged_streams(plan: Plan) -> dict[str, Any]:
+    """Part 4: batches of `EARLY_BATCH` streaming requests sent together to a batch-tier broker (merge_streams
+    on) and directly to the simulator; time to first token, and the broker's own figure by batch position."""
+    from bench.merging import scrape, total
+
+    async with processes_together(start_simulator(*EARLY_SIM)) as (sim,):
+        upstream = sim_base_url(sim)
+        async with processes_together(start_broker(early_config(upstream, True))) as (broker,):
+            urls = {"direct": upstream.removesuffix("/v1"), "merged": broker.url}
+            ttft: dict[str, list[float]] = {name: [] for name in urls}
+            async with aiohttp.ClientSession() as session:
+                for batch in range(plan.early_batches):
+                    for name, url in urls.items():
+                        questions = [f"stream {uuid.uuid4().hex[:8]} question {i}" for i in range(EARLY_BATCH)]
+                        got = await asyncio.gather(*(first_token_ms(session, url, q) for q in questions))
+                        ttft[name] += [ms for ms in got if ms is not None]
+            metrics = await scrape(broker.url)
+    by_position = {}
+    for position in range(1, EARLY_BATCH + 1):
+        count = total(metrics, "mergebroker_merged_stream_ttft_seconds_count", position=str(position))
+        seconds = total(metrics, "mergebroker_merged_stream_ttft_seconds_sum", position=str(position))
+        by_position[str(position)] = {"members": count, "mean_ms": 1000 * seconds / count if count else None}
+    return {"batch": EARLY_BATCH, "client_ttft_ms": {n: {"mean": statistics.fmean(v) if v else None,
+                                                        "p50": percentile(v, 50) if v else None,
+                                                        "requests": len(v)} for n, v in ttft.items()},
+            "broker_ttft_by_position": by_position}
+
+
 def _slim(run: dict[str, Any]) -> dict[str, Any]:
     keys = ("requests", "errors", "wrong_answers", "upstream_calls", "merged_calls", "mean_batch_size", "p50_ms",
             "p99_ms", "mean_ms", "queue_wait_ms_mean", "cache_hit_rate", "coalesced_rate")
@@ -221,6 +263,8 @@ async def run(plan: Plan, parts: Sequence[str] = PARTS) -> dict[str, Any]:
         result["savings"] = await call_savings(plan)
     if "early_release" in parts:
         result["early_release"] = await early_release(plan)
+    if "merged_streams" in parts:
+        result["merged_streams"] = await merged_streams(plan)
     result["meta"] = run_meta(started, probe)
     return result
 
@@ -244,6 +288,11 @@ def report(result: dict[str, Any]) -> str:
         lines += [f"Early release: merged members' added latency over direct cut by {e['cut']:.3f} "
                   f"(direct mean {e['direct_mean_ms']:.1f} ms)",
                   format_table(rows, ["release", "mean_ms", "added_ms", "p99_ms", "merged_share", "errors"]), ""]
+    if "merged_streams" in result:
+        m = result["merged_streams"]
+        rows = [{"position": p, **v} for p, v in m["broker_ttft_by_position"].items()]
+        lines += [f"Merged streams, batches of {m['batch']}: client TTFT {m['client_ttft_ms']}",
+                  format_table(rows, ["position", "members", "mean_ms"]), ""]
     return "\n".join(lines)
 
 
