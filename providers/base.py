@@ -14,7 +14,7 @@ import numpy as np
 
 
 class Provider(Protocol):
-    """One upstream endpoint speaking (at least) the OpenAI chat and embeddings API.
+    """One upstream endpoint presented as the OpenAI chat and embeddings API (whatever it speaks on the wire).
 
     Contract:
     - `chat` posts a chat-completions body (already stripped of broker-only fields) and returns the
@@ -22,8 +22,9 @@ class Provider(Protocol):
       (`UpstreamHTTPError` with the upstream status and Retry-After, `UpstreamTimeout`,
       `UpstreamConnectionError`, `UpstreamBadResponse`). It makes exactly one attempt: retries,
       failover and breakers live outside.
-    - `stream_chat` yields the raw SSE bytes as the upstream sends them (lines included), after a
-      2xx status; errors before the first byte raise like `chat`.
+    - `stream_chat` yields OpenAI `chat.completion.chunk` SSE events (each ending in a blank line,
+      `data: [DONE]` last) after a 2xx status: as the upstream sent them, or translated from its own
+      protocol; errors before the first byte raise like `chat`.
     - `embeddings` behaves like `chat` for `/embeddings`.
     - `timeout` is the whole-call budget in seconds.
     """
