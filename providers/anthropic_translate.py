@@ -230,6 +230,7 @@ def sse(payload: Mapping[str, Any]) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+_SLOT = "\x00text\x00"  # stands for a chunk's text while its frame is rendered; JSON escapes it, no text holds it
 
 
 @dataclass
@@ -248,6 +249,7 @@ class StreamTranslator:
     _meta: dict[str, Any] = field(default_factory=dict)
     _usage: dict[str, Any] = field(default_factory=dict)
     _stop_reason: Any = None
+    _text_frame: tuple[bytes, bytes] = (b"", b"")
 
     def feed(self, raw: bytes) -> list[bytes]:
         """The OpenAI events for one raw Anthropic SSE event (often none: pings, block starts and stops)."""
@@ -274,17 +276,24 @@ class StreamTranslator:
         message = event.get("message") if isinstance(event.get("message"), dict) else {}
         self._meta = {"id": str(message.get("id") or ""), "model": str(message.get("model") or "")}
         self._usage.update(message.get("usage") or {})
+        # Text chunks differ only in their text: render the rest once (a third of the cost per chunk).
+        head, _, tail = self._delta({"content": _SLOT}).rpartition(json.dumps(_SLOT).encode())
+        self._text_frame = (head, tail)
         return [self._delta({"role": "assistant", "content": ""})]
+
+    def _text(self, text: Any) -> list[bytes]:
+        if not isinstance(text, str) or not text:
+            return []
+        head, tail = self._text_frame
+        return [head + json.dumps(text).encode() + tail] if head else [self._delta({"content": text})]
 
     def _on_content_block_start(self, event: dict[str, Any]) -> list[bytes]:
         block = event.get("content_block") or {}
-        text = block.get("text") if block.get("type") == "text" else None
-        return [self._delta({"content": text})] if isinstance(text, str) and text else []
+        return self._text(block.get("text") if block.get("type") == "text" else None)
 
     def _on_content_block_delta(self, event: dict[str, Any]) -> list[bytes]:
         delta = event.get("delta") or {}
-        text = delta.get("text") if delta.get("type") == "text_delta" else None
-        return [self._delta({"content": text})] if isinstance(text, str) and text else []
+        return self._text(delta.get("text") if delta.get("type") == "text_delta" else None)
 
     def _on_message_delta(self, event: dict[str, Any]) -> list[bytes]:
         self._stop_reason = (event.get("delta") or {}).get("stop_reason", self._stop_reason)

@@ -13,13 +13,13 @@ from typing import Any, Iterator
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ("passthrough", "tiers", "chaos")
+SCRIPTS = ("passthrough", "tiers", "chaos", "provider_kinds")
 TIMEOUT_S = 90
 
 
 @pytest.fixture(scope="module")
 def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen[str], Path]]]:
-    """All three scripts started at once (each is mostly process start-up and waiting), one JSON file each."""
+    """All the scripts started at once (each is mostly process start-up and waiting), one JSON file each."""
     out_dir = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     runs = {}
@@ -80,3 +80,13 @@ def test_chaos_quick_reports_phases_fast_fails_and_one_answer_each(quick_runs) -
     assert result["accounting"]["exactly_one_each"] is True
     assert result["accounting"]["sent"] == sum(p["sent"] for p in result["phases"])
     assert result["meta"]["duration_s"] > 0
+
+
+def test_provider_kinds_quick_measures_every_kind_in_both_modes_without_errors(quick_runs) -> None:
+    result = finished(quick_runs, "provider_kinds")
+    assert {"plan", "runs", "summary", "meta"} <= set(result)
+    for mode in ("plain", "stream"):
+        summary = result["summary"][mode]
+        for kind in ("openai", "anthropic", "azure"):
+            assert summary[kind]["rps"] > 0 and summary[kind]["errors"] == 0
+        assert summary["anthropic_vs_openai_rps"] > 0 and summary["azure_vs_openai_cpu"] > 0
