@@ -6,6 +6,7 @@
     ├── Forbidden                    403 tier_not_allowed
     ├── NotFound                     404 model_not_found / not_found
     ├── MethodNotAllowed             405
+    ├── RequestTimeout               408 the client was too slow sending its body
     ├── PayloadTooLarge              413
     ├── UnsupportedMediaType         415
     ├── RateLimited                  429 (retry_after)
@@ -89,6 +90,10 @@ class NotFound(BrokerError):
 
 class MethodNotAllowed(BrokerError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class RequestTimeout(BrokerError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
 class PayloadTooLarge(BrokerError):
