@@ -159,7 +159,7 @@ class EmbeddingBatcher:
     def stats(self) -> CoalescerStats:
         """Counts since start and what waits now (see `CoalescerStats`)."""
         in_windows = sum(len(window.items) for window in self._windows.values())
-        return CoalescerStats(**self._counts, pending_window=in_windows, in_flight=len(self._inflight))
+        return CoalescerStats(**self._counts, pending_window=in_windows, in_flight=self.pending, waiting=self.waiting)
 
     async def embed(self, model: str, texts: Sequence[str], *, dimensions: int | None = None,
                     scope: str | None = None) -> EmbedResult:

@@ -13,7 +13,8 @@ from typing import Any
 @dataclass(frozen=True)
 class CoalescerStats:
     """Counts since start: texts asked for, of those answered from cache or by joining a pending text, backend
-    batches and the texts they carried, and what waits now (in open windows; in windows or backend calls)."""
+    batches and the texts they carried, and what waits now: texts in open windows, texts in windows or backend
+    calls, and callers waiting on those (a text two callers wait for counts twice)."""
 
     texts: int = 0
     cached: int = 0
@@ -22,6 +23,7 @@ class CoalescerStats:
     batched_texts: int = 0
     pending_window: int = 0
     in_flight: int = 0
+    waiting: int = 0
 
     @property
     def cache_hit_rate(self) -> float:
