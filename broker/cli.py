@@ -1,4 +1,4 @@
-"""`mergebroker` command line: serve, simulate, report, warm-cache, bench."""
+"""`mergebroker` command line: serve, simulate, report, warm-cache, mcp, bench."""
 
 from __future__ import annotations
 
@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--config", metavar="FILE")
     warm.add_argument("--model", default="all-MiniLM-L6-v2", help="embedding model (default: %(default)s)")
     warm.add_argument("--batch", type=int, default=64, help="texts per request (default: %(default)s)")
+    from mergebroker.broker.mcp_cli import add_mcp_arguments
+
+    mcp = sub.add_parser("mcp", help="serve the broker to agents over MCP (stdio or streamable HTTP)",
+                         description="An MCP server with the tools chat, embed, count_tokens and broker_stats, "
+                                     "running the broker embedded or calling one with --broker URL. "
+                                     "Needs the extra: pip install 'mergebroker[mcp]'.")
+    add_mcp_arguments(mcp)
     bench = sub.add_parser("bench", help="run the benchmarks and write docs/benchmarks.md",
                            description="Run the standard workloads against the simulated upstream and write "
                                        "docs/benchmarks.md with tables and charts. Options after 'bench' go to "
@@ -93,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mergebroker.broker.report import run_report
 
         return run_report(args)
+    if args.command == "mcp":
+        from mergebroker.broker.mcp_cli import run_mcp
+
+        return run_mcp(args)
     if args.command == "warm-cache":
         from mergebroker.broker.warm_cache import run_warm_cache
 
