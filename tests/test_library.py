@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 
 import pytest
 
@@ -131,3 +132,24 @@ async def test_a_broker_is_used_inside_async_with_only(simulator):
     broker = Broker.from_settings(_settings(simulator))
     with pytest.raises(RuntimeError, match="async with"):
         await broker.chat(_ask("hi"))
+
+
+@pytest.mark.model
+def test_the_readme_library_example_runs_as_written(tmp_path):
+    """The README's library example, run as a script, prints a merged answer, 384 dimensions and its stats."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    example = re.search(r"<!-- library-example -->\n```python\n(.*?)```", readme, re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERGEBROKER_")}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110,
+                         env={**env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert lines[-2] == "384 dimensions"
+    assert lines[-1] == "merge rate 1.0 coalesced ratio 0.9"
