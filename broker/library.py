@@ -109,7 +109,7 @@ class Broker:
                          cache_control: CacheControl | None = None) -> Reply:
         """`chat`, with the broker's response headers (batch size and id, cache, fallback, limits)."""
         async def answer(engine: Engine, info: RequestInfo) -> Reply:
-            parsed, forward = parse_chat(dict(body))
+            parsed, forward = parse_chat(dict(body), max_messages=engine.settings.server.max_messages)
             if parsed.stream:
                 raise InvalidRequest("Streaming is served over HTTP only; leave 'stream' unset here.",
                                      param="stream")

@@ -11,12 +11,13 @@ import structlog
 from aiohttp import web
 
 from mergebroker.broker.admission import Caller
+from mergebroker.broker.body import BODY_LIMITS, read_json
 from mergebroker.broker.state import BROKER, Broker
 from mergebroker.broker.chat import CacheControl
 from mergebroker.clock import Clock, monotonic
 from mergebroker.broker.handling import (authenticate, chat_headers, check_chat_model, complete_chat,
                                           create_embeddings, embedding_headers)
-from mergebroker.errors import BrokerError, InvalidRequest, UnsupportedMediaType
+from mergebroker.errors import BrokerError
 from mergebroker.broker.middleware import INFO
 from mergebroker.broker.schemas import parse_chat, parse_embeddings
 
@@ -62,19 +63,12 @@ def add_routes(app: web.Application) -> None:
 
 
 async def _json_body(request: web.Request) -> Any:
-    content_type = request.headers.get("Content-Type", "")
-    if content_type and not content_type.lower().startswith("application/json"):
-        raise UnsupportedMediaType(f"Content-Type must be application/json, got '{content_type}'.")
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly deep nesting
-        raise InvalidRequest("We could not parse the JSON body of your request.", code="invalid_json") from None
+    return await read_json(request, request.app[BODY_LIMITS])
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     broker, info = request.app[BROKER], request[INFO]
-    parsed, body = parse_chat(await _json_body(request))
+    parsed, body = parse_chat(await _json_body(request), max_messages=broker.settings.server.max_messages)
     caller = authenticate(broker, info, request.headers, parsed.broker, parsed.user)
     check_chat_model(broker, info, parsed)
     if parsed.stream:
