@@ -148,3 +148,15 @@ async def test_the_callers_key_decides_tenant_and_tiers(simulator, tmp_path):
         served = await client.call_tool("chat", {**_chat(1), "max_tokens": 16})
     assert refused.is_error and refused.structured_content["error"]["status"] == 403
     assert not served.is_error and served.structured_content["headers"]["X-Broker-Cache"] == "miss"
+
+
+async def test_an_unreachable_broker_is_a_tool_error_not_a_crash(tmp_path):
+    """With nothing listening at --broker, each call is a 502 tool error and the server keeps answering."""
+    url = f"http://127.0.0.1:{free_port()}"
+    async with _client("stdio", ["--broker", url], tmp_path) as client:
+        first = await client.call_tool("chat", _chat(0))
+        stats = await client.call_tool("broker_stats", {})
+        tokens = await client.call_tool("count_tokens", {"messages": [{"role": "user", "content": "hello"}]})
+    assert first.is_error and first.structured_content["error"]["code"] == "broker_unreachable"
+    assert stats.is_error and stats.structured_content["error"]["status"] == 502
+    assert not tokens.is_error and tokens.structured_content["tokens"] > 0
