@@ -24,6 +24,7 @@ from mergebroker.broker.schemas import EmbeddingRequest
 from mergebroker.broker.settings import ProviderSettings, Settings
 from mergebroker.broker.tokens import count_text_tokens, estimate_embedding_tokens
 from mergebroker.merge.cache import TwoLevelCache
+from mergebroker.broker.embedding_stats import CoalescerStats
 from mergebroker.broker.embedding_engine import EmbeddingBatcher, cache_metrics_hook
 from mergebroker.providers.base import EmbedResult
 from mergebroker.providers.local_model import SentenceModelHost
@@ -62,6 +63,10 @@ class EmbeddingService:
 
     async def start(self) -> None:
         return None
+
+    def stats(self) -> CoalescerStats:
+        """The coalescer's counts and figures (cache-hit rate, coalesced ratio, mean batch size, pending window)."""
+        return self._batcher.stats()
 
     async def stop(self) -> None:
         """Send what waits in open windows, then fail anything left (shutdown never strands a caller)."""

@@ -234,6 +234,19 @@ class LedgerSettings(_Strict):
     flush_interval_s: float = Field(1.0, gt=0)
 
 
+class McpSettings(_Strict):
+    """`mergebroker mcp`: how the MCP server listens and where its tools send their calls."""
+
+    transport: Literal["stdio", "http"] = Field("stdio", description="stdio, or streamable HTTP on host:port.")
+    host: str = "127.0.0.1"
+    port: int = Field(8090, ge=0, le=65535)
+    broker_url: str | None = Field(None, description="A running broker to call; unset: the broker runs embedded.")
+    api_key_env: str = Field("MERGEBROKER_API_KEY", description="Environment variable with the key the tools use.")
+    embedding_model: str = Field("all-MiniLM-L6-v2", description="The embed tool's model when a call names none.")
+    max_inline_values: int = Field(16_384, gt=0, description="embed: past this many floats, a handle instead.")
+    max_handles: int = Field(32, gt=0, description="embed: how many large results stay readable by handle.")
+
+
 class Settings(BaseSettings):
     """Everything configurable; build it with `load_settings`, which layers its sources (see the module doc)."""
 
@@ -253,6 +266,7 @@ class Settings(BaseSettings):
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     ledger: LedgerSettings = Field(default_factory=LedgerSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    mcp: McpSettings = Field(default_factory=McpSettings)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

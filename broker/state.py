@@ -71,7 +71,16 @@ class Broker:
         providers = {u.name: {"in_flight": u.in_flight,
                               **(u.breaker.snapshot() if u.breaker else {"state": "closed"})}
                      for u in self.pools.upstreams}
-        return {"tiers": tiers, "providers": providers}
+        return {"tiers": tiers, "providers": providers, "chat_cache": self._chat_cache_stats(),
+                "embeddings": self.embeddings.stats().as_dict()}
+
+    def _chat_cache_stats(self) -> dict[str, Any]:
+        """Chat answers by how the cache took part: from cache (hit), shared with an identical one in flight."""
+        counts = {r: int(_sample(self.metrics, "mergebroker_cache_events_total", result=r))
+                  for r in ("hit", "coalesced", "miss")}
+        total = sum(counts.values())
+        return {**counts, "hit_rate": counts["hit"] / total if total else 0.0,
+                "coalesced_ratio": counts["coalesced"] / total if total else 0.0}
 
 
 def _sample(metrics: Metrics, name: str, **labels: str) -> float:
