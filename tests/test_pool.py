@@ -38,7 +38,7 @@ class TimingOutProvider(FakeProvider):
 
 
 def pools_of(*upstreams: Upstream, clock: FakeClock, metrics: Metrics | None = None, **options: Any) -> ProviderPools:
-    return ProviderPools(list(upstreams), retry=options.pop("retry", NO_WAIT), clock=clock, sleep=clock.sleep,
+    return ProviderPools(list(upstreams), retry=options.pop("retry", NO_WAIT), clock=clock, sleep=clock.skip,
                          observer=PoolMetrics(metrics) if metrics else None, **options)
 
 
