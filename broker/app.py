@@ -26,6 +26,7 @@ from mergebroker.broker.connections import ConnectionGuard, ConnectionLimits, au
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
 from mergebroker.broker.ledger import Ledger
+from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.ledger_store import open_store
 from mergebroker.broker.metrics import (Metrics, PoolMetrics, breaker_listener, connections_listener,
                                         merging_listener)
@@ -113,7 +114,7 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     windows = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock, metrics=metrics,
                          on_partners=dispatcher.prefetch)
     queue = LocalJobQueue(windows, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
-    limiter: Any = RateLimiter(clock)
+    limiter: Limiter = RateLimiter(clock)
     if redis is not None and settings.redis.share_limits:
         limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
     chat = ChatService(settings, queue=queue, pools=pools, limiter=limiter, cache=_chat_cache(settings, redis, clock),

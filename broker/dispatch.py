@@ -30,7 +30,7 @@ from mergebroker.merge.prompt import MergeMember, build_combined_messages, merge
 from mergebroker.merge.quality_guard import QualityGuard
 from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, Settlement,
                                       every_member, settle, settle_call_error)
-from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +59,7 @@ class MergeOptions:
 class Dispatcher:
     """Turns released groups into upstream calls and outcomes for every member."""
 
-    def __init__(self, pools: ProviderPools, *, tiers: dict[str, TierMergePolicy], options: MergeOptions,
+    def __init__(self, pools: Pool, *, tiers: dict[str, TierMergePolicy], options: MergeOptions,
                  embedder: Embedder | None, guard: QualityGuard, merging_allowed: Callable[[str], bool],
                  metrics: Metrics | None = None, clock: Clock = monotonic) -> None:
         self._pools = pools

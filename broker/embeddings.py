@@ -19,6 +19,7 @@ from mergebroker.broker.admission import Caller
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import DeadlineExceeded, InvalidRequest
 from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.ratelimit import LimitSpec
 from mergebroker.broker.schemas import EmbeddingRequest
 from mergebroker.broker.settings import ProviderSettings, Settings
@@ -46,7 +47,7 @@ class EmbeddingResponse:
 class EmbeddingService:
     """Admits embedding requests and answers them through the batcher."""
 
-    def __init__(self, settings: Settings, *, batcher: EmbeddingBatcher, pools: ProviderPools, limiter: Any,
+    def __init__(self, settings: Settings, *, batcher: EmbeddingBatcher, pools: ProviderPools, limiter: Limiter,
                  local_models: list[str], clock: Clock = monotonic) -> None:
         self._settings = settings
         self._batcher = batcher
@@ -128,7 +129,7 @@ def _response_body(parsed: EmbeddingRequest, result: EmbedResult) -> dict[str, A
 
 
 def build_embedding_service(settings: Settings, *, pools: ProviderPools, host: SentenceModelHost | None, redis: Any,
-                            limiter: Any, metrics: Metrics, providers: list[ProviderSettings],
+                            limiter: Limiter, metrics: Metrics, providers: list[ProviderSettings],
                             clock: Clock = monotonic) -> EmbeddingService:
     """Wire the batcher with its cache levels and its backends (local model or provider pools)."""
     emb = settings.embeddings
