@@ -25,11 +25,9 @@ from mergebroker.broker.queue import ReleasedGroup
 from mergebroker.broker.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
-from mergebroker.merge.leak import find_leaks
-from mergebroker.merge.prompt import MergeMember, build_combined_messages, merged_max_tokens, new_batch_ids
+from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.quality_guard import QualityGuard
-from mergebroker.merge.split import split_reply
-from mergebroker.merge.usage import apportion_usage
+from mergebroker.merge.settle import SettleMember, leak_protected_text, settle_merged, token_count
 from mergebroker.providers.pool import ProviderPools
 
 log = structlog.get_logger(__name__)
@@ -185,12 +183,8 @@ class Dispatcher:
         first = jobs[0]
         members = [MergeMember(i, j.shape.user_text, j.max_tokens, j.shape.system_prompt)  # type: ignore[union-attr]
                    for i, j in by_id.items()]
-        # A stop sequence met in one member's answer would cut every later block: apply it per member instead.
-        body = {k: v for k, v in first.body.items()
-                if k not in ("max_tokens", "max_completion_tokens", "user", "stop")}
-        body["messages"] = build_combined_messages(members, system_prompt=first.shape.system_prompt,  # type: ignore
-                                                   header=self._options.header, tagged_system=policy.tagged_system)
-        body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=12)
+        body = merged_request_body(first.body, members, system_prompt=first.shape.system_prompt,  # type: ignore
+                                   header=self._options.header, tagged_system=policy.tagged_system)
         for job in jobs:
             job.dispatched = True
         deadline = min(j.deadline for j in jobs)
@@ -232,35 +226,27 @@ class Dispatcher:
     def _finish_merged(self, tier: str, by_id: dict[str, ChatJob], reply: dict[str, Any], provider: str,
                        upstream_s: float, batch_id: str) -> list[tuple[ChatJob, str]]:
         """Resolve the members whose block is good; return the others (with the reason) to re-send alone."""
-        read = reply_text(reply)
-        if read is None:
-            return self._bad_reply(next(iter(by_id.values())).model, list(by_id.values()), batch_id)
-        content, finish_reason = read
-        answers = split_reply(content, list(by_id), finish_reason=finish_reason)
-        good = {i: a for i, a in answers.items() if isinstance(a, str)}
+        first = next(iter(by_id.values()))
         # With tagged system prompts each member's own system prompt is in the call too: quoting it is a leak.
         tagged = self._tiers[tier].tagged_system
-        questions = {i: _request_text(j, tagged) for i, j in by_id.items()}
-        for leaked in find_leaks(good, questions, min_words=self._options.leak_min_words):
-            answers[leaked] = "leak"  # type: ignore[assignment]
-            good.pop(leaked)
-        failed = {i: a for i, a in answers.items() if not isinstance(a, str) or i not in good}
-        self._guard.record(next(iter(by_id.values())).model, bool(failed))
-        usage = self._apportion(reply, by_id, good)
-        stop = next(iter(by_id.values())).body.get("stop")
-        for member_id, text in good.items():
-            job = by_id[member_id]
-            body = member_completion(reply, apply_stop(text, stop), usage[member_id])
-            job.resolve(ChatOutcome(body, provider, upstream_s, batch_size=len(by_id), batch_id=batch_id))
-        if self._metrics and good:
-            self._metrics.merged_requests.labels(tier).inc(len(good))
+        members = {i: SettleMember(_request_text(j, tagged), count_text_tokens(j.shape.user_text))  # type: ignore
+                   for i, j in by_id.items()}
+        settlement = settle_merged(reply, members, leak_min_words=self._options.leak_min_words,
+                                   stop=first.body.get("stop"))
+        if settlement is None:
+            return self._bad_reply(first.model, list(by_id.values()), batch_id)
+        self._guard.record(first.model, bool(settlement.failed))
+        for member_id, body in settlement.answers.items():
+            by_id[member_id].resolve(ChatOutcome(body, provider, upstream_s, batch_size=len(by_id),
+                                                 batch_id=batch_id))
+        if self._metrics and settlement.answers:
+            self._metrics.merged_requests.labels(tier).inc(len(settlement.answers))
             self._metrics.upstream_calls_saved.inc(len(by_id) - 1)
             alone = sum(by_id[i].prompt_tokens for i in by_id)
-            sent = _count((reply.get("usage") if isinstance(reply.get("usage"), dict) else {}).get("prompt_tokens"))
-            self._metrics.tokens_saved.inc(max(0, alone - sent))
+            usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+            self._metrics.tokens_saved.inc(max(0, alone - token_count(usage.get("prompt_tokens"))))
         retry_alone = []
-        for member_id, reason in failed.items():
-            label = reason if isinstance(reason, str) else reason.value
+        for member_id, label in settlement.failed.items():
             self._count_fallback(label, 1)
             log.info("split_fallback", batch_id=batch_id, reason=label, request_id=by_id[member_id].request_id)
             retry_alone.append((by_id[member_id], label))
@@ -272,19 +258,6 @@ class Dispatcher:
         self._count_fallback("bad_reply", len(jobs))
         self._guard.record(model, True)
         return [(job, "bad_reply") for job in jobs]
-
-    def _apportion(self, reply: dict[str, Any], by_id: dict[str, ChatJob], good: dict[str, str]) -> dict[str, dict]:
-        usage = reply.get("usage")
-        usage = usage if isinstance(usage, dict) else {}
-        prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-        member_tokens = {i: count_text_tokens(j.shape.user_text) for i, j in by_id.items()}  # type: ignore
-        own_total = sum(member_tokens.values())
-        return apportion_usage(
-            {"prompt_tokens": prompt, "completion_tokens": completion},
-            shared_prompt_tokens=max(0, prompt - own_total),
-            member_prompt_tokens=member_tokens,
-            member_completion_weights={i: max(1, len(good.get(i, ""))) for i in by_id},
-        )
 
     def _count_fallback(self, reason: str, n: int) -> None:
         if self._metrics:
@@ -317,54 +290,11 @@ def _fail_unanswered(jobs: list[ChatJob], exc: BrokerError) -> int:
     return len(waiting)
 
 
-def reply_text(reply: Any) -> tuple[str, str | None] | None:
-    """The first choice's text and finish reason of a merged reply, or None when the reply is unusable."""
-    choices = reply.get("choices") if isinstance(reply, dict) else None
-    choice = choices[0] if isinstance(choices, list) and choices else None
-    message = choice.get("message") if isinstance(choice, dict) else None
-    content = message.get("content") if isinstance(message, dict) else None
-    if not isinstance(content, str):
-        return None
-    finish_reason = choice.get("finish_reason")  # type: ignore[union-attr]
-    return content, finish_reason if isinstance(finish_reason, str) else None
-
-
 def _request_text(job: ChatJob, tagged_system: bool) -> str:
-    shape = job.shape
-    if tagged_system and shape.system_prompt:  # type: ignore[union-attr]
-        return shape.system_prompt + "\n" + shape.user_text  # type: ignore[union-attr]
-    return shape.user_text  # type: ignore[union-attr]
-
-
-def _count(value: Any) -> int:
-    """A token count from an upstream's usage object; anything but a non-negative number counts as 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        return 0
-    return int(value)
-
-
-def apply_stop(text: str, stop: str | list[str] | None) -> str:
-    """Cut a member's answer at its first stop sequence, as the upstream would have."""
-    sequences = [stop] if isinstance(stop, str) else list(stop or [])
-    cut = min((i for i in (text.find(s) for s in sequences if s) if i >= 0), default=len(text))
-    return text[:cut]
+    return leak_protected_text(job.shape.system_prompt, job.shape.user_text, tagged_system)  # type: ignore[union-attr]
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
     """Mark a background encode's error as seen (it is logged where it matters: the next caller's encode)."""
     if not task.cancelled():
         task.exception()
-
-
-def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int]) -> dict[str, Any]:
-    """A complete `chat.completion` of a member's own, cut out of a merged reply."""
-    return {
-        "id": "chatcmpl-" + uuid.uuid4().hex[:24],
-        "object": "chat.completion",
-        "created": reply.get("created", int(time.time())),
-        "model": reply.get("model"),
-        "system_fingerprint": reply.get("system_fingerprint"),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": "stop"}],
-        "usage": usage,
-    }
