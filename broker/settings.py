@@ -62,6 +62,8 @@ class ProviderSettings(_Strict):
     tpm: int | None = Field(None, gt=0)
     warmup_connections: int = Field(0, ge=0)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    batch_api: bool = Field(False, description="Send bulk jobs through this provider's own Batch API "
+                                               "(/v1/files + /v1/batches) instead of call by call.")
 
 
 class RetrySettings(_Strict):
@@ -192,6 +194,21 @@ class LedgerSettings(_Strict):
     flush_interval_s: float = Field(1.0, gt=0)
 
 
+class BatchSettings(_Strict):
+    enabled: bool = True
+    dir: str | None = Field(None, description="Files and batch state (SQLite); default: 'batches' beside "
+                                              "ledger.path, else a temporary directory (not durable).")
+    tier: str | None = Field(None, description="Tier whose merge rules and admission bulk jobs follow; "
+                                               "default: 'batch' when configured, else default_tier.")
+    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
+    max_lines: int = Field(50_000, gt=0)
+    file_ttl_s: float = Field(30 * 86400.0, gt=0, description="Uploaded and output files expire after this.")
+    concurrency: int = Field(8, gt=0, description="Compacted calls in flight per job (without a provider Batch API).")
+    call_timeout_s: float = Field(600.0, gt=0)
+    poll_interval_s: float = Field(30.0, gt=0, description="How often a provider's Batch API is polled.")
+    cleanup_interval_s: float = Field(3600.0, gt=0)
+
+
 class Settings(BaseSettings):
     """Everything configurable; build it with `load_settings`, which layers its sources (see the module doc)."""
 
@@ -210,6 +227,7 @@ class Settings(BaseSettings):
     embeddings: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     ledger: LedgerSettings = Field(default_factory=LedgerSettings)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -235,9 +253,16 @@ class Settings(BaseSettings):
         for p in self.providers:
             if p.kind == "openai" and not p.base_url.startswith(("http://", "https://")):
                 raise ValueError(f"providers.{p.name}.base_url: must be an http(s) URL, got {p.base_url!r}")
+        if self.batches.tier is not None and self.batches.tier not in names:
+            raise ValueError(f"batches.tier: {self.batches.tier!r} is not a configured tier")
         if self.auth.mode == "keys" and not self.auth.keys:
             raise ValueError("auth.keys: mode 'keys' needs at least one key")
         return self
+
+    def batch_tier(self) -> str:
+        """The tier bulk jobs run in: `batches.tier`, else 'batch' when configured, else the default tier."""
+        names = [t.name for t in self.tiers]
+        return self.batches.tier or ("batch" if "batch" in names else self.default_tier)
 
     def tier(self, name: str) -> TierSettings:
         return next(t for t in self.tiers if t.name == name)

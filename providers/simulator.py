@@ -27,6 +27,7 @@ from mergebroker.errors import BrokerError, InvalidRequest
 from mergebroker.providers.simulator_content import (INJECTION_MARKER, Reply, answer_for, block_answers, compose_reply,
                                          count_tokens, embedding_vector, parse_request_blocks, prompt_tokens,
                                          question_text, stream_pieces)
+from mergebroker.providers.simulator_batches import add_batch_routes
 from mergebroker.providers.simulator_faults import MAX_EMBEDDING_DIM, FaultInjector, SimulatorConfig, error_response, is_int
 
 log = structlog.get_logger(__name__)
@@ -288,6 +289,7 @@ def create_simulator_app(config: SimulatorConfig, *, sleep: Sleep = asyncio.slee
     app = web.Application(middlewares=[_error_envelope])
     app[SIMULATOR_KEY] = simulator
     app.add_routes(simulator.routes())
+    add_batch_routes(app)  # /files and /batches (providers.simulator_batches)
 
     async def end_hangs(_: web.Application) -> None:
         simulator.close()
