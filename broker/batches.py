@@ -181,6 +181,8 @@ class BatchService:
         await self._run(row, lines)
 
     async def _run(self, row: BatchRow, lines: list[BatchLine]) -> None:
+        structlog.contextvars.clear_contextvars()  # this task's own copy: the creating request's IDs go
+        structlog.contextvars.bind_contextvars(batch_id=row.id, tenant=row.tenant)
         job = BulkJob(row.id, row.tenant, row.tier, lines, float(row.data["expires_at"]), row.data["completion_window"])
         self._jobs[row.id] = job
         self._rows[row.id] = row
