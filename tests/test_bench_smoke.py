@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ("passthrough", "tiers", "chaos")
+SCRIPTS = ("passthrough", "tiers", "chaos", "bulk")
 TIMEOUT_S = 90
 
 
@@ -80,3 +80,14 @@ def test_chaos_quick_reports_phases_fast_fails_and_one_answer_each(quick_runs) -
     assert result["accounting"]["exactly_one_each"] is True
     assert result["accounting"]["sent"] == sum(p["sent"] for p in result["phases"])
     assert result["meta"]["duration_s"] > 0
+
+
+def test_bulk_quick_compacts_the_file_and_answers_every_line_with_its_own_answer(quick_runs) -> None:
+    result = finished(quick_runs, "bulk")
+    runs = {r["name"]: r for r in result["runs"]}
+    assert list(runs) == ["line_by_line", "compacted_pool", "compacted_batch_api"]
+    for run in runs.values():
+        assert run["wrong_answers"] == 0 and run["missing"] == 0 and run["answered"] == run["lines"]
+    assert runs["line_by_line"]["upstream_calls"] == result["plan"]["lines"]
+    assert runs["compacted_pool"]["upstream_calls"] < runs["line_by_line"]["upstream_calls"]
+
