@@ -19,6 +19,7 @@ from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.breaker.shared_state import SharedBreakerState
 from mergebroker.broker.admission import Authenticator
+from mergebroker.broker.batch_runner import Limits
 from mergebroker.broker.batches import build_batch_service
 from mergebroker.broker.chat import ChatService
 from mergebroker.clock import Clock, Sleep, monotonic
@@ -119,7 +120,8 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     target = dsn.get_secret_value() if dsn else settings.ledger.path
     if target:
         ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s)
-    batches = build_batch_service(settings, pools=pools, providers=providers, embedder=embedder,
+    batches = build_batch_service(settings, pools=pools, providers=providers, limits=Limits(limiter, chat.limit_specs),
+                                  embedder=embedder,
                                   merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock, sleep=sleep)
     broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host, workers,
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger,

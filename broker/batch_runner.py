@@ -6,7 +6,7 @@ planned with `max_batch=1`, where each line is a call of its own and any failure
 Each model's calls go through a provider's own Batch API when one serving it has `batch_api: true`
 (upload, create, poll, map back, cancel when the job is cancelled or its window ends), otherwise through
 the provider pools at the lowest priority, within the providers' RPM/TPM, `batches.concurrency` calls at a
-time. Every line's result is handed to the `JobSink` as soon as it is known; the sink persists it, so a
+time across all jobs. Every line's result is handed to the `JobSink` as soon as it is known; the sink persists it, so a
 restarted broker resumes with the lines still unanswered (and polls an upstream batch already submitted).
 """
 
@@ -20,14 +20,17 @@ from typing import Any, Callable, Protocol, Sequence
 
 import structlog
 
+from mergebroker.broker.admission import Caller
 from mergebroker.broker.batch_input import BatchLine, jsonl
 from mergebroker.broker.batch_store import BatchStore, UpstreamRound
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.queue import aged_rank
+from mergebroker.broker.ratelimit import LimitSpec
 from mergebroker.broker.settings import Settings
 from mergebroker.broker.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.clock import Clock, Sleep, sleep_or_event
-from mergebroker.errors import BrokerError, NotFound, UpstreamError, UpstreamHTTPError, UpstreamUnavailable
+from mergebroker.errors import (BrokerError, NotFound, RateLimited, UpstreamError, UpstreamHTTPError,
+                               UpstreamUnavailable)
 from mergebroker.merge.compaction import BulkItem, CompactionRules, PlannedCall, PlannedMember, plan_compaction
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.fingerprint import chat_fingerprint
@@ -36,7 +39,7 @@ from mergebroker.merge.settle import settle_merged, token_count
 from mergebroker.merge.shape import compatibility_key, merge_shape
 from mergebroker.merge.usage import largest_remainder
 from mergebroker.providers.openai_batches import BatchApi
-from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.pool import ProviderPools, usage_tokens
 
 log = structlog.get_logger(__name__)
 
@@ -47,15 +50,30 @@ Result = tuple[str, int, dict[str, Any]]  # custom_id, HTTP status, body
 
 @dataclass
 class BulkJob:
-    """One batch being run: whose, in which tier, its lines, its window, and its cancel signal."""
+    """One batch being run: who created it (tenant, tier, key limits), its lines, its window, its cancel signal."""
 
     batch_id: str
-    tenant: str
-    tier: str
+    caller: Caller
     lines: list[BatchLine]
     expires_at: float  # wall-clock seconds
     completion_window: str
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def tenant(self) -> str:
+        return self.caller.tenant
+
+    @property
+    def tier(self) -> str:
+        return self.caller.tier
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The admission limits bulk calls are charged to, as live requests are: the tier's and the key's RPM/TPM."""
+
+    limiter: Any  # broker.ratelimit.RateLimiter or its Redis twin: `reserve(specs, tokens) -> Reservation`
+    specs: Callable[[Caller], list[LimitSpec]]
 
 
 class JobSink(Protocol):
@@ -69,18 +87,28 @@ class BulkRunner:
     """Runs bulk jobs against the provider pools or the providers' Batch APIs."""
 
     def __init__(self, settings: Settings, *, pools: ProviderPools, store: BatchStore, batch_apis: dict[str, BatchApi],
-                 embedder: Embedder | None, merging_allowed: Callable[[str], bool], metrics: Metrics,
+                 limits: Limits, embedder: Embedder | None, merging_allowed: Callable[[str], bool], metrics: Metrics,
                  clock: Clock, sleep: Sleep, wall: Clock) -> None:
         self.settings = settings
         self.pools = pools
         self.store = store
         self.batch_apis = batch_apis
+        self.limits = limits
         self.embedder = embedder
         self.merging_allowed = merging_allowed
         self.metrics = metrics
         self.clock = clock
         self.sleep = sleep
         self.wall = wall
+        self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def slots(self) -> asyncio.Semaphore:
+        """The compacted calls in flight through the pools, shared by every job: many jobs (or one tenant's
+        many batches) never put more than `batches.concurrency` bulk calls on the upstreams at once."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.settings.batches.concurrency)
+        return self._slots
 
     async def run(self, job: BulkJob, sink: JobSink, answered: set[str]) -> None:
         """Answer every line of `job` not in `answered`, unless the job is cancelled or its window ends."""
@@ -193,12 +221,11 @@ class _Run:
         return [c for part in parts for c in part]
 
     async def _direct(self, calls: list[PlannedCall]) -> list[str]:
-        """Send calls through the pools, `batches.concurrency` at a time; nothing new once stopped."""
-        slots = asyncio.Semaphore(self.r.settings.batches.concurrency)
+        """Send calls through the pools, within the shared bulk concurrency; nothing new once stopped."""
         retry: list[str] = []
 
         async def one(call: PlannedCall) -> None:
-            async with slots:
+            async with self.r.slots:
                 if self._stopped():
                     return
                 outcome = await self._send(call)
@@ -209,19 +236,30 @@ class _Run:
         return retry
 
     async def _send(self, call: PlannedCall) -> dict[str, Any] | BrokerError:
-        """One call through the pools; while every upstream is down, wait (within the window) and try again."""
+        """One call through the pools, charged to the job's tier and key limits; while a limit or every
+        upstream says wait, wait (within the window) and try again."""
         while True:
-            deadline = self.r.clock() + self.r.settings.batches.call_timeout_s
             try:
-                reply, _ = await self.r.pools.chat(call.model, call.body, deadline=deadline, priority=self.rank(),
-                                                   tokens=call.tokens)
-                return reply
-            except UpstreamUnavailable as exc:
-                if self._stopped():
+                reservation = await self.r.limits.limiter.reserve(self.r.limits.specs(self.job.caller), call.tokens)
+            except RateLimited as exc:
+                if exc.retry_after is None or self._stopped():  # larger than the whole limit: it never fits
                     return exc
-                await sleep_or_event(self.r.sleep, exc.retry_after or 1.0, self.job.cancel)
-            except BrokerError as exc:
-                return exc
+                await sleep_or_event(self.r.sleep, exc.retry_after, self.job.cancel)
+                continue
+            outcome = await self._call_pools(call)
+            await reservation.settle((usage_tokens(outcome) or call.tokens) if isinstance(outcome, dict) else 0)
+            if not isinstance(outcome, UpstreamUnavailable) or self._stopped():
+                return outcome
+            await sleep_or_event(self.r.sleep, outcome.retry_after or 1.0, self.job.cancel)
+
+    async def _call_pools(self, call: PlannedCall) -> dict[str, Any] | BrokerError:
+        try:
+            deadline = self.r.clock() + self.r.settings.batches.call_timeout_s
+            reply, _ = await self.r.pools.chat(call.model, call.body, deadline=deadline, priority=self.rank(),
+                                               tokens=call.tokens)
+            return reply
+        except BrokerError as exc:
+            return exc
 
     async def _settle(self, call: PlannedCall, outcome: dict[str, Any] | BrokerError) -> list[str]:
         """Hand on the results a call's outcome gives; the custom_ids to re-run alone."""

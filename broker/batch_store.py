@@ -14,7 +14,7 @@ import asyncio
 import json
 import sqlite3
 import threading
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS files (
 CREATE INDEX IF NOT EXISTS files_tenant ON files (tenant, created_at);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, tier TEXT NOT NULL, status TEXT NOT NULL,
-    created_at INTEGER NOT NULL, data TEXT NOT NULL
+    created_at INTEGER NOT NULL, data TEXT NOT NULL, caller TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS batches_tenant ON batches (tenant, created_at);
 CREATE TABLE IF NOT EXISTS results (
@@ -60,12 +60,14 @@ class FileRecord:
 
 @dataclass(frozen=True)
 class BatchRow:
-    """One batch: its owner, the tier it runs in, and its OpenAI batch object (`data`)."""
+    """One batch: its owner, the tier it runs in, its OpenAI batch object (`data`), and the caller who created
+    it (`broker.admission.Caller`'s fields: its key's limits keep applying to the job)."""
 
     id: str
     tenant: str
     tier: str
     data: dict[str, Any]
+    caller: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -129,19 +131,20 @@ class BatchStore:
 
     async def put_batch(self, row: BatchRow) -> None:
         """Insert or replace a batch."""
-        values = (row.id, row.tenant, row.tier, row.data["status"], row.data["created_at"], json.dumps(row.data))
-        await self._run(lambda c: c.execute("INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?, ?, ?)", values))
+        values = (row.id, row.tenant, row.tier, row.data["status"], row.data["created_at"], json.dumps(row.data),
+                  json.dumps(row.caller))
+        await self._run(lambda c: c.execute("INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?, ?, ?, ?)", values))
 
     async def batch(self, batch_id: str) -> BatchRow | None:
         """A batch, whoever owns it."""
-        rows = await self._run(lambda c: c.execute("SELECT id, tenant, tier, data FROM batches WHERE id = ?",
+        rows = await self._run(lambda c: c.execute("SELECT id, tenant, tier, data, caller FROM batches WHERE id = ?",
                                                    (batch_id,)).fetchall())
         return _batch_row(rows[0]) if rows else None
 
     async def batches(self, tenant: str, *, after: str | None, limit: int) -> list[BatchRow]:
         """A tenant's batches, newest first, starting after the batch `after` (cursor pagination)."""
         def query(c: sqlite3.Connection) -> list[Any]:
-            sql, args = "SELECT id, tenant, tier, data FROM batches WHERE tenant = ?", [tenant]
+            sql, args = "SELECT id, tenant, tier, data, caller FROM batches WHERE tenant = ?", [tenant]
             if after:
                 sql += " AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ?)"
                 args.append(after)
@@ -151,7 +154,7 @@ class BatchStore:
     async def active_batches(self) -> list[BatchRow]:
         """Every batch not yet in a final state (to resume after a restart)."""
         marks = ", ".join("?" * len(ACTIVE_STATUSES))
-        rows = await self._run(lambda c: c.execute(f"SELECT id, tenant, tier, data FROM batches WHERE status IN "
+        rows = await self._run(lambda c: c.execute(f"SELECT id, tenant, tier, data, caller FROM batches WHERE status IN "
                                                    f"({marks}) ORDER BY created_at", ACTIVE_STATUSES).fetchall())
         return [_batch_row(r) for r in rows]
 
@@ -191,4 +194,4 @@ class BatchStore:
 
 
 def _batch_row(row: Any) -> BatchRow:
-    return BatchRow(row[0], row[1], row[2], json.loads(row[3]))
+    return BatchRow(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]))

@@ -14,6 +14,7 @@ import asyncio
 import secrets
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ import structlog
 
 from mergebroker.broker.admission import Caller
 from mergebroker.broker.batch_input import BatchLine, jsonl, output_line
-from mergebroker.broker.batch_runner import BulkJob, BulkRunner, Result
+from mergebroker.broker.batch_runner import BulkJob, BulkRunner, Limits, Result
 from mergebroker.broker.batch_store import BatchRow, BatchStore
 from mergebroker.broker.files import BATCH_PURPOSE, FileService
 from mergebroker.broker.metrics import Metrics
@@ -102,7 +103,7 @@ class BatchService:
                 "expires_at": now + WINDOWS_S[window], "finalizing_at": None, "completed_at": None,
                 "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                 "request_counts": {"total": len(lines), "completed": 0, "failed": 0}, "metadata": metadata}
-        row = BatchRow(data["id"], caller.tenant, caller.tier, data)
+        row = BatchRow(data["id"], caller.tenant, caller.tier, data, asdict(caller))
         await self._save(row)
         self._spawn(self._run(row, lines), row.id)
         return dict(data)
@@ -183,7 +184,8 @@ class BatchService:
     async def _run(self, row: BatchRow, lines: list[BatchLine]) -> None:
         structlog.contextvars.clear_contextvars()  # this task's own copy: the creating request's IDs go
         structlog.contextvars.bind_contextvars(batch_id=row.id, tenant=row.tenant)
-        job = BulkJob(row.id, row.tenant, row.tier, lines, float(row.data["expires_at"]), row.data["completion_window"])
+        caller = Caller(**row.caller) if row.caller else Caller(row.tenant, row.tier)
+        job = BulkJob(row.id, caller, lines, float(row.data["expires_at"]), row.data["completion_window"])
         self._jobs[row.id] = job
         self._rows[row.id] = row
         if row.data["status"] == "cancelling":
@@ -253,8 +255,8 @@ class BatchService:
 
 
 def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: list[ProviderSettings],
-                        embedder: Embedder | None, merging_allowed: Callable[[str], bool], metrics: Metrics,
-                        clock: Clock, sleep: Sleep, wall: Clock = time.time) -> BatchService | None:
+                        limits: Limits, embedder: Embedder | None, merging_allowed: Callable[[str], bool],
+                        metrics: Metrics, clock: Clock, sleep: Sleep, wall: Clock = time.time) -> BatchService | None:
     """The Batch API over `batches.dir` (see `BatchSettings`), or None when it is disabled."""
     b = settings.batches
     if not b.enabled:
@@ -271,6 +273,6 @@ def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: 
     apis = {p.name: OpenAIBatchClient(HttpProviderSettings(
         name=p.name, base_url=p.base_url, api_key=p.api_key.get_secret_value() if p.api_key else None,
         connect_timeout_s=p.connect_timeout_s)) for p in providers if p.batch_api and p.kind == "openai"}
-    runner = BulkRunner(settings, pools=pools, store=store, batch_apis=apis, embedder=embedder,  # type: ignore
-                        merging_allowed=merging_allowed, metrics=metrics, clock=clock, sleep=sleep, wall=wall)
+    runner = BulkRunner(settings, pools=pools, store=store, batch_apis=apis, limits=limits,  # type: ignore
+                        embedder=embedder, merging_allowed=merging_allowed, metrics=metrics, clock=clock, sleep=sleep, wall=wall)
     return BatchService(settings, store=store, files=files, runner=runner, metrics=metrics, sleep=sleep, wall=wall)

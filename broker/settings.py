@@ -203,7 +203,7 @@ class BatchSettings(_Strict):
     max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
     max_lines: int = Field(50_000, gt=0)
     file_ttl_s: float = Field(30 * 86400.0, gt=0, description="Uploaded and output files expire after this.")
-    concurrency: int = Field(8, gt=0, description="Compacted calls in flight per job (without a provider Batch API).")
+    concurrency: int = Field(8, gt=0, description="Bulk calls in flight through the pools, all jobs together.")
     call_timeout_s: float = Field(600.0, gt=0)
     poll_interval_s: float = Field(30.0, gt=0, description="How often a provider's Batch API is polled.")
     cleanup_interval_s: float = Field(3600.0, gt=0)

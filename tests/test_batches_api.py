@@ -213,3 +213,14 @@ async def test_failed_splits_and_leaks_are_rerun_alone_inside_the_job(simulator,
     assert 'mergebroker_split_fallback_total{reason="leak"} 1.0' in metrics
     assert 'mergebroker_bulk_upstream_requests_total{kind="merged",mode="pool"} 2.0' in metrics
     assert simulator.stats()["chat_calls"] == 4  # two merged calls, and each failed member once alone
+
+
+async def test_the_tier_limits_apply_to_bulk_calls(simulator, start_broker, tmp_path):
+    tiers = [{"name": "standard"}, {"name": "batch", "priority": 0, "tpm": 50, "similarity_threshold": 0.0}]
+    b = await start_broker({**config(simulator, tmp_path), "tiers": tiers})
+    rows = [line("a", "question a"), line("b", "question b")]  # each line alone asks for more than 50 tokens
+    batch = await finished(b.openai, b, await run_batch(b.openai, b, rows))
+    assert batch.status == "completed" and batch.request_counts.failed == 2
+    found = await outputs(b.openai, batch)
+    assert {r["response"]["status_code"] for r in found.values()} == {429}
+    assert simulator.stats()["chat_calls"] == 0
