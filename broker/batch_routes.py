@@ -41,7 +41,8 @@ def _service(request: web.Request, *, tier: str | None = None) -> tuple[BatchSer
     broker = request.app[BROKER]
     service = broker.batches
     if service is None:
-        raise NotFound("The Batch API is disabled on this broker (batches.enabled: false).", code="batches_disabled")
+        raise NotFound("The Batch API is not available on this broker: disabled (batches.enabled: false), or its "
+                       "directory could not be opened (see the broker's log).", code="batches_unavailable")
     caller = broker.auth.authenticate(request.headers, body_tier=tier)
     request[INFO].tenant, request[INFO].tier = caller.tenant, caller.tier
     return service, caller

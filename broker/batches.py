@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import sqlite3
 import tempfile
 import time
 from dataclasses import asdict
@@ -267,9 +268,13 @@ def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: 
         directory = Path(tempfile.mkdtemp(prefix="mergebroker-batches-"))
         log.warning("batches_not_durable", dir=str(directory),
                     message="batches.dir is not set: Batch API files and state live in a temporary directory.")
-    store = BatchStore(directory / "batches.sqlite3")
-    files = FileService(directory, store, max_bytes=b.max_file_bytes, max_lines=b.max_lines, ttl_s=b.file_ttl_s,
-                        wall=wall)
+    try:
+        store = BatchStore(directory / "batches.sqlite3")
+        files = FileService(directory, store, max_bytes=b.max_file_bytes, max_lines=b.max_lines, ttl_s=b.file_ttl_s,
+                            wall=wall)
+    except (OSError, sqlite3.Error) as exc:  # the broker still serves everything else
+        log.error("batches_unavailable", dir=str(directory), error=repr(exc))
+        return None
     apis = {p.name: OpenAIBatchClient(HttpProviderSettings(
         name=p.name, base_url=p.base_url, api_key=p.api_key.get_secret_value() if p.api_key else None,
         connect_timeout_s=p.connect_timeout_s)) for p in providers if p.batch_api and p.kind == "openai"}

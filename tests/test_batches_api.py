@@ -224,3 +224,14 @@ async def test_the_tier_limits_apply_to_bulk_calls(simulator, start_broker, tmp_
     found = await outputs(b.openai, batch)
     assert {r["response"]["status_code"] for r in found.values()} == {429}
     assert simulator.stats()["chat_calls"] == 0
+
+
+async def test_a_broker_whose_batch_directory_cannot_open_still_serves_and_says_why(simulator, start_broker, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    b = await start_broker({**config(simulator, tmp_path), "batches": {"dir": str(blocker / "batches")}})
+    with pytest.raises(openai.NotFoundError) as caught:
+        await b.openai.files.create(file=("f.jsonl", jsonl([line("a", "x")])), purpose="batch")
+    assert caught.value.body["code"] == "batches_unavailable"
+    status, _, _ = await b.chat("still answered")
+    assert status == 200
