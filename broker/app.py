@@ -19,6 +19,7 @@ from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.breaker.shared_state import SharedBreakerState
 from mergebroker.broker.admission import Authenticator
+from mergebroker.broker.background import spawn
 from mergebroker.broker.batch_runner import Limits
 from mergebroker.broker.batches import build_batch_service
 from mergebroker.broker.chat import ChatService
@@ -213,15 +214,7 @@ async def _load_model(host: SentenceModelHost) -> None:
 
 
 def _background(broker: Broker, coro: Any, name: str) -> None:
-    task = asyncio.get_running_loop().create_task(coro, name=name)
-    broker.background.add(task)
-
-    def done(t: asyncio.Task[Any]) -> None:
-        broker.background.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.error("background_task_failed", task=name, error=repr(t.exception()))
-
-    task.add_done_callback(done)
+    spawn(broker.background, coro, name)
 
 
 async def stop_broker(broker: Broker) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import structlog
 
 from mergebroker.broker.admission import Caller
+from mergebroker.broker.background import spawn
 from mergebroker.broker.batch_input import BatchLine, jsonl, output_line
 from mergebroker.broker.batch_runner import BulkJob, BulkRunner, Limits, Result
 from mergebroker.broker.batch_store import BatchRow, BatchStore
@@ -244,15 +245,7 @@ class BatchService:
             await self._sleep(self._settings.batches.cleanup_interval_s)
 
     def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=f"batch:{name}")
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task[Any]) -> None:
-            self._tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.error("batch_task_failed", task=name, error=repr(t.exception()))
-
-        task.add_done_callback(done)
+        spawn(self._tasks, coro, f"batch:{name}")
 
 
 def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: list[ProviderSettings],
