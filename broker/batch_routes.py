@@ -20,7 +20,8 @@ from mergebroker.broker.middleware import INFO
 from mergebroker.broker.state import BROKER
 from mergebroker.errors import InvalidRequest, NotFound, UnsupportedMediaType
 
-MAX_LIST = 100
+MAX_FILES_PAGE = 10_000  # as OpenAI: up to 10,000 files, 100 batches a page
+MAX_BATCHES_PAGE = 100
 CHUNK_BYTES = 1 << 16
 
 
@@ -48,10 +49,10 @@ def _service(request: web.Request, *, tier: str | None = None) -> tuple[BatchSer
     return service, caller
 
 
-def _limit(request: web.Request) -> int:
+def _limit(request: web.Request, most: int) -> int:
     raw = request.query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
-        raise InvalidRequest(f"'limit' must be an integer from 1 to {MAX_LIST}.", param="limit")
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise InvalidRequest(f"'limit' must be an integer from 1 to {most}.", param="limit")
     return int(raw)
 
 
@@ -88,8 +89,12 @@ async def _read_limited(part: BodyPartReader, limit: int) -> bytes:
 
 async def list_files(request: web.Request) -> web.Response:
     service, caller = _service(request)
-    records = await service.files.list(caller.tenant, purpose=request.query.get("purpose"), limit=_limit(request))
-    return web.json_response({"object": "list", "data": [file_object(r) for r in records], "has_more": False})
+    limit = _limit(request, MAX_FILES_PAGE)
+    records = await service.files.list(caller.tenant, purpose=request.query.get("purpose"),
+                                       after=request.query.get("after"), limit=limit + 1)
+    data = [file_object(r) for r in records[:limit]]
+    return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit})
 
 
 async def retrieve_file(request: web.Request) -> web.Response:
@@ -117,7 +122,7 @@ async def create_batch(request: web.Request) -> web.Response:
 async def list_batches(request: web.Request) -> web.Response:
     service, caller = _service(request)
     return web.json_response(await service.list(caller.tenant, after=request.query.get("after"),
-                                                limit=_limit(request)))
+                                                limit=_limit(request, MAX_BATCHES_PAGE)))
 
 
 async def retrieve_batch(request: web.Request) -> web.Response:

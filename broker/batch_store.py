@@ -111,14 +111,17 @@ class BatchStore:
         rows = await self._run(lambda c: c.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchall())
         return FileRecord(*rows[0]) if rows else None
 
-    async def files(self, tenant: str, *, purpose: str | None, limit: int) -> list[FileRecord]:
-        """A tenant's files, newest first."""
-        sql, args = "SELECT * FROM files WHERE tenant = ?", [tenant]
-        if purpose:
-            sql, args = sql + " AND purpose = ?", [*args, purpose]
-        rows = await self._run(lambda c: c.execute(sql + " ORDER BY created_at DESC, id LIMIT ?",
-                                                   (*args, limit)).fetchall())
-        return [FileRecord(*r) for r in rows]
+    async def files(self, tenant: str, *, purpose: str | None, after: str | None, limit: int) -> list[FileRecord]:
+        """A tenant's files, newest first, starting after the file `after` (cursor pagination)."""
+        def query(c: sqlite3.Connection) -> list[Any]:
+            sql, args = "SELECT * FROM files WHERE tenant = ?", [tenant]
+            if purpose:
+                sql, args = sql + " AND purpose = ?", [*args, purpose]
+            if after:
+                sql += " AND (created_at, id) < (SELECT created_at, id FROM files WHERE id = ?)"
+                args.append(after)
+            return c.execute(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit)).fetchall()
+        return [FileRecord(*r) for r in await self._run(query)]
 
     async def expired_files(self, now: int) -> list[FileRecord]:
         """Files whose expiry has passed."""

@@ -80,10 +80,12 @@ class FileService:
         await self._remove(record)
         return record
 
-    async def list(self, tenant: str, *, purpose: str | None, limit: int) -> list[FileRecord]:
-        """The tenant's files, newest first (expired ones excluded)."""
+    async def list(self, tenant: str, *, purpose: str | None, after: str | None = None,
+                   limit: int) -> list[FileRecord]:
+        """The tenant's files, newest first, after the file `after` (expired ones excluded)."""
         now = self._wall()
-        return [r for r in await self._store.files(tenant, purpose=purpose, limit=limit) if r.expires_at > now]
+        found = await self._store.files(tenant, purpose=purpose, after=after, limit=limit)
+        return [r for r in found if r.expires_at > now]
 
     async def clean_expired(self) -> int:
         """Remove every expired file; how many there were."""

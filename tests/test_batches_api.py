@@ -191,6 +191,8 @@ async def test_a_tenant_sees_only_its_own_files_and_batches(simulator, start_bro
                 await call
         assert (await beta.batches.list()).data == [] and (await beta.files.list()).data == []
         assert len((await alpha.files.list()).data) == 2  # input and output
+        pages = [f.id async for f in alpha.files.list(limit=1)]  # the SDK follows the cursor
+        assert sorted(pages) == sorted([batch.input_file_id, batch.output_file_id])
     finally:
         await alpha.close()
         await beta.close()
