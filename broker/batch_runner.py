@@ -141,7 +141,10 @@ class _Run:
 
     async def run(self, answered: set[str]) -> None:
         todo = [line for line in self.job.lines if line.custom_id not in answered]
-        items, refused = await asyncio.to_thread(self._items, todo)
+        models = {line.body["model"] for line in todo}  # routing and health are read here, on the loop
+        served = {m for m in models if self.r.pools.serves(m)}
+        mergeable = {m for m in served if self.r.merging_allowed(m)}
+        items, refused = await asyncio.to_thread(self._items, todo, served, mergeable)
         await self.sink.record(self.job, refused)
         self.items = {i.custom_id: i for i in items}
         alone_ids = set(await self._resume_rounds())
@@ -158,8 +161,10 @@ class _Run:
             await self._execute(plan_compaction([self.items[c] for c in retry], self.alone, prefix=f"r{number + 1}"),
                                 number + 1)
 
-    def _items(self, lines: Sequence[BatchLine]) -> tuple[list[BulkItem], list[Result]]:
-        """Each line as the planner sees it; lines for models no provider serves get their 404 at once."""
+    def _items(self, lines: Sequence[BatchLine], served: set[str],
+               mergeable: set[str]) -> tuple[list[BulkItem], list[Result]]:
+        """Each line as the planner sees it (token counts are the cost, so this runs in a worker thread);
+        lines for models no provider serves get their 404 at once."""
         settings = self.r.settings
         tier = settings.tier(self.job.tier)
         merging = settings.merge.enabled and tier.merge
@@ -167,14 +172,14 @@ class _Run:
         for line in lines:
             body = line.body
             model = body["model"]
-            if not self.r.pools.serves(model):
+            if model not in served:
                 refused.append((line.custom_id, 404, NotFound(f"The model '{model}' does not exist or you do not "
                                                               "have access to it.", param="model",
                                                               code="model_not_found").body()))
                 continue
             if tier.omitted_temperature_is_zero and body.get("temperature") is None:
                 body = {**body, "temperature": 0}
-            shape = merge_shape(body) if merging and line.mergeable and self.r.merging_allowed(model) else None
+            shape = merge_shape(body) if merging and line.mergeable and model in mergeable else None
             scope = self._scope(body)
             key = (compatibility_key(body, shape, scope_value=scope, include_system=tier.system_prompts == "exact")
                    if shape else None)

@@ -152,10 +152,13 @@ class SimulatedBatches:
                 async with slots:
                     if batch["status"] != "in_progress":
                         return  # cancelled: lines not yet started are never run
-                    async with session.post(origin + "/v1/chat/completions", json=line["body"]) as resp:
-                        body = await resp.json(content_type=None)
-                        outputs.append({"id": "batch_req_" + secrets.token_hex(8), "custom_id": line["custom_id"],
-                                        "response": {"status_code": resp.status, "body": body}, "error": None})
+                    try:
+                        async with session.post(origin + "/v1/chat/completions", json=line["body"]) as resp:
+                            status, body = resp.status, await resp.json(content_type=None)
+                    except (aiohttp.ClientError, ValueError) as exc:  # a faulted line fails alone, not the batch
+                        status, body = 500, {"error": {"message": type(exc).__name__, "type": "server_error"}}
+                    outputs.append({"id": "batch_req_" + secrets.token_hex(8), "custom_id": line["custom_id"],
+                                    "response": {"status_code": status, "body": body}, "error": None})
                     self.counters["lines_run"] += 1
             await asyncio.gather(*(one(line) for line in lines))
         self._finish(batch, outputs)

@@ -237,3 +237,15 @@ async def test_a_broker_whose_batch_directory_cannot_open_still_serves_and_says_
     assert caught.value.body["code"] == "batches_unavailable"
     status, _, _ = await b.chat("still answered")
     assert status == 200
+
+
+async def test_provider_batch_api_reruns_failed_splits_in_a_second_upstream_batch(simulator, start_broker, tmp_path):
+    simulator.set_faults(drop_block_rate=1.0)
+    rows = [line(f"q{n}", f"Question {n}: what is item {n}?") for n in range(5)]
+    b = await start_broker(config(simulator, tmp_path, batch_api=True))
+    batch = await finished(b.openai, b, await run_batch(b.openai, b, rows))
+    assert batch.status == "completed" and batch.request_counts.completed == 5
+    assert_own_answers(await outputs(b.openai, batch), {r["custom_id"]: r["body"]["messages"][1]["content"]
+                                                        for r in rows})
+    assert (await sim_batches(simulator)).counters["batches_created"] == 2
+    assert simulator.stats()["chat_calls"] == 2  # the merged call, then the dropped member alone
