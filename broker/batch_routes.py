@@ -8,13 +8,11 @@ holding more than the limit in memory.
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from aiohttp import BodyPartReader, web
 
 from mergebroker.broker.admission import Caller
 from mergebroker.broker.batches import BatchService
+from mergebroker.broker.body import BODY_LIMITS, read_json
 from mergebroker.broker.files import file_object, too_large
 from mergebroker.broker.middleware import INFO
 from mergebroker.broker.state import BROKER
@@ -116,7 +114,7 @@ async def file_content(request: web.Request) -> web.Response:
 
 async def create_batch(request: web.Request) -> web.Response:
     service, caller = _service(request, tier=request.app[BROKER].settings.batch_tier())
-    return web.json_response(await service.create(caller, await _json(request)))
+    return web.json_response(await service.create(caller, await read_json(request, request.app[BODY_LIMITS])))
 
 
 async def list_batches(request: web.Request) -> web.Response:
@@ -134,9 +132,3 @@ async def cancel_batch(request: web.Request) -> web.Response:
     service, caller = _service(request)
     return web.json_response(await service.cancel(caller.tenant, request.match_info["batch_id"]))
 
-
-async def _json(request: web.Request) -> Any:
-    try:
-        return json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise InvalidRequest("We could not parse the JSON body of your request.", code="invalid_json") from None

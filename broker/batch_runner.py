@@ -23,8 +23,9 @@ import structlog
 from mergebroker.broker.admission import Caller
 from mergebroker.broker.batch_input import BatchLine, jsonl
 from mergebroker.broker.batch_store import BatchStore, UpstreamRound
+from mergebroker.broker.dispatch import member_completion
+from mergebroker.broker.jobs import aged_rank
 from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.queue import aged_rank
 from mergebroker.broker.ratelimit import LimitSpec
 from mergebroker.broker.settings import Settings
 from mergebroker.broker.tokens import count_text_tokens, estimate_prompt_tokens
@@ -35,7 +36,7 @@ from mergebroker.merge.compaction import BulkItem, CompactionRules, PlannedCall,
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.fingerprint import chat_fingerprint
 from mergebroker.merge.grouping import needs_embedding
-from mergebroker.merge.settle import settle_merged, token_count
+from mergebroker.merge.settle import SettleOptions, settle, settle_call_error
 from mergebroker.merge.shape import compatibility_key, merge_shape
 from mergebroker.merge.usage import largest_remainder
 from mergebroker.providers.openai_batches import BatchApi
@@ -276,20 +277,25 @@ class _Run:
 
     def _judge(self, call: PlannedCall, outcome: dict[str, Any] | BrokerError) -> tuple[list[Result], dict[str, str]]:
         """Results per line, and the members (by tag) to re-run alone with the reason."""
-        if isinstance(outcome, BrokerError):
-            if call.merged and not isinstance(outcome, NotFound):
-                return [], {m.tag: "merged_call_failed" for m in call.members}  # type: ignore[misc]
-            return [(c, outcome.status, outcome.body()) for c in call.custom_ids], {}
         if not call.merged:
+            if isinstance(outcome, BrokerError):
+                return [(c, outcome.status, outcome.body()) for c in call.custom_ids], {}
             return _shared(call.members[0], outcome), {}
         stop = self.items[call.members[0].custom_ids[0]].body.get("stop")
-        settlement = settle_merged(outcome, {m.tag: m.settle_member() for m in call.members},  # type: ignore[misc]
-                                   leak_min_words=self.r.settings.merge.leak_min_words, stop=stop)
-        if settlement is None:
-            return [], {m.tag: "bad_reply" for m in call.members}  # type: ignore[misc]
-        results = [r for m in call.members if m.tag in settlement.answers
-                   for r in _shared(m, settlement.answers[m.tag])]  # type: ignore[index]
-        return results, settlement.failed
+        members = [m.settle_member(stop) for m in call.members]
+        if isinstance(outcome, BrokerError):
+            settlement = settle_call_error(outcome, members)
+        else:
+            settlement = settle(outcome, members, SettleOptions(self.r.settings.merge.leak_min_words))
+        results: list[Result] = []
+        for m in call.members:
+            answer = settlement.answers.get(m.tag)  # type: ignore[arg-type]
+            error = settlement.errors.get(m.tag)  # type: ignore[arg-type]
+            if answer is not None:
+                results += _shared(m, member_completion(outcome, answer.text, answer.usage))  # type: ignore[arg-type]
+            elif error is not None:
+                results += [(c, error.status, error.body()) for c in m.custom_ids]
+        return results, settlement.fallbacks
 
     def _count(self, mode: str, call: PlannedCall) -> None:
         self.r.metrics.bulk_upstream_requests.labels(mode, "merged" if call.merged else "single").inc()
@@ -366,10 +372,14 @@ def _shared(member: PlannedMember, body: dict[str, Any]) -> list[Result]:
     if len(ids) == 1 or not isinstance(usage, dict):
         return [(c, 200, body) for c in ids]
     ones = [1] * len(ids)
-    prompts = largest_remainder(token_count(usage.get("prompt_tokens")), ones)
-    completions = largest_remainder(token_count(usage.get("completion_tokens")), ones)
+    prompts = largest_remainder(_count(usage.get("prompt_tokens")), ones)
+    completions = largest_remainder(_count(usage.get("completion_tokens")), ones)
     return [(c, 200, {**body, "usage": {"prompt_tokens": p, "completion_tokens": o, "total_tokens": p + o}})
             for c, p, o in zip(ids, prompts, completions)]
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _read_output(raw: bytes) -> dict[str, tuple[int, dict[str, Any]]]:

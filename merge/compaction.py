@@ -18,7 +18,7 @@ import numpy as np
 
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
-from mergebroker.merge.settle import SettleMember, leak_protected_text
+from mergebroker.merge.settle import SettleMember, member_request_text
 from mergebroker.merge.shape import MergeShape
 
 
@@ -43,11 +43,12 @@ class PlannedMember:
     custom_ids: tuple[str, ...]
     tag: str | None = None  # its block ID in a merged call; None in a call of one
     request_text: str = ""  # what leak checks protect: the user text (with its system prompt in tagged mode)
-    user_tokens: int = 0
+    user_tokens: int = 0  # its own text's share of the merged prompt
+    prompt_tokens: int = 0  # its prompt had it been sent alone
 
-    def settle_member(self) -> SettleMember:
-        """What `merge.settle.settle_merged` needs about this member."""
-        return SettleMember(self.request_text, self.user_tokens)
+    def settle_member(self, stop: str | list[str] | None) -> SettleMember:
+        """What `merge.settle.settle` needs about this member (`stop`: its lines' stop sequences)."""
+        return SettleMember(self.tag or "", self.request_text, self.user_tokens, self.prompt_tokens, stop)
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ class PlannedCall:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PlannedCall:
         """The inverse of `to_json`."""
-        members = tuple(PlannedMember(tuple(m["custom_ids"]), m["tag"], m["request_text"], m["user_tokens"])
-                        for m in data["members"])
+        members = tuple(PlannedMember(tuple(m["custom_ids"]), m["tag"], m["request_text"], m["user_tokens"],
+                                      m["prompt_tokens"]) for m in data["members"])
         return cls(data["call_id"], data["model"], dict(data["body"]), members, int(data["tokens"]))
 
 
@@ -140,7 +141,7 @@ def _call(call_id: str, batch: list[list[BulkItem]], rules: CompactionRules, rng
     model = str(head.body.get("model"))
     tokens = sum(copies[0].prompt_tokens + copies[0].max_tokens for copies in batch)
     if len(batch) == 1:
-        member = PlannedMember(tuple(i.custom_id for i in batch[0]), None, "", head.user_tokens)
+        member = PlannedMember(tuple(i.custom_id for i in batch[0]), None, "", head.user_tokens, head.prompt_tokens)
         return PlannedCall(call_id, model, dict(head.body), (member,), tokens)
     tags = new_batch_ids(len(batch), rng)
     shapes: list[MergeShape] = [copies[0].shape for copies in batch]  # type: ignore[misc]
@@ -149,8 +150,8 @@ def _call(call_id: str, batch: list[list[BulkItem]], rules: CompactionRules, rng
     body = merged_request_body(head.body, merge_members, system_prompt=shapes[0].system_prompt,
                                header=rules.header, tagged_system=rules.tagged_system)
     members = tuple(PlannedMember(tuple(i.custom_id for i in copies), tag,
-                                  leak_protected_text(s.system_prompt, s.user_text, rules.tagged_system),
-                                  copies[0].user_tokens)
+                                  member_request_text(s.system_prompt, s.user_text, rules.tagged_system),
+                                  copies[0].user_tokens, copies[0].prompt_tokens)
                     for tag, s, copies in zip(tags, shapes, batch))
     return PlannedCall(call_id, model, body, members, tokens)
 

@@ -1,77 +1,128 @@
-"""Settle a merged reply: each member's own `chat.completion`, or the reason it must be re-sent alone.
+"""Settling a merged call: one pure decision per member, which `broker.dispatch` then carries out.
 
-Pure: the live dispatcher (`broker.dispatch`) and the bulk runner (`broker.batch_runner`) both call
-`settle_merged` and act on its `Settlement`. The reply is split by ID (`merge.split`), answers that quote
-another member's request are discarded (`merge.leak`), and the call's usage is apportioned to the members
-with a good answer and the ones re-sent alike (`merge.usage`), so per-member accounting adds up.
+Every member ends in exactly one of three places of a `Settlement`:
+    answers    its own answer, cut out of the merged reply (stop sequences applied, usage apportioned)
+    fallbacks  re-send it alone, with the reason (a metric label)
+    errors     fail it at once (alone it would meet the same refusal)
+
+Fallback reasons:
+    bad_reply           the reply has no readable text (every member)
+    merged_call_failed  the merged call itself failed in a way sending alone may avoid (every member)
+    leak                the member's answer quotes another member's request or names its ID
+    missing, empty, duplicated, malformed, truncated, foreign_id: its block (see `merge.split`)
+
+`settle_block` judges one member's block on its own, so answers can be settled as blocks arrive; only
+the usage split waits for the whole reply.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
+from mergebroker.errors import BrokerError, NotFound, UpstreamUnavailable
 from mergebroker.merge.leak import find_leaks
-from mergebroker.merge.split import split_reply
+from mergebroker.merge.split import BlockFailure, split_reply
 from mergebroker.merge.usage import apportion_usage
+
+BAD_REPLY = "bad_reply"
+MERGED_CALL_FAILED = "merged_call_failed"
+LEAK = "leak"
 
 
 @dataclass(frozen=True)
 class SettleMember:
-    """What settling needs about one member: the text leak checks protect and its own prompt tokens."""
+    """What settling needs to know of one member of a merged call."""
 
-    request_text: str  # the user text (in tagged mode: the member's system prompt and user text)
-    own_prompt_tokens: int
+    id: str  # its correlation ID in the combined prompt
+    request_text: str  # its own request as the call carried it (leak checks): user text, plus system if tagged
+    own_prompt_tokens: int  # tokens of its own text in the combined prompt (its share of the prompt)
+    alone_prompt_tokens: int  # its prompt's tokens had it been sent alone (tokens saved)
+    stop: str | list[str] | None = None  # cut here, as the upstream would have for it alone
+
+
+@dataclass(frozen=True)
+class SettleOptions:
+    """Engine-wide settling options."""
+
+    leak_min_words: int = 8
+
+
+@dataclass(frozen=True)
+class MemberAnswer:
+    """A member's own answer out of a merged reply."""
+
+    text: str
+    usage: dict[str, int]
+
+
+@dataclass(frozen=True)
+class BlockVerdict:
+    """One block judged: the member's raw answer, or (answer None) the reason to re-send it alone."""
+
+    answer: str | None
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
 class Settlement:
-    """The outcome of one merged reply: completions by member ID, and the members to re-send alone."""
+    """The decision for every member of a merged call (see the module docstring)."""
 
-    answers: dict[str, dict[str, Any]]
-    failed: dict[str, str]  # member ID -> reason ("missing", "malformed", "leak", ...)
+    answers: dict[str, MemberAnswer] = field(default_factory=dict)
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, BrokerError] = field(default_factory=dict)
+    tokens_saved: int = 0  # prompt tokens the members would have cost alone, less what the call cost
+    needed_fallback: bool | None = None  # what the quality guard learns; None: nothing about merging
 
 
-def settle_merged(reply: dict[str, Any], members: Mapping[str, SettleMember], *, leak_min_words: int,
-                  stop: str | list[str] | None) -> Settlement | None:
-    """Split `reply` among `members` (keyed by their batch IDs); None when the reply is unusable as a whole."""
+def member_request_text(system_prompt: str | None, user_text: str, tagged_system: bool) -> str:
+    """A member's request as a merged call carries it, which its leak check protects: the user text and, with
+    tagged system prompts (each member's own system prompt travels in the call too), the system prompt."""
+    return system_prompt + "\n" + user_text if tagged_system and system_prompt else user_text
+
+
+def settle(reply: Any, members: Sequence[SettleMember], options: SettleOptions) -> Settlement:
+    """Settle a merged reply: split it by ID, judge each block, apportion usage over the answers."""
     read = reply_text(reply)
     if read is None:
-        return None
+        return every_member(members, BAD_REPLY)
     content, finish_reason = read
-    answers = split_reply(content, list(members), finish_reason=finish_reason)
-    good = {i: a for i, a in answers.items() if isinstance(a, str)}
-    questions = {i: m.request_text for i, m in members.items()}
-    failed: dict[str, str] = {i: a.value for i, a in answers.items() if not isinstance(a, str)}
-    for leaked in find_leaks(good, questions, min_words=leak_min_words):
-        failed[leaked] = "leak"
-        good.pop(leaked)
+    blocks = split_reply(content, [m.id for m in members], finish_reason=finish_reason)
+    requests = {m.id: m.request_text for m in members}
+    verdicts = {m.id: settle_block(m.id, blocks[m.id], requests, options) for m in members}
+    good = {i: v.answer for i, v in verdicts.items() if v.answer is not None}
     usage = _apportion(reply, members, good)
-    completions = {i: member_completion(reply, apply_stop(text, stop), usage[i]) for i, text in good.items()}
-    return Settlement(completions, failed)
+    answers = {m.id: MemberAnswer(apply_stop(good[m.id], m.stop), usage[m.id]) for m in members if m.id in good}
+    fallbacks = {i: v.reason for i, v in verdicts.items() if v.reason is not None}
+    saved = 0
+    if answers:
+        sent = _count(_usage(reply).get("prompt_tokens"))
+        saved = max(0, sum(m.alone_prompt_tokens for m in members) - sent)
+    return Settlement(answers, fallbacks, tokens_saved=saved, needed_fallback=bool(fallbacks))
 
 
-def leak_protected_text(system_prompt: str | None, user_text: str, tagged_system: bool) -> str:
-    """What a member's leak check protects: its user text and, with tagged system prompts (each member's own
-    system prompt travels in the call too), its system prompt."""
-    if tagged_system and system_prompt:
-        return system_prompt + "\n" + user_text
-    return user_text
+def settle_block(member_id: str, block: str | BlockFailure, requests: Mapping[str, str],
+                 options: SettleOptions) -> BlockVerdict:
+    """Judge one member's block: a broken block or an answer that leaks another member's request falls back."""
+    if isinstance(block, BlockFailure):
+        return BlockVerdict(None, block.value)
+    if find_leaks({member_id: block}, requests, min_words=options.leak_min_words):
+        return BlockVerdict(None, LEAK)
+    return BlockVerdict(block)
 
 
-def _apportion(reply: dict[str, Any], members: Mapping[str, SettleMember], good: dict[str, str]) -> dict[str, dict]:
-    usage = reply.get("usage")
-    usage = usage if isinstance(usage, dict) else {}
-    prompt, completion = token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
-    own = {i: m.own_prompt_tokens for i, m in members.items()}
-    return apportion_usage(
-        {"prompt_tokens": prompt, "completion_tokens": completion},
-        shared_prompt_tokens=max(0, prompt - sum(own.values())),
-        member_prompt_tokens=own,
-        member_completion_weights={i: max(1, len(good.get(i, ""))) for i in members},
-    )
+def settle_call_error(exc: BrokerError, members: Sequence[SettleMember]) -> Settlement:
+    """Settle a merged call that failed: a refusal each member would meet alone fails them all at once;
+    anything else may be the merged call's own problem (its size, its deadline, its upstream), so each
+    member is re-sent alone."""
+    if isinstance(exc, (UpstreamUnavailable, NotFound)):
+        return Settlement(errors={m.id: exc for m in members})
+    return every_member(members, MERGED_CALL_FAILED)
+
+
+def every_member(members: Sequence[SettleMember], reason: str) -> Settlement:
+    """Every member re-sent alone for `reason`; the merge counts as needing a fallback."""
+    return Settlement(fallbacks={m.id: reason for m in members}, needed_fallback=True)
 
 
 def reply_text(reply: Any) -> tuple[str, str | None] | None:
@@ -86,13 +137,6 @@ def reply_text(reply: Any) -> tuple[str, str | None] | None:
     return content, finish_reason if isinstance(finish_reason, str) else None
 
 
-def token_count(value: Any) -> int:
-    """A token count from an upstream's usage object; anything but a non-negative number counts as 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        return 0
-    return int(value)
-
-
 def apply_stop(text: str, stop: str | list[str] | None) -> str:
     """Cut a member's answer at its first stop sequence, as the upstream would have."""
     sequences = [stop] if isinstance(stop, str) else list(stop or [])
@@ -100,15 +144,26 @@ def apply_stop(text: str, stop: str | list[str] | None) -> str:
     return text[:cut]
 
 
-def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int]) -> dict[str, Any]:
-    """A complete `chat.completion` of a member's own, cut out of a merged reply."""
-    return {
-        "id": "chatcmpl-" + uuid.uuid4().hex[:24],
-        "object": "chat.completion",
-        "created": reply.get("created", int(time.time())),
-        "model": reply.get("model"),
-        "system_fingerprint": reply.get("system_fingerprint"),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": "stop"}],
-        "usage": usage,
-    }
+def _apportion(reply: Any, members: Sequence[SettleMember], good: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    usage = _usage(reply)
+    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    own = {m.id: m.own_prompt_tokens for m in members}
+    return apportion_usage(
+        {"prompt_tokens": prompt, "completion_tokens": completion},
+        shared_prompt_tokens=max(0, prompt - sum(own.values())),
+        member_prompt_tokens=own,
+        # Weighed by the answer before its stop sequence: that is what the upstream generated.
+        member_completion_weights={m.id: max(1, len(good.get(m.id, ""))) for m in members},
+    )
+
+
+def _usage(reply: Any) -> Mapping[str, Any]:
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    return usage if isinstance(usage, dict) else {}
+
+
+def _count(value: Any) -> int:
+    """A token count from an upstream's usage object; anything but a non-negative number counts as 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        return 0
+    return int(value)

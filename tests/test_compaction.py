@@ -8,7 +8,7 @@ import numpy as np
 
 from mergebroker.merge.compaction import BulkItem, CompactionRules, PlannedCall, plan_compaction
 from mergebroker.merge.fingerprint import chat_fingerprint
-from mergebroker.merge.settle import settle_merged
+from mergebroker.merge.settle import SettleOptions, settle
 from mergebroker.merge.shape import compatibility_key, merge_shape
 from mergebroker.providers.simulator_content import answer_for
 
@@ -61,9 +61,9 @@ def test_merged_call_settles_back_to_each_member_and_round_trips_as_json():
                        for n, m in enumerate(call.members))
     reply = {"choices": [{"message": {"content": blocks}, "finish_reason": "stop"}],
              "usage": {"prompt_tokens": 90, "completion_tokens": 40}}
-    settled = settle_merged(reply, {m.tag: m.settle_member() for m in call.members}, leak_min_words=8, stop=None)
-    texts = {tag: body["choices"][0]["message"]["content"] for tag, body in settled.answers.items()}
+    settled = settle(reply, [m.settle_member(None) for m in call.members], SettleOptions(leak_min_words=8))
+    texts = {tag: answer.text for tag, answer in settled.answers.items()}
     assert texts == {call.members[0].tag: answer_for("What is a circuit breaker?"),
                      call.members[1].tag: answer_for("Define merge window.")}
-    assert sum(b["usage"]["prompt_tokens"] for b in settled.answers.values()) == 90
-    assert settled.failed == {}
+    assert sum(a.usage["prompt_tokens"] for a in settled.answers.values()) == 90
+    assert settled.fallbacks == {}
