@@ -19,6 +19,9 @@ from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.breaker.shared_state import SharedBreakerState
 from mergebroker.broker.admission import Authenticator
+from mergebroker.broker.background import spawn
+from mergebroker.broker.batch_runner import Limits
+from mergebroker.broker.batches import build_batch_service
 from mergebroker.broker.chat import ChatService
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.broker.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
@@ -132,8 +135,12 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     target = dsn.get_secret_value() if dsn else settings.ledger.path
     if target:
         ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s)
+    batches = build_batch_service(settings, pools=pools, providers=providers, limits=Limits(limiter, chat.limit_specs),
+                                  embedder=embedder, merging_allowed=policy.merging_allowed, metrics=metrics,
+                                  clock=clock, sleep=sleep)
     broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host,
-                    simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger)
+                    simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger,
+                    batches=batches)
     await _start(broker, providers)
     return broker
 
@@ -202,6 +209,8 @@ async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
         log.warning("auth_open", message="Authentication is off (auth.mode=open): every caller is tenant "
                     f"'{broker.settings.auth.default_tenant}'. Use mode 'keys' or 'gateway' in production.")
     await broker.embeddings.start()
+    if broker.batches is not None:
+        await broker.batches.start()
     freeze_startup_objects()
     log.info("broker_started", providers=[u.name for u in broker.pools.upstreams],
              tiers=[t.name for t in broker.settings.tiers], auth=broker.auth.mode,
@@ -227,18 +236,12 @@ async def _load_model(host: SentenceModelHost) -> None:
 
 
 def _background(broker: Broker, coro: Any, name: str) -> None:
-    task = asyncio.get_running_loop().create_task(coro, name=name)
-    broker.background.add(task)
-
-    def done(t: asyncio.Task[Any]) -> None:
-        broker.background.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.error("background_task_failed", task=name, error=repr(t.exception()))
-
-    task.add_done_callback(done)
+    spawn(broker.background, coro, name)
 
 
 async def stop_broker(broker: Broker) -> None:
+    if broker.batches is not None:
+        await broker.batches.stop()
     await broker.queue.stop()
     if broker.shared_breakers is not None:
         await broker.shared_breakers.stop()

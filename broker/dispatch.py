@@ -26,10 +26,10 @@ from mergebroker.broker.queue import ReleasedGroup
 from mergebroker.broker.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
-from mergebroker.merge.prompt import MergeMember, build_combined_messages, merged_max_tokens, new_batch_ids
+from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.quality_guard import QualityGuard
 from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, Settlement,
-                                      every_member, settle, settle_call_error)
+                                      every_member, member_request_text, settle, settle_call_error)
 from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
@@ -213,13 +213,8 @@ class Dispatcher:
         first = next(iter(by_id.values()))
         members = [MergeMember(i, j.shape.user_text, j.max_tokens, j.shape.system_prompt)  # type: ignore[union-attr]
                    for i, j in by_id.items()]
-        # A stop sequence met in one member's answer would cut every later block: apply it per member instead.
-        body = {k: v for k, v in first.body.items()
-                if k not in ("max_tokens", "max_completion_tokens", "user", "stop")}
-        body["messages"] = build_combined_messages(members, system_prompt=first.shape.system_prompt,  # type: ignore
-                                                   header=self._options.header, tagged_system=tagged)
-        body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=12)
-        return body
+        return merged_request_body(first.body, members, system_prompt=first.shape.system_prompt,  # type: ignore
+                                   header=self._options.header, tagged_system=tagged)
 
     def _tier_metrics(self, tier: str) -> tuple[Any, Any]:
         # `labels()` costs more than the increment itself, so each tier's children are looked up once.
@@ -289,10 +284,9 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 def _settle_member(member_id: str, job: ChatJob, tagged_system: bool) -> SettleMember:
     shape = job.shape
-    text = shape.user_text  # type: ignore[union-attr]
-    # With tagged system prompts each member's own system prompt is in the call too: quoting it is a leak.
-    request = shape.system_prompt + "\n" + text if tagged_system and shape.system_prompt else text  # type: ignore
-    return SettleMember(member_id, request, count_text_tokens(text), job.prompt_tokens, job.body.get("stop"))
+    request = member_request_text(shape.system_prompt, shape.user_text, tagged_system)  # type: ignore[union-attr]
+    return SettleMember(member_id, request, count_text_tokens(shape.user_text), job.prompt_tokens,  # type: ignore
+                        job.body.get("stop"))
 
 
 def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int]) -> dict[str, Any]:

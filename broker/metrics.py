@@ -113,6 +113,16 @@ class Metrics:
                                       "is unreachable.", registry=r)
         self.cluster_fallback_transitions = Counter(p + "cluster_fallback_transitions", "Front-end switches between "
                                                     "cluster mode and in-process fallback.", ["to"], registry=r)
+        # Batch API (bulk jobs).
+        self.bulk_lines = Counter(p + "bulk_lines", "Batch API lines answered, by outcome (completed, failed).",
+                                  ["outcome"], registry=r)
+        self.bulk_upstream_requests = Counter(p + "bulk_upstream_requests", "Compacted upstream requests of bulk "
+                                              "jobs, by mode (pool, batch_api) and kind (merged, single).",
+                                              ["mode", "kind"], registry=r)
+        self.bulk_duplicate_lines = Counter(p + "bulk_duplicate_lines", "Bulk lines answered by an identical "
+                                            "line's request.", registry=r)
+        self.bulk_batches = Counter(p + "bulk_batches", "Bulk jobs ended, by final status.", ["status"], registry=r)
+        self.bulk_active = Gauge(p + "bulk_active", "Bulk jobs running.", registry=r)
 
     def model_label(self, model: str) -> str:
         """The `model` label value for `model`: the name itself for the first `max_model_labels` distinct

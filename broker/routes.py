@@ -11,6 +11,7 @@ import structlog
 from aiohttp import web
 
 from mergebroker.broker.admission import Caller
+from mergebroker.broker.batch_routes import add_batch_routes
 from mergebroker.broker.body import BODY_LIMITS, read_json
 from mergebroker.broker.state import BROKER, Broker
 from mergebroker.broker.chat import CacheControl
@@ -60,6 +61,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    add_batch_routes(app)
 
 
 async def _json_body(request: web.Request) -> Any:

@@ -79,6 +79,8 @@ class ProviderSettings(_Strict):
     api_version: str = Field("2024-10-21", min_length=1, description="kind azure: the api-version query parameter.")
     deployments: dict[str, str] = Field(default_factory=dict,
                                         description="kind azure: callers' model name -> deployment name.")
+    batch_api: bool = Field(False, description="Send bulk jobs through this provider's own Batch API "
+                                               "(/v1/files + /v1/batches) instead of call by call.")
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "ProviderSettings":
@@ -247,6 +249,21 @@ class McpSettings(_Strict):
     max_handles: int = Field(32, gt=0, description="embed: how many large results stay readable by handle.")
 
 
+class BatchSettings(_Strict):
+    enabled: bool = True
+    dir: str | None = Field(None, description="Files and batch state (SQLite); default: 'batches' beside "
+                                              "ledger.path, else a temporary directory (not durable).")
+    tier: str | None = Field(None, description="Tier whose merge rules and admission bulk jobs follow; "
+                                               "default: 'batch' when configured, else default_tier.")
+    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
+    max_lines: int = Field(50_000, gt=0)
+    file_ttl_s: float = Field(30 * 86400.0, gt=0, description="Uploaded and output files expire after this.")
+    concurrency: int = Field(8, gt=0, description="Bulk calls in flight through the pools, all jobs together.")
+    call_timeout_s: float = Field(600.0, gt=0)
+    poll_interval_s: float = Field(30.0, gt=0, description="How often a provider's Batch API is polled.")
+    cleanup_interval_s: float = Field(3600.0, gt=0)
+
+
 class Settings(BaseSettings):
     """Everything configurable; build it with `load_settings`, which layers its sources (see the module doc)."""
 
@@ -265,6 +282,7 @@ class Settings(BaseSettings):
     embeddings: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     ledger: LedgerSettings = Field(default_factory=LedgerSettings)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     mcp: McpSettings = Field(default_factory=McpSettings)
 
@@ -292,11 +310,18 @@ class Settings(BaseSettings):
         for p in self.providers:
             if p.kind in HTTP_PROVIDER_KINDS and not p.base_url.startswith(("http://", "https://")):
                 raise ValueError(f"providers.{p.name}.base_url: must be an http(s) URL, got {p.base_url!r}")
+        if self.batches.tier is not None and self.batches.tier not in names:
+            raise ValueError(f"batches.tier: {self.batches.tier!r} is not a configured tier")
         if self.cluster.enabled and not self.redis.url:
             raise ValueError("cluster.enabled: cluster mode needs redis.url")
         if self.auth.mode == "keys" and not self.auth.keys:
             raise ValueError("auth.keys: mode 'keys' needs at least one key")
         return self
+
+    def batch_tier(self) -> str:
+        """The tier bulk jobs run in: `batches.tier`, else 'batch' when configured, else the default tier."""
+        names = [t.name for t in self.tiers]
+        return self.batches.tier or ("batch" if "batch" in names else self.default_tier)
 
     def tier(self, name: str) -> TierSettings:
         return next(t for t in self.tiers if t.name == name)

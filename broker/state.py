@@ -15,6 +15,7 @@ from aiohttp import web
 from mergebroker.breaker.circuit import CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.broker.admission import Authenticator
+from mergebroker.broker.batches import BatchService
 from mergebroker.broker.chat import ChatService
 from mergebroker.broker.embeddings import EmbeddingService
 from mergebroker.broker.job_queue import JobQueue
@@ -43,6 +44,7 @@ class Broker:
     redis: Any = None
     shared_breakers: Any = None
     ledger: Ledger | None = None
+    batches: BatchService | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def ready(self) -> tuple[bool, dict[str, Any]]:

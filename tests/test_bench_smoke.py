@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ("passthrough", "tiers", "chaos", "provider_kinds")
+SCRIPTS = ("passthrough", "tiers", "chaos", "provider_kinds", "bulk")
 TIMEOUT_S = 90
 
 
@@ -90,3 +90,13 @@ def test_provider_kinds_quick_measures_every_kind_in_both_modes_without_errors(q
         for kind in ("openai", "anthropic", "azure"):
             assert summary[kind]["rps"] > 0 and summary[kind]["errors"] == 0
         assert summary["anthropic_vs_openai_rps"] > 0 and summary["azure_vs_openai_cpu"] > 0
+
+
+def test_bulk_quick_compacts_the_file_and_answers_every_line_with_its_own_answer(quick_runs) -> None:
+    result = finished(quick_runs, "bulk")
+    runs = {r["name"]: r for r in result["runs"]}
+    assert list(runs) == ["line_by_line", "compacted_pool", "compacted_batch_api"]
+    for run in runs.values():
+        assert run["wrong_answers"] == 0 and run["missing"] == 0 and run["answered"] == run["lines"]
+    assert runs["line_by_line"]["upstream_calls"] == result["plan"]["lines"]
+    assert runs["compacted_pool"]["upstream_calls"] < runs["line_by_line"]["upstream_calls"]
