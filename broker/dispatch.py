@@ -109,9 +109,12 @@ class Dispatcher:
     async def _plan(self, tier: str, jobs: list[ChatJob]) -> list[list[ChatJob]]:
         policy = self._tiers[tier]
         model = jobs[0].model
-        if (len(jobs) == 1 or not policy.merge or jobs[0].shape is None
-                or not self._merging_allowed(model) or not self._guard.allows(model)):
+        if len(jobs) == 1 or not policy.merge or jobs[0].shape is None or not self._merging_allowed(model):
             return [[j] for j in jobs]
+        paused = [[j] for j in jobs if not self._guard.allows(j.caller.tenant, model)]  # only their own tenant's
+        if paused:
+            jobs = [j for j in jobs if self._guard.allows(j.caller.tenant, model)]
+            return paused + (await self._plan(tier, jobs) if jobs else [])
         vectors = None
         if needs_embedding(len(jobs), policy.threshold):
             if self._embedder is None or not self._embedder.ready:
@@ -208,7 +211,7 @@ class Dispatcher:
             # that took it): each member gets its own call, within its own deadline.
             log.warning("merged_call_failed", batch_id=batch_id, size=len(jobs), error=type(exc).__name__)
             self._count_fallback("merged_call_failed", len(jobs))
-            self._guard.record(first.model, True)
+            self._record_guard(jobs, set(jobs))
             await asyncio.gather(*(self.run_single(j, fallback="merged_call_failed") for j in jobs))
             return
         finally:
@@ -245,7 +248,7 @@ class Dispatcher:
             answers[leaked] = "leak"  # type: ignore[assignment]
             good.pop(leaked)
         failed = {i: a for i, a in answers.items() if not isinstance(a, str) or i not in good}
-        self._guard.record(next(iter(by_id.values())).model, bool(failed))
+        self._record_guard(list(by_id.values()), {by_id[i] for i in failed})
         usage = self._apportion(reply, by_id, good)
         stop = next(iter(by_id.values())).body.get("stop")
         for member_id, text in good.items():
@@ -270,8 +273,13 @@ class Dispatcher:
         """Every member of a merged call whose reply is unusable, to re-send alone."""
         log.warning("split_fallback", batch_id=batch_id, reason="bad_reply", size=len(jobs))
         self._count_fallback("bad_reply", len(jobs))
-        self._guard.record(model, True)
+        self._record_guard(jobs, set(jobs))
         return [(job, "bad_reply") for job in jobs]
+
+    def _record_guard(self, jobs: list[ChatJob], failed: set[ChatJob]) -> None:
+        """One merged call's outcome, per tenant with members in it: did any of its members need a fallback."""
+        for tenant in {j.caller.tenant for j in jobs}:
+            self._guard.record(tenant, jobs[0].model, any(j.caller.tenant == tenant for j in failed))
 
     def _apportion(self, reply: dict[str, Any], by_id: dict[str, ChatJob], good: dict[str, str]) -> dict[str, dict]:
         usage = reply.get("usage")
