@@ -34,6 +34,7 @@ from mergebroker.broker.queue import MergeQueue, TierWindow
 from mergebroker.broker.ratelimit import RateLimiter
 from mergebroker.broker.ratelimit_redis import RedisRateLimiter
 from mergebroker.broker.settings import ProviderSettings, Settings
+from mergebroker.broker.shadow import ShadowRunner
 from mergebroker.broker.tokens import count_text_tokens
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.broker.workers import WorkerPool
@@ -94,7 +95,11 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
             routes.setdefault(model, []).append(p.name)
     policy = DegradationPolicy(routes, breakers, merging_listener(metrics))
     host, embedder = _similarity_model(settings, providers)
-    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock)
+    ledger = _ledger(settings)
+    guard = _guard(settings, clock)
+    shadow = ShadowRunner(pools, rate=settings.merge.shadow_rate, tpm=settings.merge.shadow_tpm, guard=guard,
+                          metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
+    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow)
     tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
              for t in settings.tiers]
     queue: MergeQueue[ChatJob] = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock,
@@ -113,13 +118,8 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
         shared = SharedBreakerState(redis, clock=clock)
         for b in breakers.values():
             shared.attach(b)
-    ledger = None
-    dsn = settings.ledger.postgres_dsn
-    target = dsn.get_secret_value() if dsn else settings.ledger.path
-    if target:
-        ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s)
     broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host, workers,
-                    simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger)
+                    simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger, shadow=shadow)
     await _start(broker, providers)
     return broker
 
@@ -137,8 +137,22 @@ def _similarity_model(settings: Settings, providers: list[ProviderSettings]
     return host, embedder
 
 
+def _ledger(settings: Settings) -> Ledger | None:
+    dsn = settings.ledger.postgres_dsn
+    target = dsn.get_secret_value() if dsn else settings.ledger.path
+    return Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s) if target else None
+
+
+def _guard(settings: Settings, clock: Clock) -> QualityGuard:
+    m = settings.merge
+    return QualityGuard(GuardSettings(m.quality_guard_ratio, m.quality_guard_min_batches, m.quality_guard_cooldown_s,
+                                      min_fidelity=m.quality_guard_min_fidelity,
+                                      fidelity_window=m.quality_guard_fidelity_window), clock=clock)
+
+
 def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbedder | None,
-                policy: DegradationPolicy, metrics: Metrics, clock: Clock) -> Dispatcher:
+                policy: DegradationPolicy, metrics: Metrics, clock: Clock, guard: QualityGuard,
+                shadow: ShadowRunner) -> Dispatcher:
     tiers = {t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
                                      (t.similarity_budget_ms if t.similarity_budget_ms is not None
                                       else max(4 * t.window_ms, 200.0)) / 1000)
@@ -148,9 +162,8 @@ def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbed
         pools, tiers=tiers,
         options=MergeOptions(m.header, m.leak_min_words, m.context_tokens, m.default_context_tokens),
         embedder=embedder,
-        guard=QualityGuard(GuardSettings(m.quality_guard_ratio, m.quality_guard_min_batches,
-                                         m.quality_guard_cooldown_s), clock=clock),
-        merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock)
+        guard=guard, merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock,
+        on_merged_answer=shadow.offer if shadow.enabled else None)
 
 
 def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache | None:
@@ -227,6 +240,8 @@ async def stop_broker(broker: Broker) -> None:
     for task in list(broker.background):
         task.cancel()
     await asyncio.gather(*broker.background, return_exceptions=True)
+    if broker.shadow is not None:
+        await broker.shadow.close()
     await broker.embeddings.stop()
     if broker.ledger is not None:
         await broker.ledger.stop()

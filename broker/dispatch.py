@@ -61,7 +61,8 @@ class Dispatcher:
 
     def __init__(self, pools: ProviderPools, *, tiers: dict[str, TierMergePolicy], options: MergeOptions,
                  embedder: Embedder | None, guard: QualityGuard, merging_allowed: Callable[[str], bool],
-                 metrics: Metrics | None = None, clock: Clock = monotonic) -> None:
+                 metrics: Metrics | None = None, clock: Clock = monotonic,
+                 on_merged_answer: Callable[[ChatJob, str, int], None] | None = None) -> None:
         self._pools = pools
         self._tiers = tiers
         self._options = options
@@ -72,6 +73,7 @@ class Dispatcher:
         self._clock = clock
         self._batch_metrics: dict[str, tuple[Any, Any]] = {}  # labelled children by tier, looked up once
         self._prefetching: set[asyncio.Future[Any]] = set()
+        self._on_merged_answer = on_merged_answer  # (job, answer, batch size): the shadow comparison's sampler
 
     def prefetch(self, tier: str, jobs: list[ChatJob]) -> None:
         """Start embedding prompts that have a merge partner while their window is still open.
@@ -255,6 +257,8 @@ class Dispatcher:
             job = by_id[member_id]
             body = member_completion(reply, apply_stop(text, stop), usage[member_id])
             job.resolve(ChatOutcome(body, provider, upstream_s, batch_size=len(by_id), batch_id=batch_id))
+            if self._on_merged_answer is not None:
+                self._on_merged_answer(job, body["choices"][0]["message"]["content"], len(by_id))
         if self._metrics and good:
             self._metrics.merged_requests.labels(tier).inc(len(good))
             self._metrics.upstream_calls_saved.inc(len(by_id) - 1)

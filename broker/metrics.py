@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128)
+FIDELITY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
+SHADOW_RESULTS = ("agree", "differ", "failed", "over_budget", "busy")
 MAX_MODEL_LABELS = 200
 OTHER_MODEL = "other"
 """The `model` label of every model name past the first `MAX_MODEL_LABELS`."""
@@ -67,6 +69,14 @@ class Metrics:
                                      ["reason"], registry=r)
         self.embedding_seconds = Histogram(p + "embedding_seconds", "Similarity-embedding time per window batch.",
                                            buckets=LATENCY_BUCKETS, registry=r)
+        # Merge quality (broker.shadow): merged answers scored against the same request sent alone.
+        self.merge_fidelity = Histogram(p + "merge_fidelity", "Shadow comparisons: how close a merged answer was "
+                                        "to the same request answered alone (0..1), by tier, model and batch size.",
+                                        ["tier", "model", "batch_size"], buckets=FIDELITY_BUCKETS, registry=r)
+        self.shadow = Counter(p + "shadow", "Merged members sampled for a shadow call, by result "
+                              "(agree, differ, failed, over_budget, busy).", ["result"], registry=r)
+        for result in SHADOW_RESULTS:
+            self.shadow.labels(result)
         # Breakers and degradation.
         self.breaker_state = Gauge(p + "breaker_state", "Breaker state per provider: 0 closed, 1 half-open, 2 open.",
                                    ["provider"], registry=r)

@@ -22,6 +22,7 @@ from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.queue import MergeQueue
 from mergebroker.broker.settings import Settings
+from mergebroker.broker.shadow import ShadowRunner
 from mergebroker.broker.workers import WorkerPool
 from mergebroker.providers.local_model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
@@ -46,6 +47,7 @@ class Broker:
     redis: Any = None
     shared_breakers: Any = None
     ledger: Ledger | None = None
+    shadow: ShadowRunner | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
