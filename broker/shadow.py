@@ -1,7 +1,8 @@
 """Shadow comparison: re-send a sample of merged members alone, off the caller's path, and score the merge.
 
 The dispatcher calls `ShadowRunner.offer(job, answer, batch_size)` for every member it answered from a
-merged call; the caller already has its answer. A fraction `rate` of them is sent again, alone, at the
+merged call; the caller already has its answer. Of the deterministic ones (temperature 0: at any other
+temperature two alone answers differ too), a fraction `rate` is sent again, alone, at the
 lowest priority at the upstream limiter, at most `max_in_flight` at a time and within `tpm` tokens per
 minute (reserved before the call, settled with the reported usage). The two answers are compared by
 `merge.fidelity` (prose by the cosine of the broker's own similarity model, when it is loaded), and the
@@ -65,7 +66,9 @@ class ShadowRunner:
 
     def offer(self, job: ChatJob, merged_answer: str, batch_size: int) -> None:
         """Maybe shadow this member (answered from a merged call of `batch_size`); never blocks, never raises."""
-        if not self.enabled or self._rng.random() >= self._rate:
+        # At a temperature above 0 the alone answer differs from the merged one by sampling alone: only
+        # deterministic requests can say whether merging changed the answer.
+        if not self.enabled or job.body.get("temperature") != 0 or self._rng.random() >= self._rate:
             return
         if len(self._tasks) >= self._max_in_flight:
             self._count("busy")

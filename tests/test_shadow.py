@@ -35,7 +35,7 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
 
 
 async def ask(broker, questions) -> list[tuple[int, dict, Any]]:
-    return await asyncio.gather(*(broker.chat(q, headers=BATCH) for q in questions))
+    return await asyncio.gather(*(broker.chat(q, headers=BATCH, temperature=0) for q in questions))
 
 
 async def test_degraded_merges_move_the_fidelity_metric_and_pause_the_tenants_merging(start_broker, tmp_path):
@@ -96,9 +96,9 @@ class HeldPools:
                 "usage": {"prompt_tokens": 10, "completion_tokens": 1}}, "fake"
 
 
-def job(question: str = "What is 6 * 7? Answer with the number only.") -> ChatJob:
+def job(question: str = "What is 6 * 7? Answer with the number only.", temperature: float = 0) -> ChatJob:
     return ChatJob(request_id="r", caller=Caller("tenant", "batch"), model="m", priority=0,
-                   body={"model": "m", "messages": [{"role": "user", "content": question}]},
+                   body={"model": "m", "messages": [{"role": "user", "content": question}], "temperature": temperature},
                    shape=MergeShape(None, question), merge_key="k", prompt_tokens=20, max_tokens=30, deadline=1e12,
                    enqueued_at=0)
 
@@ -110,6 +110,7 @@ async def test_shadow_calls_run_in_the_background_at_the_lowest_priority_within_
     runner.offer(job(), "42", 2)  # returns at once: the caller already has its answer
     runner.offer(job(), "42", 2)  # 2 x 50 tokens reserved of 120
     runner.offer(job(), "42", 2)  # no budget left this minute
+    runner.offer(job(temperature=0.7), "42", 2)  # not deterministic: never sampled, never counted
     await asyncio.wait_for(pools.arrived.wait(), 5)
     assert pools.calls == [float("-inf")] * 2
     assert sample(metrics, "mergebroker_shadow_total", result="over_budget") == 1
