@@ -26,7 +26,7 @@ from mergebroker.broker.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 from mergebroker.merge.leak import find_leaks
-from mergebroker.merge.prompt import MergeMember, build_combined_messages, merged_max_tokens, new_batch_ids
+from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.quality_guard import QualityGuard
 from mergebroker.merge.split import split_reply
 from mergebroker.merge.usage import apportion_usage
@@ -190,12 +190,8 @@ class Dispatcher:
         first = jobs[0]
         members = [MergeMember(i, j.shape.user_text, j.max_tokens, j.shape.system_prompt)  # type: ignore[union-attr]
                    for i, j in by_id.items()]
-        # A stop sequence met in one member's answer would cut every later block: apply it per member instead.
-        body = {k: v for k, v in first.body.items()
-                if k not in ("max_tokens", "max_completion_tokens", "user", "stop")}
-        body["messages"] = build_combined_messages(members, system_prompt=first.shape.system_prompt,  # type: ignore
-                                                   header=self._options.header, tagged_system=policy.tagged_system)
-        body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=12)
+        body = merged_request_body(first.body, members, system_prompt=first.shape.system_prompt,  # type: ignore
+                                   header=self._options.header, tagged_system=policy.tagged_system)
         for job in jobs:
             job.dispatched = True
         deadline = min(j.deadline for j in jobs)

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 from mergebroker.broker.dispatch import reply_text
 from mergebroker.errors import BrokerError
 from mergebroker.merge.leak import find_leaks
-from mergebroker.merge.prompt import MergeMember, build_combined_messages, merged_max_tokens, new_batch_ids
+from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.shape import MergeShape, compatibility_key, merge_shape
 from mergebroker.merge.split import split_reply
 from mergebroker.providers.quiz import builtin_set
@@ -30,7 +30,6 @@ Chat = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 DEFAULT_MAX_TOKENS = 256
 BUILTIN_MAX_TOKENS = 32
-_PER_MEMBER_FIELDS = ("max_tokens", "max_completion_tokens", "user", "stop")
 
 
 @dataclass(frozen=True)
@@ -149,12 +148,10 @@ async def call(chat: Chat, body: dict[str, Any], clock: Callable[[], float] = ti
 
 
 def merged_body(requests: Sequence[EvalRequest], ids: Sequence[str], *, header: str | None) -> dict[str, Any]:
-    """The merged call of these requests, built exactly as the dispatcher builds it."""
+    """The merged call of these requests, built by the dispatcher's own rule."""
     members = [MergeMember(i, r.shape.user_text, r.max_tokens) for i, r in zip(ids, requests)]
-    body = {k: v for k, v in requests[0].body.items() if k not in _PER_MEMBER_FIELDS}
-    body["messages"] = build_combined_messages(members, system_prompt=requests[0].shape.system_prompt, header=header)
-    body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=12)
-    return body
+    return merged_request_body(requests[0].body, members, system_prompt=requests[0].shape.system_prompt,
+                               header=header)
 
 
 def settle_batch(result: CallResult, ids: Sequence[str], requests: Sequence[EvalRequest], *,
