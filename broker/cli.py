@@ -1,4 +1,4 @@
-"""`mergebroker` command line: serve, simulate, report, eval, warm-cache, bench."""
+"""`mergebroker` command line: serve, worker, simulate, report, eval, warm-cache, bench."""
 
 from __future__ import annotations
 
@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--config", metavar="FILE")
     warm.add_argument("--model", default="all-MiniLM-L6-v2", help="embedding model (default: %(default)s)")
     warm.add_argument("--batch", type=int, default=64, help="texts per request (default: %(default)s)")
+    worker = sub.add_parser("worker", help="run a queue worker of cluster mode",
+                            description="Read chat jobs from the Redis Streams partitions this worker leases, "
+                                        "merge and dispatch them, and answer the front-ends (cluster mode).")
+    worker.add_argument("--config", metavar="FILE", help="YAML config file with redis.url (default: $MERGEBROKER_CONFIG)")
+    worker.add_argument("--metrics-port", type=int, default=9100, help="port of /metrics, /healthz and /readyz "
+                                                                        "(default: %(default)s; 0: any free port)")
+    worker.add_argument("--host", help="listen address of that port (default from config: 127.0.0.1)")
     bench = sub.add_parser("bench", help="run the benchmarks and write docs/benchmarks.md",
                            description="Run the standard workloads against the simulated upstream and write "
                                        "docs/benchmarks.md with tables and charts. Options after 'bench' go to "
@@ -89,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "worker":
+        from mergebroker.broker.cluster_worker import run_worker
+
+        return run_worker(args)
     if args.command == "simulate":
         from mergebroker.providers.simulator_cli import serve_simulator
 
@@ -126,10 +137,9 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from mergebroker.broker.app import create_app
     from mergebroker.broker.logging import configure_logging
+    from mergebroker.broker.server import serve
     from mergebroker.broker.settings import ConfigError, load_settings
 
     try:
@@ -138,9 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mergebroker: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
-    app = create_app(settings)
-    web.run_app(app, host=settings.server.host, port=settings.server.port, print=None, access_log=None,
-               handler_cancellation=True)  # a client that disconnects is dropped from its window
+    asyncio.run(serve(create_app(settings), settings.server))
     return 0
 
 

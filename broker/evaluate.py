@@ -17,12 +17,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
-from mergebroker.broker.dispatch import reply_text
 from mergebroker.errors import BrokerError
-from mergebroker.merge.leak import find_leaks
 from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.shape import MergeShape, compatibility_key, merge_shape
-from mergebroker.merge.split import split_reply
+from mergebroker.merge.settle import BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, reply_text, settle
 from mergebroker.providers.quiz import builtin_set
 
 Chat = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -49,14 +47,14 @@ class EvalRequest:
 
 @dataclass(frozen=True)
 class CallResult:
-    """One upstream call: its text (None when it failed), usage and latency."""
+    """One upstream call: its text (None when it failed), usage, latency and the reply itself."""
 
     text: str | None
     prompt_tokens: int
     completion_tokens: int
     latency_s: float
     error: str | None = None
-    finish_reason: str | None = None
+    reply: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,9 +140,9 @@ async def call(chat: Chat, body: dict[str, Any], clock: Callable[[], float] = ti
     read = reply_text(reply)
     usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
     if read is None:
-        return CallResult(None, 0, 0, clock() - started, error="bad_reply")
+        return CallResult(None, 0, 0, clock() - started, error=BAD_REPLY)
     return CallResult(read[0], _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")),
-                      clock() - started, finish_reason=read[1])
+                      clock() - started, reply=reply)
 
 
 def merged_body(requests: Sequence[EvalRequest], ids: Sequence[str], *, header: str | None) -> dict[str, Any]:
@@ -156,15 +154,14 @@ def merged_body(requests: Sequence[EvalRequest], ids: Sequence[str], *, header: 
 
 def settle_batch(result: CallResult, ids: Sequence[str], requests: Sequence[EvalRequest], *,
                  leak_min_words: int) -> dict[str, tuple[str | None, str | None]]:
-    """Each member's (block answer, None), or (None, the reason production would re-send it alone)."""
-    if result.text is None:
-        reason = "bad_reply" if result.error == "bad_reply" else "merged_call_failed"
-        return {i: (None, reason) for i in ids}
-    answers = split_reply(result.text, list(ids), finish_reason=result.finish_reason)
-    good = {i: a for i, a in answers.items() if isinstance(a, str)}
-    leaked = find_leaks(good, {i: r.shape.user_text for i, r in zip(ids, requests)}, min_words=leak_min_words)
-    return {i: (None, "leak") if i in leaked else (a, None) if isinstance(a, str) else (None, a.value)
-            for i, a in answers.items()}
+    """Each member's (answer, None), or (None, the reason production would re-send it alone), by the
+    dispatcher's own rule (`merge.settle`)."""
+    if result.reply is None:
+        return {i: (None, BAD_REPLY if result.error == BAD_REPLY else MERGED_CALL_FAILED) for i in ids}
+    members = [SettleMember(i, r.shape.user_text, 0, 0, r.body.get("stop")) for i, r in zip(ids, requests)]
+    settlement = settle(result.reply, members, SettleOptions(leak_min_words))
+    return {i: (settlement.answers[i].text, None) if i in settlement.answers else (None, settlement.fallbacks[i])
+            for i in ids}
 
 
 class Evaluator:

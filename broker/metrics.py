@@ -94,6 +94,35 @@ class Metrics:
                                               buckets=BATCH_BUCKETS, registry=r)
         self.embedding_window_pending = Gauge(p + "embedding_window_pending",
                                               "Embedding texts waiting in the batching window.", registry=r)
+        # Client connections (broker/connections.py).
+        self.connections_open = Gauge(p + "connections_open", "Client connections held by this process.", registry=r)
+        self.connections_closed = Counter(p + "connections_closed", "Client connections closed by the broker's "
+                                          "limits, by reason.", ["reason"], registry=r)
+        # Cluster mode (broker.cluster): partitions on Redis Streams, front-ends and workers.
+        self.cluster_backlog = Gauge(p + "cluster_backlog", "Jobs in a partition stream not yet read by a worker "
+                                     "(exported by the partition's owner; an autoscaling signal).",
+                                     ["tier", "partition"], registry=r)
+        self.cluster_pending = Gauge(p + "cluster_pending", "Jobs read by a partition's owner and not yet answered.",
+                                     ["tier", "partition"], registry=r)
+        self.cluster_lag = Gauge(p + "cluster_lag_seconds", "Age of the oldest unanswered job in a partition stream.",
+                                 ["tier", "partition"], registry=r)
+        self.cluster_partitions_owned = Gauge(p + "cluster_partitions_owned", "Partitions this worker holds.",
+                                              registry=r)
+        self.cluster_lease_changes = Counter(p + "cluster_lease_changes", "Partition leases acquired, released "
+                                             "(rebalancing) or lost (another worker holds it now, or renewal failed).",
+                                             ["event"], registry=r)
+        self.cluster_claims = Counter(p + "cluster_claims", "Jobs claimed from a dead worker after claim_idle_ms.",
+                                      registry=r)
+        self.cluster_jobs = Counter(p + "cluster_jobs", "Jobs a worker finished, by outcome (answered, failed, "
+                                    "expired: dropped past its deadline, coalesced, unreadable).",
+                                    ["outcome"], registry=r)
+        self.cluster_duplicates_dropped = Counter(p + "cluster_duplicates_dropped", "Replies a front-end dropped: "
+                                                  "a later reply for a job already answered or no longer awaited.",
+                                                  registry=r)
+        self.cluster_fallback = Gauge(p + "cluster_fallback", "1 while a front-end merges in-process because Redis "
+                                      "is unreachable.", registry=r)
+        self.cluster_fallback_transitions = Counter(p + "cluster_fallback_transitions", "Front-end switches between "
+                                                    "cluster mode and in-process fallback.", ["to"], registry=r)
 
     def model_label(self, model: str) -> str:
         """The `model` label value for `model`: the name itself for the first `max_model_labels` distinct
@@ -140,6 +169,16 @@ def merging_listener(metrics: Metrics) -> Callable[[str, bool], None]:
         metrics.degraded.labels(model=metrics.model_label(model)).set(0 if allowed else 1)
 
     return on_merging
+
+
+CONNECTION_CLOSE_REASONS = ("header_timeout", "body_timeout", "idle_timeout", "evicted", "refused")
+
+
+def connections_listener(metrics: Metrics, open_count: Callable[[], int]) -> Callable[[str], None]:
+    """The connection guard's close callback; every reason's series starts at zero."""
+    metrics.connections_open.set_function(open_count)
+    children = {reason: metrics.connections_closed.labels(reason) for reason in CONNECTION_CLOSE_REASONS}
+    return lambda reason: children[reason].inc()
 
 
 class PoolMetrics:

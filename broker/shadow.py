@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 import structlog
 
-from mergebroker.broker.dispatch import reply_text
 from mergebroker.broker.jobs import ChatJob
 from mergebroker.broker.ledger import LedgerRecord
 from mergebroker.broker.metrics import Metrics
@@ -30,6 +29,7 @@ from mergebroker.errors import BrokerError
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.fidelity import compare, needs_cosine
 from mergebroker.merge.quality_guard import QualityGuard
+from mergebroker.merge.settle import reply_text
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.token_bucket import TokenBucket
 
