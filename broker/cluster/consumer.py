@@ -30,7 +30,7 @@ from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireJob, WireReply, decode_job, encode_reply
 from mergebroker.broker.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.queue import aged_rank
+from mergebroker.broker.jobs import aged_rank
 from mergebroker.broker.settings import ClusterSettings, TierSettings
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError
