@@ -28,7 +28,7 @@ from mergebroker.broker.embeddings import build_embedding_service
 from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.ledger_store import open_store
 from mergebroker.broker.metrics import (Metrics, PoolMetrics, breaker_listener, connections_listener,
-                                        merging_listener)
+                                        guard_listener, merging_listener)
 from mergebroker.broker.middleware import error_middleware
 from mergebroker.broker.routes import add_routes
 from mergebroker.broker.server import CONNECTIONS
@@ -109,7 +109,7 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     policy = DegradationPolicy(routes, breakers, merging_listener(metrics))
     host, embedder = _similarity_model(settings, providers)
     ledger = _ledger(settings)
-    guard = _guard(settings, clock)
+    guard = _guard(settings, clock, metrics)
     shadow = ShadowRunner(pools, rate=settings.merge.shadow_rate, tpm=settings.merge.shadow_tpm, guard=guard,
                           metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
     dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow)
@@ -164,11 +164,12 @@ def _ledger(settings: Settings) -> Ledger | None:
     return Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s) if target else None
 
 
-def _guard(settings: Settings, clock: Clock) -> QualityGuard:
+def _guard(settings: Settings, clock: Clock, metrics: Metrics) -> QualityGuard:
     m = settings.merge
     return QualityGuard(GuardSettings(m.quality_guard_ratio, m.quality_guard_min_batches, m.quality_guard_cooldown_s,
                                       min_fidelity=m.quality_guard_min_fidelity,
-                                      fidelity_window=m.quality_guard_fidelity_window), clock=clock)
+                                      fidelity_window=m.quality_guard_fidelity_window),
+                        clock=clock, on_pause=guard_listener(metrics))
 
 
 def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbedder | None,

@@ -77,6 +77,10 @@ class Metrics:
                               "(agree, differ, failed, over_budget, busy).", ["result"], registry=r)
         for result in SHADOW_RESULTS:
             self.shadow.labels(result)
+        self.merge_guard_pauses = Counter(p + "merge_guard_pauses", "Merging paused for a tenant and model by the "
+                                          "quality guard, by reason (fallbacks, fidelity).", ["reason"], registry=r)
+        for reason in ("fallbacks", "fidelity"):
+            self.merge_guard_pauses.labels(reason)
         # Breakers and degradation.
         self.breaker_state = Gauge(p + "breaker_state", "Breaker state per provider: 0 closed, 1 half-open, 2 open.",
                                    ["provider"], registry=r)
@@ -169,6 +173,15 @@ def merging_listener(metrics: Metrics) -> Callable[[str, bool], None]:
         metrics.degraded.labels(model=metrics.model_label(model)).set(0 if allowed else 1)
 
     return on_merging
+
+
+def guard_listener(metrics: Metrics) -> Callable[[str, str, str], None]:
+    """A quality-guard callback that counts pauses by reason (tenants are not a label: clients choose them)."""
+
+    def on_pause(_tenant: str, _model: str, reason: str) -> None:
+        metrics.merge_guard_pauses.labels(reason).inc()
+
+    return on_pause
 
 
 CONNECTION_CLOSE_REASONS = ("header_timeout", "body_timeout", "idle_timeout", "evicted", "refused")

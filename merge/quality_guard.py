@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Hashable, TypeVar
+from typing import Callable, Hashable, TypeVar
 
 import structlog
 
@@ -26,6 +26,8 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 GuardKey = tuple[str, str]
 """(tenant, model)."""
+PauseListener = Callable[[str, str, str], None]
+"""Called with (tenant, model, reason: "fallbacks" or "fidelity") when a cool-down starts."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,11 @@ class _Recent:
 class QualityGuard:
     """Tracks recent merge outcomes per (tenant, model) and decides whether merging is paused."""
 
-    def __init__(self, settings: GuardSettings, *, clock: Clock = monotonic) -> None:
+    def __init__(self, settings: GuardSettings, *, clock: Clock = monotonic,
+                 on_pause: PauseListener | None = None) -> None:
         self._settings = settings
         self._clock = clock
+        self._on_pause = on_pause
         self._fallbacks = _Recent(settings.window, settings.max_models)
         self._fidelity = _Recent(settings.fidelity_window, settings.max_models)
         self._paused_until: dict[GuardKey, float] = {}
@@ -102,13 +106,16 @@ class QualityGuard:
             if mean < self._settings.min_fidelity:
                 self._pause((tenant, model), recent, reason="fidelity", fidelity=round(mean, 3))
 
-    def _pause(self, key: GuardKey, recent: collections.deque[float], **why: object) -> None:
+    def _pause(self, key: GuardKey, recent: collections.deque[float], *, reason: str, **why: object) -> None:
         if key in self._paused_until:
             return
         _drop_oldest(self._paused_until, self._settings.max_models - 1)  # equal cool-downs: oldest ends first
         self._paused_until[key] = self._clock() + self._settings.cooldown_s
         recent.clear()
-        log.warning("merge_guard_paused", tenant=key[0], model=key[1], cooldown_s=self._settings.cooldown_s, **why)
+        log.warning("merge_guard_paused", tenant=key[0], model=key[1], reason=reason,
+                    cooldown_s=self._settings.cooldown_s, **why)
+        if self._on_pause is not None:
+            self._on_pause(key[0], key[1], reason)
 
 
 def _drop_oldest(entries: dict[K, V], keep: int) -> None:

@@ -67,12 +67,15 @@ def test_a_tenant_whose_merges_fail_pauses_only_its_own_merging():
 
 def test_low_shadow_fidelity_pauses_the_tenant_and_model_until_the_cool_down_ends():
     clock = FakeClock()
-    guard = QualityGuard(GuardSettings(cooldown_s=60, min_fidelity=0.9, fidelity_window=4), clock=clock)
+    pauses: list[tuple[str, str, str]] = []
+    guard = QualityGuard(GuardSettings(cooldown_s=60, min_fidelity=0.9, fidelity_window=4), clock=clock,
+                         on_pause=lambda *why: pauses.append(why))
     for score in (1.0, 1.0, 1.0, 0.7):  # mean 0.925: still fine
         guard.record_fidelity("t", "m", score)
     assert guard.allows("t", "m") is True
     guard.record_fidelity("t", "m", 0.5)  # last four: 1, 1, 0.7, 0.5 -> mean 0.8
     assert guard.allows("t", "m") is False
+    assert pauses == [("t", "m", "fidelity")]
     assert guard.allows("u", "m") is True
     clock.advance(61)
     assert guard.allows("t", "m") is True

@@ -52,6 +52,7 @@ async def test_degraded_merges_move_the_fidelity_metric_and_pause_the_tenants_me
         assert sample(m, "mergebroker_merge_fidelity_sum", **labels) == 0.0
         assert sample(m, "mergebroker_shadow_total", result="differ") == 4
         assert sim.stats()["chat_calls"] == 5  # the merged call and four shadows alone
+        assert sample(m, "mergebroker_merge_guard_pauses_total", reason="fidelity") == 1
 
         second = await ask(broker, [i.question for i in items[4:]])  # merging is paused for this tenant and model
         assert [h["X-Broker-Batch-Size"] for _, _, h in second] == ["1"] * 4
