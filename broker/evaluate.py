@@ -108,6 +108,8 @@ def load_requests(lines: Iterable[str], model: str) -> list[EvalRequest]:
         if not isinstance(body, dict):
             raise ValueError(f"line {number}: not a JSON object")
         expected = body.pop("expected", None)
+        for field in ("stream", "stream_options"):  # the evaluation reads whole answers; streams never merge
+            body.pop(field, None)
         body["model"] = model
         shape = merge_shape(body)
         if shape is None:
