@@ -1,4 +1,4 @@
-"""`mergebroker` command line: serve, worker, simulate, report, warm-cache, mcp, bench."""
+"""`mergebroker` command line: serve, worker, simulate, report, eval, warm-cache, mcp, bench."""
 
 from __future__ import annotations
 
@@ -41,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="summarise the usage ledger",
                             description="Requests, merge rate, cache rates, tokens and calls saved, cost per tenant.")
     add_report_arguments(report)
+
+    from mergebroker.broker.eval_cli import add_eval_arguments
+
+    evaluate = sub.add_parser("eval", help="measure merged answers against alone answers on an upstream",
+                              description="Run a request set (or the built-in questions) alone and in merged "
+                                          "batches against one upstream model; write a report with a suggested "
+                                          "max_batch.")
+    add_eval_arguments(evaluate)
 
     warm = sub.add_parser("warm-cache", help="pre-fill the embedding caches from a file of texts",
                           description="Embed every line of FILE through the broker's own embedding path.")
@@ -115,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mergebroker.broker.mcp_cli import run_mcp
 
         return run_mcp(args)
+    if args.command == "eval":
+        from mergebroker.broker.eval_cli import run_eval
+
+        return run_eval(args)
     if args.command == "warm-cache":
         from mergebroker.broker.warm_cache import run_warm_cache
 

@@ -178,6 +178,13 @@ class MergeSettings(_Strict):
     quality_guard_ratio: float = Field(0.10, ge=0, le=1)
     quality_guard_min_batches: int = Field(20, gt=0)
     quality_guard_cooldown_s: float = Field(300.0, ge=0)
+    quality_guard_min_fidelity: float = Field(
+        0.8, ge=0, le=1, description="Pause merging for a tenant and model when the mean of its recent shadow "
+                                     "comparisons falls below this (0: never; needs shadow_rate > 0).")
+    quality_guard_fidelity_window: int = Field(20, gt=0, description="Shadow comparisons that mean is taken over.")
+    shadow_rate: float = Field(0.0, ge=0, le=1, description="Share of merged members also sent alone, in the "
+                                                            "background at the lowest priority, to score the merge.")
+    shadow_tpm: int = Field(20_000, ge=0, description="Tokens per minute shadow calls may spend (0: none).")
     embedder: Literal["local-int8", "local", "none"] = Field(
         "local-int8", description="Similarity model: int8-quantised all-MiniLM-L6-v2 (default, ~3x cheaper), "
                                   "the float model, or none (no similarity merging).")

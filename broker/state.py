@@ -22,6 +22,7 @@ from mergebroker.broker.job_queue import JobQueue
 from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.settings import Settings
+from mergebroker.broker.shadow import ShadowRunner
 from mergebroker.providers.local_model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
 
@@ -45,6 +46,7 @@ class Broker:
     shared_breakers: Any = None
     ledger: Ledger | None = None
     batches: BatchService | None = None
+    shadow: ShadowRunner | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
