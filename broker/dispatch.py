@@ -169,7 +169,8 @@ class Dispatcher:
         job.dispatched = True  # from here on `job.deadline` is the one the call runs under
         try:
             body, provider = await self._pools.chat(job.model, job.body, deadline=job.deadline,
-                                                    priority=job.priority, tokens=job.prompt_tokens + job.max_tokens)
+                                                    priority=job.priority, tokens=job.prompt_tokens + job.max_tokens,
+                                                    tenant=job.caller.tenant)
             job.resolve(ChatOutcome(body, provider, self._clock() - started, fallback=fallback))
         except BrokerError as exc:
             job.fail(exc)
@@ -197,8 +198,10 @@ class Dispatcher:
         started = self._clock()
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
+            tenants = {j.caller.tenant for j in jobs}  # blame goes to one tenant only (breaker.blame)
             reply, provider = await self._pools.chat(first.model, body, deadline=deadline, priority=first.priority,
-                                                     tokens=estimate_prompt_tokens(body["messages"]) + body["max_tokens"])
+                                                     tokens=estimate_prompt_tokens(body["messages"]) + body["max_tokens"],
+                                                     tenant=tenants.pop() if len(tenants) == 1 else None)
         except (UpstreamUnavailable, NotFound) as exc:  # alone, each would meet the same refusal
             for job in jobs:
                 job.fail(exc)

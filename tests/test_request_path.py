@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 from structlog.testing import capture_logs
 
+from mergebroker.broker.admission import Caller
 from mergebroker.clock import FakeClock
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.errors import BrokerError, NotFound
@@ -149,7 +150,7 @@ class FakePools:
         self.single_calls: list[str] = []
 
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
-                   tokens: int = 0) -> tuple[dict[str, Any], str]:
+                   tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
         text = body["messages"][-1]["content"]
         blocks = _BLOCK.findall(text)
         if blocks:
@@ -182,7 +183,7 @@ def jobs(*questions: str, systems: tuple[str | None, ...] = ()) -> list[ChatJob]
     for i, q in enumerate(questions):
         system = systems[i] if systems else None
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
-        made.append(ChatJob(request_id=f"r{i}", caller=None, body={"model": "m", "messages": messages},  # type: ignore
+        made.append(ChatJob(request_id=f"r{i}", caller=Caller("t", "standard"), body={"model": "m", "messages": messages},
                             model="m", priority=0, shape=MergeShape(system, q), merge_key="k", prompt_tokens=10,
                             max_tokens=50, deadline=1e12, enqueued_at=0))
     return made
