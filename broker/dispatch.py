@@ -253,7 +253,7 @@ class Dispatcher:
         stop = next(iter(by_id.values())).body.get("stop")
         for member_id, text in good.items():
             job = by_id[member_id]
-            body = member_completion(reply, apply_stop(text, stop), usage[member_id])
+            body = member_completion(reply, apply_stop(text, stop), usage[member_id], model=job.model)
             job.resolve(ChatOutcome(body, provider, upstream_s, batch_size=len(by_id), batch_id=batch_id))
         if self._metrics and good:
             self._metrics.merged_requests.labels(tier).inc(len(good))
@@ -359,15 +359,18 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int]) -> dict[str, Any]:
-    """A complete `chat.completion` of a member's own, cut out of a merged reply."""
-    return {
+def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int], *, model: str = "") -> dict[str, Any]:
+    """A complete `chat.completion` of a member's own, cut out of a merged reply: every field an unmerged
+    answer has (the spec's required `refusal` too); `model` stands in when the reply names none."""
+    body = {
         "id": "chatcmpl-" + uuid.uuid4().hex[:24],
         "object": "chat.completion",
-        "created": reply.get("created", int(time.time())),
-        "model": reply.get("model"),
-        "system_fingerprint": reply.get("system_fingerprint"),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": "stop"}],
+        "created": reply.get("created") if isinstance(reply.get("created"), int) else int(time.time()),
+        "model": reply.get("model") if isinstance(reply.get("model"), str) else model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": None, "finish_reason": "stop"}],
         "usage": usage,
     }
+    if isinstance(reply.get("system_fingerprint"), str):
+        body["system_fingerprint"] = reply["system_fingerprint"]
+    return body
