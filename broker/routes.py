@@ -76,6 +76,13 @@ def _authenticate(request: web.Request, broker: Broker, options: Any, user: str 
     return caller
 
 
+def _with_body_options(request: web.Request, broker: Broker, known: Caller, parsed: Any) -> Caller:
+    """The caller once the body is read: its `broker.tier` and `user` may still choose (and be refused)."""
+    if (parsed.broker is None or parsed.broker.tier is None) and parsed.user is None:
+        return known
+    return _authenticate(request, broker, parsed.broker, parsed.user)
+
+
 def _tier_label(broker: Broker, requested: str | None) -> str:
     """A metric label for a tier named by an unauthenticated request: only configured names, never junk."""
     return requested if any(t.name == requested for t in broker.settings.tiers) else "unknown"
@@ -93,8 +100,9 @@ def _check_model(broker: Broker, model: str) -> None:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     broker = request.app[BROKER]
+    known = _authenticate(request, broker, None, None)  # from the headers, before the body costs anything
     parsed, body = parse_chat(await _json_body(request), max_messages=broker.settings.server.max_messages)
-    caller = _authenticate(request, broker, parsed.broker, parsed.user)
+    caller = _with_body_options(request, broker, known, parsed)
     request[INFO].model = parsed.model
     if not broker.pools.serves(parsed.model):  # a local embedding model cannot chat
         raise _model_not_found(parsed.model)
@@ -176,8 +184,9 @@ def _stream_usage(chunk: bytes, *, default: int) -> int:
 
 async def embeddings(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
+    known = _authenticate(request, broker, None, None)  # from the headers, before the body costs anything
     parsed, body = parse_embeddings(await _json_body(request))
-    caller = _authenticate(request, broker, parsed.broker, parsed.user)
+    caller = _with_body_options(request, broker, known, parsed)
     request[INFO].model = parsed.model
     _check_model(broker, parsed.model)
     result = await broker.embeddings.create(caller, parsed, body)
