@@ -174,7 +174,8 @@ class Dispatcher:
         deadline = job.mark_sent()  # from here on followers no longer extend it
         try:
             body, provider = await self._pools.chat(job.model, job.body, deadline=deadline,
-                                                    priority=job.priority, tokens=job.prompt_tokens + job.max_tokens)
+                                                    priority=job.priority, tokens=job.prompt_tokens + job.max_tokens,
+                                                    tenant=job.caller.tenant)
             job.resolve(ChatOutcome(body, provider, self._clock() - started, fallback=fallback))
         except BrokerError as exc:
             job.fail(exc)
@@ -193,8 +194,10 @@ class Dispatcher:
         started = self._clock()
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
+            tenants = {j.caller.tenant for j in jobs}  # blame goes to one tenant only (breaker.blame)
             reply, provider = await self._pools.chat(first.model, body, deadline=deadline, priority=first.priority,
-                                                     tokens=estimate_prompt_tokens(body["messages"]) + body["max_tokens"])
+                                                     tokens=estimate_prompt_tokens(body["messages"]) + body["max_tokens"],
+                                                     tenant=tenants.pop() if len(tenants) == 1 else None)
         except BrokerError as exc:
             settlement = settle_call_error(exc, members)
             if settlement.fallbacks:
@@ -235,7 +238,7 @@ class Dispatcher:
         if settlement.needed_fallback is not None:
             self._record_guard(by_id, settlement)
         for member_id, answer in settlement.answers.items():
-            body = member_completion(reply, answer.text, answer.usage)
+            body = member_completion(reply, answer.text, answer.usage, model=by_id[member_id].model)
             by_id[member_id].resolve(replace(shared, body=body))
             if self._on_merged_answer is not None:
                 self._on_merged_answer(by_id[member_id], answer.text, len(by_id))
@@ -303,15 +306,18 @@ def _settle_member(member_id: str, job: ChatJob, tagged_system: bool) -> SettleM
                         job.body.get("stop"))
 
 
-def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int]) -> dict[str, Any]:
-    """A complete `chat.completion` of a member's own, cut out of a merged reply."""
-    return {
+def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int], *, model: str = "") -> dict[str, Any]:
+    """A complete `chat.completion` of a member's own, cut out of a merged reply: every field an unmerged
+    answer has (the spec's required `refusal` too); `model` stands in when the reply names none."""
+    body = {
         "id": "chatcmpl-" + uuid.uuid4().hex[:24],
         "object": "chat.completion",
-        "created": reply.get("created", int(time.time())),
-        "model": reply.get("model"),
-        "system_fingerprint": reply.get("system_fingerprint"),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": "stop"}],
+        "created": reply.get("created") if isinstance(reply.get("created"), int) else int(time.time()),
+        "model": reply.get("model") if isinstance(reply.get("model"), str) else model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": None, "finish_reason": "stop"}],
         "usage": usage,
     }
+    if isinstance(reply.get("system_fingerprint"), str):
+        body["system_fingerprint"] = reply["system_fingerprint"]
+    return body

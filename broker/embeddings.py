@@ -109,7 +109,8 @@ class EmbeddingService:
         if not all(isinstance(t, str) for t in texts):
             if parsed.model in self._local:
                 raise InvalidRequest("Token-array input is not supported by local embedding models.", param="input")
-            reply, _ = await self._pools.embeddings(parsed.model, body, deadline=deadline, tokens=tokens)
+            reply, _ = await self._pools.embeddings(parsed.model, body, deadline=deadline, tokens=tokens,
+                                                    tenant=caller.tenant)
             return reply, "miss", int((reply.get("usage") or {}).get("prompt_tokens", tokens))
         # The embeddings cache is shared by every tenant unless the operator scopes it (README, /v1/embeddings).
         scope = f"tenant:{caller.tenant}" if self._settings.embeddings.cache_scope == "tenant" else None

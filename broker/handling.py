@@ -31,6 +31,17 @@ def authenticate(broker: Broker, info: RequestInfo, headers: Mapping[str, str], 
     return caller
 
 
+def with_body_options(broker: Broker, info: RequestInfo, headers: Mapping[str, str], known: Caller,
+                      parsed: ChatRequest | EmbeddingRequest) -> Caller:
+    """The caller once the body is read: its `broker.tier` and `user` may still choose (and be refused).
+
+    Callers are first authenticated from the headers alone, so an unknown caller costs no body parsing.
+    """
+    if (parsed.broker is None or parsed.broker.tier is None) and parsed.user is None:
+        return known
+    return authenticate(broker, info, headers, parsed.broker, parsed.user)
+
+
 def _tier_label(broker: Broker, requested: str | None) -> str:
     """A metric label for a tier named by an unauthenticated request: only configured names, never junk."""
     return requested if any(t.name == requested for t in broker.settings.tiers) else "unknown"

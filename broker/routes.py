@@ -16,7 +16,7 @@ from mergebroker.broker.body import BODY_LIMITS, read_json
 from mergebroker.broker.state import BROKER, Broker
 from mergebroker.broker.chat import CacheControl
 from mergebroker.clock import Clock, monotonic
-from mergebroker.broker.handling import (authenticate, chat_headers, check_chat_model, complete_chat,
+from mergebroker.broker.handling import (authenticate, chat_headers, check_chat_model, complete_chat, with_body_options,
                                           create_embeddings, embedding_headers)
 from mergebroker.errors import BrokerError
 from mergebroker.broker.middleware import INFO
@@ -70,8 +70,9 @@ async def _json_body(request: web.Request) -> Any:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     broker, info = request.app[BROKER], request[INFO]
+    known = authenticate(broker, info, request.headers, None, None)  # from the headers, before the body costs anything
     parsed, body = parse_chat(await _json_body(request), max_messages=broker.settings.server.max_messages)
-    caller = authenticate(broker, info, request.headers, parsed.broker, parsed.user)
+    caller = with_body_options(broker, info, request.headers, known, parsed)
     check_chat_model(broker, info, parsed)
     if parsed.stream:
         return await _stream(request, broker, caller, body, parsed.broker.timeout_s if parsed.broker else None)
@@ -134,8 +135,9 @@ def _stream_usage(chunk: bytes, *, default: int) -> int:
 
 async def embeddings(request: web.Request) -> web.Response:
     broker, info = request.app[BROKER], request[INFO]
+    known = authenticate(broker, info, request.headers, None, None)  # from the headers, before the body costs anything
     parsed, body = parse_embeddings(await _json_body(request))
-    caller = authenticate(broker, info, request.headers, parsed.broker, parsed.user)
+    caller = with_body_options(broker, info, request.headers, known, parsed)
     result = await create_embeddings(broker, info, caller, parsed, body)
     return web.json_response(result.body, headers=embedding_headers(result))
 

@@ -49,7 +49,7 @@ class BreakerConfig(_Strict):
     min_calls: int = Field(10, gt=0)
     error_ratio: float = Field(0.10, gt=0, le=1)
     slow_ratio: float = Field(0.30, gt=0, le=1)
-    slow_call_s: float = Field(10.0, gt=0)
+    slow_call_s: float = Field(10.0, gt=0, description="A call is slow past this plus its output tokens / token_rate.")
     open_s: float = Field(10.0, gt=0)
     open_backoff: float = Field(2.0, ge=1)
     open_max_s: float = Field(120.0, gt=0)

@@ -54,7 +54,8 @@ class Pool(Protocol):
       failing over inside, or raises a `BrokerError`: `NotFound` for a model nobody serves,
       `UpstreamUnavailable` when every upstream of it is open, `DeadlineExceeded` when `deadline` (on
       the injected clock) passes first, else the last `UpstreamError`. `priority` ranks the call among
-      those waiting for provider pacing; `tokens` is the estimate taken from the provider's budget.
+      those waiting for provider pacing; `tokens` is the estimate taken from the provider's budget;
+      `tenant` is whom the call is for (None: several or unknown), for the breakers' blame rule.
     - `stream_chat` does the same for a stream: failover happens before the first byte; it returns the
       raw SSE chunks and the provider name.
     - `fast_fail_after(model)`: seconds until the next probe when every upstream of `model` is open
@@ -64,10 +65,10 @@ class Pool(Protocol):
     def fast_fail_after(self, model: str) -> float | None: ...
 
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
-                   tokens: int = 0) -> tuple[dict[str, Any], str]: ...
+                   tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]: ...
 
     async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
-                          tokens: int = 0) -> tuple[AsyncIterator[bytes], str]: ...
+                          tokens: int = 0, tenant: str | None = None) -> tuple[AsyncIterator[bytes], str]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,8 @@ from typing import Any
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from mergebroker.clock import FakeClock
 from mergebroker.broker.admission import Caller
+from mergebroker.clock import FakeClock
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.errors import BrokerError, NotFound
 from mergebroker.broker.jobs import ChatJob, ChatOutcome
