@@ -144,23 +144,6 @@ def merged_max_tokens(
     return total if model_limit is None else min(total, model_limit)
 
 
-PER_MEMBER_FIELDS = ("max_tokens", "max_completion_tokens", "user", "stop")
-"""Body fields of a member that the merged call does not inherit. A stop sequence met in one member's
-answer would cut every later block, so it is applied per member after the split instead."""
-BLOCK_TOKEN_OVERHEAD = 12  # output tokens of one block's response tags
-
-
-def merged_request_body(template: dict, members: Sequence[MergeMember], *, system_prompt: str | None,
-                        header: str | None = None, tagged_system: bool = False) -> dict:
-    """The body of a merged call: `template` (the first member's body: model and sampling fields) without
-    the per-member fields, with the combined messages and the summed token budget."""
-    body = {k: v for k, v in template.items() if k not in PER_MEMBER_FIELDS}
-    body["messages"] = build_combined_messages(members, system_prompt=system_prompt, header=header,
-                                               tagged_system=tagged_system)
-    body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=BLOCK_TOKEN_OVERHEAD)
-    return body
-
-
 def _request_block(member: MergeMember, tagged_system: bool) -> str:
     tags = _TAGGED_TAGS if tagged_system else _BLOCK_TAGS
     body = neutralize_tags(member.user_text, tags)
