@@ -21,28 +21,33 @@ from mergebroker.breaker.shared_state import SharedBreakerState
 from mergebroker.broker.admission import Authenticator
 from mergebroker.broker.chat import ChatService
 from mergebroker.clock import Clock, Sleep, monotonic
+from mergebroker.broker.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
+from mergebroker.broker.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
-from mergebroker.broker.jobs import ChatJob
 from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.ledger_store import open_store
-from mergebroker.broker.metrics import Metrics, PoolMetrics, breaker_listener, merging_listener
+from mergebroker.broker.metrics import (Metrics, PoolMetrics, breaker_listener, connections_listener,
+                                        merging_listener)
 from mergebroker.broker.middleware import error_middleware
 from mergebroker.broker.routes import add_routes
+from mergebroker.broker.server import CONNECTIONS
 from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY, Broker
 from mergebroker.broker.queue import MergeQueue, TierWindow
 from mergebroker.broker.ratelimit import RateLimiter
 from mergebroker.broker.ratelimit_redis import RedisRateLimiter
-from mergebroker.broker.settings import ProviderSettings, Settings
+from mergebroker.broker.settings import HTTP_PROVIDER_KINDS, ProviderSettings, Settings
 from mergebroker.broker.tokens import count_text_tokens
 from mergebroker.providers.pacing import UpstreamLimiter
-from mergebroker.broker.workers import WorkerPool
+from mergebroker.broker.workers import LocalJobQueue
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.embedder import BatchingEmbedder, CachingEmbedder
 from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
 from mergebroker.merge.lru import LruCache
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.redis_cache import RedisCache, make_redis_client
+from mergebroker.providers.anthropic import AnthropicProvider
+from mergebroker.providers.azure import AzureOpenAIProvider
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pool import ProviderPools, Upstream
 from mergebroker.providers.retry import RetryPolicy
@@ -52,16 +57,23 @@ log = structlog.get_logger(__name__)
 
 def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> web.Application:
     """The aiohttp application for `settings`; components are built when it starts."""
-    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware],
+                          handler_args=HANDLER_ARGS)
     app[SETTINGS_MAX_BODY] = settings.server.max_body_bytes
+    app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
+                                  settings.server.max_json_depth)
+    app[CONNECTIONS] = guard = ConnectionGuard(connection_limits(settings), clock=clock)
     add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         broker = await build_broker(settings, clock=clock, sleep=sleep)
         app[BROKER] = broker
+        guard.observe(connections_listener(broker.metrics, guard.__len__))
+        sweeper = asyncio.create_task(guard.run())  # real time: it only acts on connections a GuardedSite tracks
         try:
             yield
         finally:
+            sweeper.cancel()
             await stop_broker(broker)
 
     app.cleanup_ctx.append(lifecycle)
@@ -84,8 +96,9 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     redis = make_redis_client(settings.redis.url) if settings.redis.url else None
     breakers = {p.name: CircuitBreaker(p.name, _breaker_settings(p), clock=clock,
                                        on_transition=breaker_listener(metrics, p.name))
-                for p in providers if p.kind == "openai"}
-    upstreams = [_upstream(p, breakers[p.name], clock) for p in providers if p.kind == "openai"]
+                for p in providers if p.kind in HTTP_PROVIDER_KINDS}
+    upstreams = [_upstream(p, breakers[p.name], clock, settings.merge.default_max_tokens)
+                 for p in providers if p.kind in HTTP_PROVIDER_KINDS]
     pools = ProviderPools(upstreams, strategy=settings.routing, retry=RetryPolicy(**settings.retry.model_dump()),
                           clock=clock, sleep=sleep, observer=PoolMetrics(metrics))
     routes: dict[str, list[str]] = {}
@@ -97,8 +110,9 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock)
     tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
              for t in settings.tiers]
-    queue: MergeQueue[ChatJob] = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock,
-                                            metrics=metrics, on_partners=dispatcher.prefetch)
+    windows = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock, metrics=metrics,
+                         on_partners=dispatcher.prefetch)
+    queue = LocalJobQueue(windows, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
     limiter: Any = RateLimiter(clock)
     if redis is not None and settings.redis.share_limits:
         limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
@@ -106,7 +120,6 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
                        metrics=metrics, clock=clock)
     embeddings = build_embedding_service(settings, pools=pools, host=host, redis=redis, limiter=limiter,
                                          metrics=metrics, providers=providers, clock=clock)
-    workers = WorkerPool(queue, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
     auth = Authenticator(settings.auth, tiers=tuple(t.name for t in settings.tiers), default_tier=settings.default_tier)
     shared = None
     if redis is not None and settings.redis.share_breakers:
@@ -118,10 +131,18 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     target = dsn.get_secret_value() if dsn else settings.ledger.path
     if target:
         ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s)
-    broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host, workers,
+    broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host,
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger)
     await _start(broker, providers)
     return broker
+
+
+def connection_limits(settings: Settings) -> ConnectionLimits:
+    """The client-connection bounds; the default cap leaves descriptors for every provider's connections."""
+    s = settings.server
+    upstream_fds = sum(p.max_connections for p in settings.providers if p.kind == "openai") or 100
+    cap = s.max_connections or auto_max_connections(s.reserved_fds + upstream_fds)
+    return ConnectionLimits(cap, s.header_timeout_s, s.body_timeout_s, s.idle_timeout_s)
 
 
 def _similarity_model(settings: Settings, providers: list[ProviderSettings]
@@ -166,14 +187,14 @@ def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache |
 
 async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
     await asyncio.to_thread(count_text_tokens, "load the tokenizer before the first request")
-    broker.workers.start()
+    broker.queue.start()
     if broker.ledger is not None:
         await broker.ledger.start()
     if broker.shared_breakers is not None:
         await broker.shared_breakers.start()
     if broker.model_host is not None:
         _background(broker, _load_model(broker.model_host), "model_load")
-    for p, u in zip([p for p in providers if p.kind == "openai"], broker.pools.upstreams):
+    for p, u in zip([p for p in providers if p.kind in HTTP_PROVIDER_KINDS], broker.pools.upstreams):
         if p.warmup_connections:
             _background(broker, u.provider.warm_up(p.warmup_connections), "warmup")
     if broker.auth.mode == "open":
@@ -217,11 +238,7 @@ def _background(broker: Broker, coro: Any, name: str) -> None:
 
 
 async def stop_broker(broker: Broker) -> None:
-    from mergebroker.errors import Overloaded
-
-    for job in broker.queue.close():
-        job.fail(Overloaded("The broker is shutting down.", retry_after=1))
-    await broker.workers.stop()
+    await broker.queue.stop()
     if broker.shared_breakers is not None:
         await broker.shared_breakers.stop()
     for task in list(broker.background):
@@ -243,11 +260,21 @@ def _breaker_settings(p: ProviderSettings) -> BreakerSettings:
     return BreakerSettings(**p.breaker.model_dump())
 
 
-def _upstream(p: ProviderSettings, breaker: CircuitBreaker, clock: Clock) -> Upstream:
-    provider = OpenAICompatProvider(HttpProviderSettings(
-        name=p.name, base_url=p.base_url.rstrip("/"),
-        api_key=p.api_key.get_secret_value() if p.api_key else None,
-        max_connections=p.max_connections, connect_timeout_s=p.connect_timeout_s))
+def _provider(p: ProviderSettings, default_max_tokens: int) -> OpenAICompatProvider:
+    """The HTTP provider of `p.kind`; Anthropic's fills a missing `max_tokens` with the merge default."""
+    http = HttpProviderSettings(name=p.name, base_url=p.base_url.rstrip("/"),
+                                api_key=p.api_key.get_secret_value() if p.api_key else None,
+                                max_connections=p.max_connections, connect_timeout_s=p.connect_timeout_s)
+    if p.kind == "anthropic":
+        return AnthropicProvider(http, default_max_tokens=default_max_tokens, anthropic_version=p.anthropic_version,
+                                 model_map=p.model_map)
+    if p.kind == "azure":
+        return AzureOpenAIProvider(http, api_version=p.api_version, deployments=p.deployments)
+    return OpenAICompatProvider(http)
+
+
+def _upstream(p: ProviderSettings, breaker: CircuitBreaker, clock: Clock, default_max_tokens: int) -> Upstream:
+    provider = _provider(p, default_max_tokens)
     limiter = UpstreamLimiter(p.rpm, p.tpm, clock=clock) if (p.rpm or p.tpm) else None
     return Upstream(provider, models=tuple(p.models), weight=p.weight, breaker=breaker, limiter=limiter,
                     max_in_flight=p.max_in_flight, token_rate=p.token_rate)

@@ -125,10 +125,9 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from mergebroker.broker.app import create_app
     from mergebroker.broker.logging import configure_logging
+    from mergebroker.broker.server import serve
     from mergebroker.broker.settings import ConfigError, load_settings
 
     try:
@@ -137,9 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mergebroker: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
-    app = create_app(settings)
-    web.run_app(app, host=settings.server.host, port=settings.server.port, print=None, access_log=None,
-               handler_cancellation=True)  # a client that disconnects is dropped from its window
+    asyncio.run(serve(create_app(settings), settings.server))
     return 0
 
 

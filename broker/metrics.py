@@ -84,6 +84,10 @@ class Metrics:
                                               buckets=BATCH_BUCKETS, registry=r)
         self.embedding_window_pending = Gauge(p + "embedding_window_pending",
                                               "Embedding texts waiting in the batching window.", registry=r)
+        # Client connections (broker/connections.py).
+        self.connections_open = Gauge(p + "connections_open", "Client connections held by this process.", registry=r)
+        self.connections_closed = Counter(p + "connections_closed", "Client connections closed by the broker's "
+                                          "limits, by reason.", ["reason"], registry=r)
         # Cluster mode (broker.cluster): partitions on Redis Streams, front-ends and workers.
         self.cluster_backlog = Gauge(p + "cluster_backlog", "Jobs in a partition stream not yet read by a worker "
                                      "(exported by the partition's owner; an autoscaling signal).",
@@ -155,6 +159,16 @@ def merging_listener(metrics: Metrics) -> Callable[[str, bool], None]:
         metrics.degraded.labels(model=metrics.model_label(model)).set(0 if allowed else 1)
 
     return on_merging
+
+
+CONNECTION_CLOSE_REASONS = ("header_timeout", "body_timeout", "idle_timeout", "evicted", "refused")
+
+
+def connections_listener(metrics: Metrics, open_count: Callable[[], int]) -> Callable[[str], None]:
+    """The connection guard's close callback; every reason's series starts at zero."""
+    metrics.connections_open.set_function(open_count)
+    children = {reason: metrics.connections_closed.labels(reason) for reason in CONNECTION_CLOSE_REASONS}
+    return lambda reason: children[reason].inc()
 
 
 class PoolMetrics:

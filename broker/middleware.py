@@ -21,6 +21,7 @@ from aiohttp import web
 from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
 from mergebroker.broker.ledger import LedgerRecord, saved_tokens
 from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.server import CONNECTIONS
 from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY
 
 log = structlog.get_logger("mergebroker.access")
@@ -62,10 +63,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     info = request[INFO] = RequestInfo(request_id, broker_request_id, started)
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=request_id, broker_request_id=broker_request_id)
+    guard = request.app.get(CONNECTIONS)
+    if guard is not None:
+        guard.request_started(request.protocol, request.content.is_eof)
     try:
         response = await handler(request)
     except Exception as exc:  # noqa: BLE001 - every failure leaves in the one envelope (or, mid-stream, not at all)
         response = _failure_response(request, info, exc)
+    finally:
+        if guard is not None:
+            guard.request_finished(request.protocol)
     elapsed = time.perf_counter() - started
     if not response.prepared:
         response.headers["X-Request-ID"] = request_id

@@ -31,17 +31,6 @@ from mergebroker.broker.metrics import Metrics
 log = structlog.get_logger(__name__)
 
 
-def aged_rank(priority: int, enqueued_at: float, aging_per_s: float) -> float:
-    """A time-invariant rank with the same order as `priority + aging_per_s * (now - enqueued_at)` at any `now`.
-
-    Waiters that are ordered once (the upstream limiter's heap) keep the aging bound this way: a request
-    that has waited (p_high - p_low) / aging_per_s longer outranks a fresh higher-priority one.
-    """
-    if aging_per_s <= 0:
-        return float(priority)
-    return priority / aging_per_s - enqueued_at
-
-
 class Queued(Protocol):
     """What the queue needs from a request: its tier, merge key (None: never waits) and future."""
 

@@ -11,10 +11,11 @@ import structlog
 from aiohttp import web
 
 from mergebroker.broker.admission import TIER_HEADER, Caller
+from mergebroker.broker.body import BODY_LIMITS, read_json
 from mergebroker.broker.state import BROKER, Broker
 from mergebroker.broker.chat import CacheControl
 from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import BrokerError, InvalidRequest, NotFound, UnsupportedMediaType
+from mergebroker.errors import BrokerError, NotFound
 from mergebroker.broker.middleware import INFO
 from mergebroker.broker.schemas import parse_chat, parse_embeddings
 
@@ -60,14 +61,7 @@ def add_routes(app: web.Application) -> None:
 
 
 async def _json_body(request: web.Request) -> Any:
-    content_type = request.headers.get("Content-Type", "")
-    if content_type and not content_type.lower().startswith("application/json"):
-        raise UnsupportedMediaType(f"Content-Type must be application/json, got '{content_type}'.")
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: absurdly deep nesting
-        raise InvalidRequest("We could not parse the JSON body of your request.", code="invalid_json") from None
+    return await read_json(request, request.app[BODY_LIMITS])
 
 
 def _authenticate(request: web.Request, broker: Broker, options: Any, user: str | None) -> Caller:
@@ -99,7 +93,7 @@ def _check_model(broker: Broker, model: str) -> None:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     broker = request.app[BROKER]
-    parsed, body = parse_chat(await _json_body(request))
+    parsed, body = parse_chat(await _json_body(request), max_messages=broker.settings.server.max_messages)
     caller = _authenticate(request, broker, parsed.broker, parsed.user)
     request[INFO].model = parsed.model
     if not broker.pools.serves(parsed.model):  # a local embedding model cannot chat

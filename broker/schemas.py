@@ -96,8 +96,16 @@ class EmbeddingRequest(BaseModel):
         return value
 
 
-def parse_chat(body: Any) -> tuple[ChatRequest, dict[str, Any]]:
-    """Validate a chat body; return the model and the dict to forward (broker-only fields removed)."""
+def parse_chat(body: Any, *, max_messages: int | None = None) -> tuple[ChatRequest, dict[str, Any]]:
+    """Validate a chat body; return the model and the dict to forward (broker-only fields removed).
+
+    `max_messages` is checked before anything else, so a body of a hundred thousand messages costs no
+    validation.
+    """
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if max_messages is not None and isinstance(messages, list) and len(messages) > max_messages:
+        raise InvalidRequest(f"Invalid value for 'messages': at most {max_messages} messages are accepted.",
+                             param="messages", code="invalid_value")
     return _parse(ChatRequest, body)
 
 

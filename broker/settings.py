@@ -31,6 +31,17 @@ class ServerSettings(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Requests over this size get 413.")
     workers: int = Field(64, gt=0, description="Concurrent dispatches taken from the tier queues.")
     aging_per_s: float = Field(10.0, ge=0, description="Priority points a released group gains per second waited.")
+    header_timeout_s: float = Field(10.0, gt=0, description="Longest a client may take to send a request's headers.")
+    body_timeout_s: float = Field(30.0, gt=0, description="Longest a client may take to send a request's body (408).")
+    idle_timeout_s: float = Field(30.0, gt=0, description="Keep-alive: an idle client connection closes after this.")
+    max_connections: int | None = Field(
+        None, gt=0, description="Client connections per process; past it, stalled ones are closed first "
+                                "(default: the open-file limit minus reserved_fds and providers' connections).")
+    reserved_fds: int = Field(128, ge=0, description="Descriptors kept for Redis, logs and files by the default cap.")
+    backlog: int = Field(128, gt=0, description="Listen backlog.")
+    max_json_depth: int = Field(64, ge=2, description="Deepest nesting a request body may have (400 above).")
+    max_messages: int = Field(2048, gt=0, description="Most messages one chat request may hold (400 above).")
+    accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
 
 
 class BreakerConfig(_Strict):
@@ -48,7 +59,7 @@ class BreakerConfig(_Strict):
 
 class ProviderSettings(_Strict):
     name: str
-    kind: Literal["openai", "local"] = "openai"
+    kind: Literal["openai", "local", "anthropic", "azure"] = "openai"
     base_url: str = ""
     models: list[str] = Field(default_factory=lambda: ["*"], description='Model names served; "*" = any.')
     api_key_env: str | None = Field(None, description="Environment variable holding this provider's API key.")
@@ -62,6 +73,24 @@ class ProviderSettings(_Strict):
     tpm: int | None = Field(None, gt=0)
     warmup_connections: int = Field(0, ge=0)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    anthropic_version: str = Field("2023-06-01", min_length=1, description="kind anthropic: anthropic-version header.")
+    model_map: dict[str, str] = Field(default_factory=dict,
+                                      description="kind anthropic: callers' model name -> Anthropic model name.")
+    api_version: str = Field("2024-10-21", min_length=1, description="kind azure: the api-version query parameter.")
+    deployments: dict[str, str] = Field(default_factory=dict,
+                                        description="kind azure: callers' model name -> deployment name.")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "ProviderSettings":
+        if self.model_map and self.kind != "anthropic":
+            raise ValueError(f"providers.{self.name}.model_map: only for kind 'anthropic'")
+        if self.deployments and self.kind != "azure":
+            raise ValueError(f"providers.{self.name}.deployments: only for kind 'azure'")
+        return self
+
+
+HTTP_PROVIDER_KINDS = ("openai", "anthropic", "azure")
+"""Provider kinds reached over HTTP (each gets a breaker and a place in the pools); "local" runs in process."""
 
 
 class RetrySettings(_Strict):
@@ -247,7 +276,7 @@ class Settings(BaseSettings):
         if len(set(provider_names)) != len(provider_names):
             raise ValueError("providers: provider names must be unique")
         for p in self.providers:
-            if p.kind == "openai" and not p.base_url.startswith(("http://", "https://")):
+            if p.kind in HTTP_PROVIDER_KINDS and not p.base_url.startswith(("http://", "https://")):
                 raise ValueError(f"providers.{p.name}.base_url: must be an http(s) URL, got {p.base_url!r}")
         if self.cluster.enabled and not self.redis.url:
             raise ValueError("cluster.enabled: cluster mode needs redis.url")

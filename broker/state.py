@@ -17,12 +17,10 @@ from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.broker.admission import Authenticator
 from mergebroker.broker.chat import ChatService
 from mergebroker.broker.embeddings import EmbeddingService
-from mergebroker.broker.jobs import ChatJob
+from mergebroker.broker.job_queue import JobQueue
 from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.queue import MergeQueue
 from mergebroker.broker.settings import Settings
-from mergebroker.broker.workers import WorkerPool
 from mergebroker.providers.local_model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
 
@@ -35,13 +33,12 @@ class Broker:
     metrics: Metrics
     auth: Authenticator
     pools: ProviderPools
-    queue: MergeQueue[ChatJob]
+    queue: JobQueue  # the seam the chat path submits to (in-process: broker.workers.LocalJobQueue)
     chat: ChatService
     embeddings: EmbeddingService
     policy: DegradationPolicy
     breakers: dict[str, CircuitBreaker]
     model_host: SentenceModelHost | None
-    workers: WorkerPool
     simulated_upstream: Any = None
     redis: Any = None
     shared_breakers: Any = None
@@ -53,7 +50,7 @@ class Broker:
         model_loaded = self.model_host is None or self.model_host.ready
         checks = {
             "providers": len(self.pools.upstreams) > 0,
-            "workers": self.workers.alive(),
+            "workers": self.queue.alive(),
             "embedding_model": model_loaded,
         }
         return all(checks.values()), checks

@@ -152,6 +152,14 @@ class OpenAICompatProvider:
                 return self._base_url + endpoint
         return url
 
+    def _endpoint_url(self, endpoint: str, body: dict[str, Any] | None) -> URL | str:
+        """Where a call to `endpoint` with `body` goes; a provider with per-model paths overrides this."""
+        return self._url(endpoint)
+
+    def _http_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
+        """The error for a non-2xx answer; a provider with another error envelope overrides this."""
+        return _http_error(status, headers, raw)
+
     def _call_timeout(self, timeout: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=timeout, connect=min(timeout, self._settings.connect_timeout_s))
 
@@ -159,12 +167,12 @@ class OpenAICompatProvider:
                             timeout: float) -> dict[str, Any]:
         """One request; the parsed JSON object of a 2xx answer, or an `UpstreamError`."""
         with _translated(self.name, endpoint):
-            async with self._client().request(method, self._url(endpoint), json=body,
+            async with self._client().request(method, self._endpoint_url(endpoint, body), json=body,
                                               timeout=self._call_timeout(timeout)) as resp:
                 raw = await resp.read()
                 if not 200 <= resp.status < 300:
                     log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=resp.status)
-                    raise _http_error(resp.status, resp.headers, raw)
+                    raise self._http_error(resp.status, resp.headers, raw)
         data = _decode_json(raw)
         if not isinstance(data, dict):
             raise UpstreamBadResponse(f"upstream {endpoint} answered 2xx without a JSON object")
@@ -192,7 +200,7 @@ class OpenAICompatProvider:
             raise UpstreamBadResponse("upstream models answer has no data")
         return [str(m["id"]) for m in models]
 
-    async def stream_chat(self, body: dict[str, Any], *, timeout: float) -> AsyncIterator[bytes]:
+    def stream_chat(self, body: dict[str, Any], *, timeout: float) -> AsyncIterator[bytes]:
         """POST /chat/completions with `stream: true`; yield each complete SSE event as it arrives.
 
         Events are relayed one by one (never the whole response buffered), with "\\n" line endings
@@ -201,15 +209,18 @@ class OpenAICompatProvider:
         flowing is healthy, and the caller ends the stream early by closing the generator.
         Failures before the first event raise like `chat`; later ones raise the same errors mid-stream.
         """
+        return self._sse_events("/chat/completions", {**body, "stream": True}, timeout)
+
+    async def _sse_events(self, endpoint: str, body: dict[str, Any], timeout: float) -> AsyncIterator[bytes]:
+        """POST `body` to `endpoint` and yield each complete SSE event (as `stream_chat` describes)."""
         client_timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout,
                                                connect=min(timeout, self._settings.connect_timeout_s))
-        endpoint = "/chat/completions"
         with _translated(self.name, endpoint):
-            async with self._client().post(self._url(endpoint), json={**body, "stream": True},
+            async with self._client().post(self._endpoint_url(endpoint, body), json=body,
                                            headers={"Accept": "text/event-stream"},
                                            timeout=client_timeout) as resp:
                 if not 200 <= resp.status < 300:
-                    raise _http_error(resp.status, resp.headers, await resp.read())
+                    raise self._http_error(resp.status, resp.headers, await resp.read())
                 if resp.content_type == "application/json":
                     raise UpstreamBadResponse("upstream answered JSON to a streaming request")
                 buffer = b""

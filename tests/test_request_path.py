@@ -59,7 +59,7 @@ async def test_a_follower_with_a_longer_timeout_is_not_cut_short_by_the_leaders_
     follower = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 20}))
     await joins.wait_for(2)
     clock.advance(5)  # the window closes after the leader's own deadline, well within the follower's
-    broker.broker.queue.release_due()
+    broker.broker.queue.merge_queue.release_due()
     status, body, headers = await follower
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == answer_for("the same question")
@@ -94,7 +94,7 @@ async def test_an_identical_request_in_another_tier_does_not_wait_in_the_first_o
     assert status == 200 and headers["X-Broker-Cache"] == "miss"
     assert body["choices"][0]["message"]["content"] == answer_for("shared words")
     clock.advance(5)
-    broker.broker.queue.release_due()
+    broker.broker.queue.merge_queue.release_due()
     assert (await waiting)[0] == 200
 
 
@@ -107,7 +107,7 @@ async def test_a_merge_opt_out_never_receives_a_merged_answer_from_an_identical_
     opted_out = asyncio.create_task(broker.chat("question one", broker={"merge": False}))
     await spy.wait_for(3)
     clock.advance(5)
-    broker.broker.queue.release_due()
+    broker.broker.queue.merge_queue.release_due()
     status, body, headers = await opted_out
     assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("question one")
     assert (headers["X-Broker-Batch-Size"], headers["X-Broker-Cache"]) == ("1", "miss")

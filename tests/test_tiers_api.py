@@ -51,10 +51,11 @@ class SubmitSpy:
         self._changed = asyncio.Event()
         self._queue.submit = self._record  # type: ignore[method-assign]
 
-    def _record(self, job: Any) -> None:
-        self._submit(job)
+    def _record(self, job: Any) -> Any:
+        future = self._submit(job)
         self.jobs.append(job)
         self._changed.set()
+        return future
 
     async def wait_for(self, count: int, timeout: float = 10.0) -> list[Any]:
         while len(self.jobs) < count:
@@ -184,7 +185,7 @@ async def test_full_tier_queue_is_503_queue_full(simulator, start_broker):
     assert_envelope(body, "queue_full")
     assert rejected(broker, "tight", "queue_full") == 1
     clock.advance(5)
-    broker.broker.queue.release_due()
+    broker.broker.queue.merge_queue.release_due()
     answers = await asyncio.gather(*waiting)
     assert [s for s, _, _ in answers] == [200, 200]
 
@@ -202,7 +203,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_504_and_never_sen
     patient = asyncio.create_task(broker.chat("patient question"))
     await spy.wait_for(2)
     clock.advance(5)
-    broker.broker.queue.release_due()
+    broker.broker.queue.merge_queue.release_due()
     status, body, headers = await patient
     assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("patient question")
     assert headers["X-Broker-Batch-Size"] == "1"
@@ -226,7 +227,7 @@ async def test_a_client_that_leaves_is_removed_before_dispatch_and_its_group_is_
     await asyncio.wait_for(left.wait(), timeout=10)  # the broker noticed the disconnect
     assert leaver.future.cancelled(), "the leaving client's job was answered instead of dropped"
     clock.advance(5)
-    broker.broker.queue.release_due()
+    broker.broker.queue.merge_queue.release_due()
     for q, (status, body, headers) in zip(questions[1:], await asyncio.gather(*tasks[1:])):
         assert status == 200 and body["choices"][0]["message"]["content"] == answer_for(q)
         assert headers["X-Broker-Batch-Size"] == "2"
