@@ -23,11 +23,13 @@ from mergebroker.broker.background import spawn
 from mergebroker.broker.batch_runner import Limits
 from mergebroker.broker.batches import build_batch_service
 from mergebroker.broker.chat import ChatService
+from mergebroker.broker.cluster.frontend import build_cluster_queue
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.broker.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
+from mergebroker.broker.job_queue import JobQueue
 from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.ledger_store import open_store
@@ -121,7 +123,9 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
              for t in settings.tiers]
     windows = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock, metrics=metrics,
                          on_partners=dispatcher.prefetch)
-    queue = LocalJobQueue(windows, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
+    queue: JobQueue = LocalJobQueue(windows, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
+    if settings.cluster.enabled:  # jobs go to the workers; the local queue is the fallback while Redis is down
+        queue = build_cluster_queue(settings, queue, metrics=metrics, clock=clock, sleep=sleep)
     limiter: Limiter = RateLimiter(clock)
     if redis is not None and settings.redis.share_limits:
         limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
@@ -155,8 +159,12 @@ def connection_limits(settings: Settings) -> ConnectionLimits:
 
 def _similarity_model(settings: Settings, providers: list[ProviderSettings]
                       ) -> tuple[SentenceModelHost | None, CachingEmbedder | None]:
-    """The one local model (if merging or /v1/embeddings needs it) and the merge engine's embedder over it."""
-    needs_model = settings.merge.enabled and settings.merge.embedder != "none" and any(
+    """The one local model (if merging or /v1/embeddings needs it) and the merge engine's embedder over it.
+
+    A cluster-mode front-end never loads it for merging: its workers do (its in-process fallback sends
+    what needs similarity unmerged).
+    """
+    needs_model = not settings.cluster.enabled and settings.merge.enabled and settings.merge.embedder != "none" and any(
         t.merge and t.similarity_threshold > 0 for t in settings.tiers)
     int8 = settings.merge.embedder == "local-int8"
     if not needs_model and not any(p.kind == "local" for p in providers):
