@@ -158,8 +158,8 @@ class ChatService:
             return future
 
         try:
-            # asyncio.timeout, not wait_for: no extra task per request.
-            async with asyncio.timeout(max(0.0, deadline - self._clock())):
+            # A timeout context, not wait_for: no extra task per request.
+            async with self._clock.timeout_at(deadline):
                 outcome, shared = await self._share(flight, submit, deadline)
         except TimeoutError:
             self._metrics.rejected.labels(caller.tier, "deadline").inc()

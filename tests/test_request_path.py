@@ -60,7 +60,6 @@ async def test_a_follower_with_a_longer_timeout_is_not_cut_short_by_the_leaders_
     follower = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 20}))
     await joins.wait_for(2)
     clock.advance(5)  # the window closes after the leader's own deadline, well within the follower's
-    broker.broker.queue.merge_queue.release_due()
     status, body, headers = await follower
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == answer_for("the same question")
@@ -95,7 +94,6 @@ async def test_an_identical_request_in_another_tier_does_not_wait_in_the_first_o
     assert status == 200 and headers["X-Broker-Cache"] == "miss"
     assert body["choices"][0]["message"]["content"] == answer_for("shared words")
     clock.advance(5)
-    broker.broker.queue.merge_queue.release_due()
     assert (await waiting)[0] == 200
 
 
@@ -108,7 +106,6 @@ async def test_a_merge_opt_out_never_receives_a_merged_answer_from_an_identical_
     opted_out = asyncio.create_task(broker.chat("question one", broker={"merge": False}))
     await spy.wait_for(3)
     clock.advance(5)
-    broker.broker.queue.merge_queue.release_due()
     status, body, headers = await opted_out
     assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("question one")
     assert (headers["X-Broker-Batch-Size"], headers["X-Broker-Cache"]) == ("1", "miss")
@@ -131,8 +128,13 @@ async def test_tenant_and_user_names_containing_separators_never_share_a_cache_e
 
 
 async def test_a_deadline_error_cites_the_callers_own_shorter_timeout(simulator, start_broker):
-    broker = await start_broker(config(simulator, [{"name": "slow", **WINDOW}]), clock=FakeClock())
-    status, body, _ = await broker.chat("too impatient", broker={"timeout_s": 0.2})
+    clock = FakeClock()
+    broker = await start_broker(config(simulator, [{"name": "slow", **WINDOW}]), clock=clock)
+    spy = SubmitSpy(broker)
+    impatient = asyncio.create_task(broker.chat("too impatient", broker={"timeout_s": 0.2}))
+    await spy.wait_for(1)
+    clock.advance(0.2)
+    status, body, _ = await impatient
     assert status == 504 and body["error"]["code"] == "deadline_exceeded"
     assert "0.2 s" in body["error"]["message"]
 
