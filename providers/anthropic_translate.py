@@ -39,7 +39,8 @@ _STREAM_ERROR_STATUS = {"overloaded_error": OVERLOADED_STATUS, "rate_limit_error
 
 _PASS_THROUGH = ("temperature", "top_p", "top_k")
 _CONSUMED = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "stop", "stream",
-                       "stream_options", "user", *_PASS_THROUGH})
+                       "stream_options", "user", "safety_identifier", "prompt_cache_key", *_PASS_THROUGH})
+"""Fields translated, or (`prompt_cache_key`, a hint for OpenAI's own prompt cache) safe to leave behind."""
 _NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
                             "store": False, "parallel_tool_calls": True}
 """Fields accepted only at the value that asks for nothing (SDKs sometimes send these defaults)."""
@@ -130,9 +131,9 @@ def to_messages(body: Mapping[str, Any], *, default_max_tokens: int,
 
     System and developer messages become `system` (joined by blank lines, in order); `max_tokens`
     (or `max_completion_tokens`, the smaller of both) defaults to `default_max_tokens`, because the
-    Messages API requires one; `stop` becomes `stop_sequences`; `user` becomes `metadata.user_id`;
-    temperature, top_p and top_k pass through when set (never added: models from Opus 4.7 on refuse
-    any sampling field, and their 400 names it). `model_map` renames the model. Raises
+    Messages API requires one; `stop` becomes `stop_sequences`; `user` (or `safety_identifier`) becomes
+    `metadata.user_id`; temperature, top_p and top_k pass through when set (never added: models from
+    Opus 4.7 on refuse any sampling field, and their 400 names it). `model_map` renames the model. Raises
     `UpstreamUnsupported` naming the first field that cannot be carried.
     """
     _check_fields(body)
@@ -149,8 +150,9 @@ def to_messages(body: Mapping[str, Any], *, default_max_tokens: int,
     for name in _PASS_THROUGH:
         if body.get(name) is not None:
             out[name] = body[name]
-    if body.get("user"):
-        out["metadata"] = {"user_id": str(body["user"])}
+    user = body.get("user") or body.get("safety_identifier")
+    if user:
+        out["metadata"] = {"user_id": str(user)}
     return out
 
 

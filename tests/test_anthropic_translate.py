@@ -39,6 +39,8 @@ def test_sampling_stop_and_user_fields_are_carried():
     assert out["max_tokens"] == 40  # the smaller of both limits, as OpenAI applies them
     assert "stream" not in out and "stream_options" not in out and "user" not in out
     assert translate(stop=["a", "b"])["stop_sequences"] == ["a", "b"]
+    hinted = translate(safety_identifier="hashed-user", prompt_cache_key="k")
+    assert hinted["metadata"] == {"user_id": "hashed-user"} and "prompt_cache_key" not in hinted
 
 
 def test_fields_at_their_neutral_values_are_accepted():
