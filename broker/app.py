@@ -119,7 +119,8 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     shadow = ShadowRunner(pools, rate=settings.merge.shadow_rate, tpm=settings.merge.shadow_tpm, guard=guard,
                           metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
     dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow)
-    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
+    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap,
+                        adaptive=t.window_policy == "adaptive", min_partners=t.window_min_partners)
              for t in settings.tiers]
     windows = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock, metrics=metrics,
                          on_partners=dispatcher.prefetch)

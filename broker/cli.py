@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib
 import os
 import sys
@@ -148,7 +149,10 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import structlog
+
     from mergebroker.broker.app import create_app
+    from mergebroker.broker.eventloop import loop_kind, new_event_loop
     from mergebroker.broker.logging import configure_logging
     from mergebroker.broker.server import serve
     from mergebroker.broker.settings import ConfigError, load_settings
@@ -159,7 +163,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mergebroker: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
-    asyncio.run(serve(create_app(settings), settings.server))
+    loop_factory = functools.partial(new_event_loop, settings.server.event_loop)
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        structlog.get_logger(__name__).info("event_loop", kind=loop_kind(runner.get_loop()))
+        runner.run(serve(create_app(settings), settings.server))
     return 0
 
 

@@ -137,6 +137,9 @@ class Metrics:
                                             "line's request.", registry=r)
         self.bulk_batches = Counter(p + "bulk_batches", "Bulk jobs ended, by final status.", ["status"], registry=r)
         self.bulk_active = Gauge(p + "bulk_active", "Bulk jobs running.", registry=r)
+        self.window_decisions = Counter(p + "window_decisions", "Requests that opened a merge window (wait) or were "
+                                        "sent at once because no partner was likely (skip), by tier.",
+                                        ["tier", "decision"], registry=r)
 
     def model_label(self, model: str) -> str:
         """The `model` label value for `model`: the name itself for the first `max_model_labels` distinct

@@ -15,6 +15,7 @@ from mergebroker.broker.batch_routes import add_batch_routes
 from mergebroker.broker.body import BODY_LIMITS, read_json
 from mergebroker.broker.state import BROKER, Broker
 from mergebroker.broker.chat import CacheControl
+from mergebroker import jsonio
 from mergebroker.clock import Clock, monotonic
 from mergebroker.broker.handling import (authenticate, chat_headers, check_chat_model, complete_chat, with_body_options,
                                           create_embeddings, embedding_headers)
@@ -78,7 +79,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _stream(request, broker, caller, body, parsed.broker.timeout_s if parsed.broker else None)
     result = await complete_chat(broker, info, caller, parsed, body,
                                  CacheControl.from_header(request.headers.get("Cache-Control")))
-    return web.json_response(result.outcome.body, headers=chat_headers(result))
+    return web.Response(body=jsonio.dumps(result.outcome.body), content_type="application/json",
+                        headers=chat_headers(result))
 
 
 async def _stream(request: web.Request, broker: Broker, caller: Caller, body: dict[str, Any],

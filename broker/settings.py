@@ -42,6 +42,8 @@ class ServerSettings(_Strict):
     max_json_depth: int = Field(64, ge=2, description="Deepest nesting a request body may have (400 above).")
     max_messages: int = Field(2048, gt=0, description="Most messages one chat request may hold (400 above).")
     accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="The serving event loop: uvloop when installed (auto), or the standard asyncio loop.")
 
 
 class BreakerConfig(_Strict):
@@ -119,6 +121,10 @@ class TierSettings(_Strict):
                                 "(default: the window, at least 50 ms).")
     omitted_temperature_is_zero: bool = False
     system_prompts: Literal["exact", "tagged"] = "exact"
+    window_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="adaptive: a request that likely gets no partner within the window is sent at once.")
+    window_min_partners: float = Field(
+        0.1, ge=0, description="adaptive: wait only when at least this many partners are expected in the window.")
 
     @property
     def queue_hard_cap(self) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
@@ -16,6 +15,7 @@ import aiohttp
 import structlog
 from yarl import URL
 
+from mergebroker import jsonio
 from mergebroker.errors import (
     UpstreamBadResponse,
     UpstreamConnectionError,
@@ -26,6 +26,9 @@ from mergebroker.errors import (
 from mergebroker.providers.retry import parse_retry_after
 
 log = structlog.get_logger(__name__)
+
+_JSON_CONTENT = {"Content-Type": "application/json"}
+_SSE_REQUEST = {**_JSON_CONTENT, "Accept": "text/event-stream"}
 
 DEFAULT_TOKEN_RATE = 50.0
 """Generation speed (tokens/s) assumed when sizing a read timeout: slow enough for a loaded hosted model."""
@@ -81,8 +84,8 @@ def _translated(provider: str, endpoint: str) -> Iterator[None]:
 
 def _decode_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+        return jsonio.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
 
 
@@ -167,7 +170,8 @@ class OpenAICompatProvider:
                             timeout: float) -> dict[str, Any]:
         """One request; the parsed JSON object of a 2xx answer, or an `UpstreamError`."""
         with _translated(self.name, endpoint):
-            async with self._client().request(method, self._endpoint_url(endpoint, body), json=body,
+            data, headers = (None, None) if body is None else (jsonio.dumps(body), _JSON_CONTENT)
+            async with self._client().request(method, self._endpoint_url(endpoint, body), data=data, headers=headers,
                                               timeout=self._call_timeout(timeout)) as resp:
                 raw = await resp.read()
                 if not 200 <= resp.status < 300:
@@ -216,8 +220,8 @@ class OpenAICompatProvider:
         client_timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout,
                                                connect=min(timeout, self._settings.connect_timeout_s))
         with _translated(self.name, endpoint):
-            async with self._client().post(self._endpoint_url(endpoint, body), json=body,
-                                           headers={"Accept": "text/event-stream"},
+            async with self._client().post(self._endpoint_url(endpoint, body), data=jsonio.dumps(body),
+                                           headers=_SSE_REQUEST,
                                            timeout=client_timeout) as resp:
                 if not 200 <= resp.status < 300:
                     raise self._upstream_error(resp.status, resp.headers, await resp.read())

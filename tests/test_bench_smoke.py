@@ -106,3 +106,10 @@ def test_provider_kinds_quick_measures_every_kind_in_both_modes_without_errors(t
         for kind in ("openai", "anthropic", "azure"):
             assert summary[kind]["rps"] > 0 and summary[kind]["errors"] == 0
         assert summary["anthropic_vs_openai_rps"] > 0 and summary["azure_vs_openai_cpu"] > 0
+
+
+def test_latency_quick_runs_the_sequential_client_against_three_brokers(quick_runs) -> None:
+    result = finished(quick_runs, "latency")
+    summary = result["sequential"]["summary"]
+    assert set(summary) == {"passthrough", "adaptive", "fixed"} and result["sequential"]["errors"] == 0
+    assert {"added_p50_ms"} <= set(summary["adaptive"]) and summary["fixed"]["p50_ms"] > 0

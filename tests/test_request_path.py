@@ -187,7 +187,7 @@ async def test_a_tenant_paused_by_the_quality_guard_is_sent_alone_while_the_othe
     guard.record("noisy", "m", True)
     group = jobs("first question", "second question", "third question")
     group[2].caller = Caller("noisy", "t")  # a shared (global-scope) window holds several tenants
-    pools = FakePools(answer_blocks)
+    pools = FakePool(answer_blocks)
     d = Dispatcher(pools, tiers={"t": TierMergePolicy(True, 0.0, 8)}, options=MergeOptions(None, 4, {}, 100_000),
                    embedder=None, guard=guard, merging_allowed=lambda model: True)
     await d.run_group(ReleasedGroup("t", "k", group, 0.0))
