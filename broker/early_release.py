@@ -31,7 +31,7 @@ from mergebroker.merge.settle import (LEAK, MERGED_CALL_FAILED, BlockVerdict, Se
                                       settle_block)
 from mergebroker.merge.stream_split import BlockClosed, StreamEvent, StreamSplitter, releasable
 from mergebroker.merge.usage import apportion_usage
-from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.base import Pool
 from mergebroker.providers.sse import chat_event
 
 log = structlog.get_logger(__name__)
@@ -64,7 +64,7 @@ class StreamCall:
     stream: bool = False  # its members are streaming requests (merged streams)
 
 
-async def stream_blocks(pools: ProviderPools, call: StreamCall, members: Sequence[SettleMember],
+async def stream_blocks(pools: Pool, call: StreamCall, members: Sequence[SettleMember],
                         options: SettleOptions, on_verdict: OnVerdict, *, clock: Clock,
                         on_delta: OnDelta | None = None) -> StreamedReply:
     """Run `call` as a stream and hand each member's verdict to `on_verdict` as soon as it is known
@@ -85,7 +85,7 @@ async def stream_blocks(pools: ProviderPools, call: StreamCall, members: Sequenc
 
     try:
         # The stream's own timeout bounds each gap between chunks; the call as a whole ends at its deadline.
-        async with asyncio.timeout(max(0.0, call.deadline - clock())):
+        async with clock.timeout_at(call.deadline):
             async for chunk in chunks:
                 event = chat_event(chunk)
                 reply.meta.update(event.meta or {})

@@ -8,10 +8,10 @@ effective priority = tier priority + `aging_per_s` x seconds the oldest released
 released batch-tier group overtakes fresh realtime traffic after at most
 (priority_realtime - priority_batch) / aging_per_s seconds: the starvation bound.
 
-With `adaptive` windows (`merge.window_policy`), a request that opens a group waits only when a partner
-is likely to arrive within the window; otherwise it is released at once. Windows are timers
-(`loop.call_later`), never polling; `release_due()` releases them against the injected
-clock instead. Requests whose future is already done (deadline, client gone) are dropped when their group
+With `adaptive` windows (`window_policy`), a request that opens a group waits only when a partner is likely
+to arrive within the window; otherwise it is released at once. Windows are timers on the injected clock
+(`clock.call_at`), never polling, so a fake clock's `advance` closes them. Requests whose future is already
+done (deadline, client gone) are dropped when their group
 is taken, the others of the group stay. Past the tier's hard cap (everything not yet taken by a worker),
 `submit` refuses at once with `Overloaded` (503 + Retry-After).
 """
@@ -26,7 +26,7 @@ from typing import Callable, Generic, Protocol, TypeVar
 
 import structlog
 
-from mergebroker.clock import Clock, monotonic
+from mergebroker.clock import Clock, Timer, monotonic
 from mergebroker.errors import Overloaded
 from mergebroker.broker.metrics import Metrics
 from mergebroker.merge.window_policy import DEFAULT_MIN_PARTNERS, WindowEstimator
@@ -64,7 +64,7 @@ class _Group(Generic[T]):
     key: str | None
     opened_at: float
     items: list[T] = field(default_factory=list)
-    timer: asyncio.TimerHandle | None = None
+    timer: Timer | None = None
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,8 @@ class MergeQueue(Generic[T]):
         group = groups.get(item.merge_key)
         if group is None:
             group = groups[item.merge_key] = _Group(item.merge_key, self._clock())
-            loop = asyncio.get_running_loop()
-            group.timer = loop.call_later(tier.window_s, self._release, tier.name, item.merge_key)
+            group.timer = self._clock.call_at(group.opened_at + tier.window_s, self._release, tier.name,
+                                              item.merge_key)
         group.items.append(item)
         self._open_count[tier.name] += 1
         if self._on_partners is not None and len(group.items) > 1:
@@ -157,14 +157,6 @@ class MergeQueue(Generic[T]):
             # Counting only what waits in windows keeps merging alive while workers lag behind: a long
             # ready line is no reason to stop merging, a window holding max_queue requests is.
             self._forced_flush(tier.name)
-
-    def release_due(self) -> None:
-        """Release every open group whose window has passed on the injected clock (for tests and timers)."""
-        now = self._clock()
-        for name, tier in self._tiers.items():
-            for key, group in list(self._open[name].items()):
-                if now - group.opened_at >= tier.window_s:
-                    self._release(name, key)
 
     def _forced_flush(self, tier: str) -> None:
         if self._metrics:

@@ -159,7 +159,7 @@ class OpenAICompatProvider:
         """Where a call to `endpoint` with `body` goes; a provider with per-model paths overrides this."""
         return self._url(endpoint)
 
-    def _http_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
+    def _upstream_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
         """The error for a non-2xx answer; a provider with another error envelope overrides this."""
         return _http_error(status, headers, raw)
 
@@ -176,7 +176,7 @@ class OpenAICompatProvider:
                 raw = await resp.read()
                 if not 200 <= resp.status < 300:
                     log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=resp.status)
-                    raise self._http_error(resp.status, resp.headers, raw)
+                    raise self._upstream_error(resp.status, resp.headers, raw)
         data = _decode_json(raw)
         if not isinstance(data, dict):
             raise UpstreamBadResponse(f"upstream {endpoint} answered 2xx without a JSON object")
@@ -224,7 +224,7 @@ class OpenAICompatProvider:
                                            headers=_SSE_REQUEST,
                                            timeout=client_timeout) as resp:
                 if not 200 <= resp.status < 300:
-                    raise self._http_error(resp.status, resp.headers, await resp.read())
+                    raise self._upstream_error(resp.status, resp.headers, await resp.read())
                 if resp.content_type == "application/json":
                     raise UpstreamBadResponse("upstream answered JSON to a streaming request")
                 buffer = b""
