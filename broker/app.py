@@ -110,14 +110,14 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     auth = Authenticator(settings.auth, tiers=tuple(t.name for t in settings.tiers), default_tier=settings.default_tier)
     shared = None
     if redis is not None and settings.redis.share_breakers:
-        shared = SharedBreakerState(redis, clock=clock)
+        shared = SharedBreakerState(redis, clock=clock, sleep=clock.sleep)
         for b in breakers.values():
             shared.attach(b)
     ledger = None
     dsn = settings.ledger.postgres_dsn
     target = dsn.get_secret_value() if dsn else settings.ledger.path
     if target:
-        ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s)
+        ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s, sleep=clock.sleep)
     broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host,
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger)
     await _start(broker, providers)

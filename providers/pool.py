@@ -257,12 +257,11 @@ class ProviderPools:
 
     async def _try(self, u: Upstream, attempt: Attempt[T], spec: _CallSpec) -> T:
         """One attempt on one upstream: breaker check, rate and concurrency slot, the call, the settlement."""
-        wait_s = remaining(spec.deadline, self._clock)
-        if wait_s <= 0:
+        if remaining(spec.deadline, self._clock) <= 0:
             raise DeadlineExceeded("The request's deadline passed before an upstream answered.")
         if u.breaker is not None:
             u.breaker.before_call()  # refuse before queueing for a slot or spending rate budget
-        taken = await self._acquire(u, spec, wait_s)
+        taken = await self._acquire(u, spec)
         sent = False
         try:
             left, read_timeout = remaining(spec.deadline, self._clock), spec.read_timeout(u)
@@ -299,8 +298,8 @@ class ProviderPools:
         elif isinstance(exc, UpstreamHTTPError) and exc.caller_fault:
             u.limiter.give_back(taken)
 
-    async def _acquire(self, u: Upstream, spec: _CallSpec, wait_s: float) -> int:
-        """Take `u`'s rate budget and a concurrency slot, waiting at most `wait_s` (the request's budget).
+    async def _acquire(self, u: Upstream, spec: _CallSpec) -> int:
+        """Take `u`'s rate budget and a concurrency slot, waiting at most until the request's deadline.
 
         Returns the tokens taken from the upstream's budget (the estimate, capped at one bucket).
         """
@@ -309,7 +308,7 @@ class ProviderPools:
             return 0
         taken: int | None = None
         try:
-            async with asyncio.timeout(wait_s):
+            async with self._clock.timeout_at(spec.deadline):
                 if u.limiter is not None:
                     taken = await u.limiter.acquire(spec.tokens, spec.priority)
                 if u._slots is not None:
