@@ -50,7 +50,7 @@ from mergebroker.providers.retry import RetryPolicy
 log = structlog.get_logger(__name__)
 
 
-def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> web.Application:
+def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None) -> web.Application:
     """The aiohttp application for `settings`; components are built when it starts."""
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
     app[SETTINGS_MAX_BODY] = settings.server.max_body_bytes
@@ -68,8 +68,11 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = a
     return app
 
 
-async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> Broker:
-    """Build and start every component; `clock` and `sleep` drive all time-based parts (tests inject fakes)."""
+async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None) -> Broker:
+    """Build and start every component; `clock` drives all time-based parts (tests inject a fake).
+
+    `sleep` (default `clock.sleep`) is the retry backoff's wait alone, for tests that let it pass at once.
+    """
     metrics = Metrics()
     simulated = None
     providers = list(settings.providers)
@@ -87,7 +90,7 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
                 for p in providers if p.kind == "openai"}
     upstreams = [_upstream(p, breakers[p.name], clock) for p in providers if p.kind == "openai"]
     pools = ProviderPools(upstreams, strategy=settings.routing, retry=RetryPolicy(**settings.retry.model_dump()),
-                          clock=clock, sleep=sleep, observer=PoolMetrics(metrics))
+                          clock=clock, sleep=sleep or clock.sleep, observer=PoolMetrics(metrics))
     routes: dict[str, list[str]] = {}
     for p in providers:
         for model in p.models:
