@@ -244,7 +244,7 @@ class ChatService:
             chunks, provider = await self._pools.stream_chat(body["model"], body, deadline=deadline,
                                                              priority=aged_rank(tier.priority, self._clock(),
                                                                                 self._settings.server.aging_per_s),
-                                                             tokens=prompt_tokens + max_tokens)
+                                                             tokens=prompt_tokens + max_tokens, tenant=caller.tenant)
         except BaseException:
             await reservation.settle(0)
             raise

@@ -24,6 +24,7 @@ from mergebroker.broker.schemas import EmbeddingRequest
 from mergebroker.broker.settings import ProviderSettings, Settings
 from mergebroker.broker.tokens import count_text_tokens, estimate_embedding_tokens
 from mergebroker.merge.cache import TwoLevelCache
+from mergebroker.broker.embedding_stats import CoalescerStats
 from mergebroker.broker.embedding_engine import EmbeddingBatcher, cache_metrics_hook
 from mergebroker.providers.base import EmbedResult
 from mergebroker.providers.local_model import SentenceModelHost
@@ -62,6 +63,10 @@ class EmbeddingService:
 
     async def start(self) -> None:
         return None
+
+    def stats(self) -> CoalescerStats:
+        """The coalescer's counts and figures (cache-hit rate, coalesced ratio, mean batch size, pending window)."""
+        return self._batcher.stats()
 
     async def stop(self) -> None:
         """Send what waits in open windows, then fail anything left (shutdown never strands a caller)."""
@@ -103,7 +108,8 @@ class EmbeddingService:
         if not all(isinstance(t, str) for t in texts):
             if parsed.model in self._local:
                 raise InvalidRequest("Token-array input is not supported by local embedding models.", param="input")
-            reply, _ = await self._pools.embeddings(parsed.model, body, deadline=deadline, tokens=tokens)
+            reply, _ = await self._pools.embeddings(parsed.model, body, deadline=deadline, tokens=tokens,
+                                                    tenant=caller.tenant)
             return reply, "miss", int((reply.get("usage") or {}).get("prompt_tokens", tokens))
         # The embeddings cache is shared by every tenant unless the operator scopes it (README, /v1/embeddings).
         scope = f"tenant:{caller.tenant}" if self._settings.embeddings.cache_scope == "tenant" else None

@@ -6,6 +6,7 @@
     ├── Forbidden                    403 tier_not_allowed
     ├── NotFound                     404 model_not_found / not_found
     ├── MethodNotAllowed             405
+    ├── RequestTimeout               408 the client was too slow sending its body
     ├── PayloadTooLarge              413
     ├── UnsupportedMediaType         415
     ├── RateLimited                  429 (retry_after)
@@ -17,7 +18,9 @@
         │                            its rejection of the broker's credentials is a 502, never the caller's fault
         ├── UpstreamConnectionError  could not connect / connection dropped  -> 502
         ├── UpstreamTimeout          upstream did not answer in time          -> 504
-        └── UpstreamBadResponse      upstream answered 2xx with an unusable body -> 502
+        ├── UpstreamBadResponse      upstream answered 2xx with an unusable body -> 502
+        └── UpstreamUnsupported      this upstream's protocol cannot carry a field of the request -> 400
+                                     (param names it); pools try the model's other upstreams first
 
 Foreign exceptions (aiohttp, redis, pybreaker) are translated at the boundary with
 `raise Mapped(...) from exc`; HTTP errors leave the service through `error_body` only.
@@ -87,6 +90,10 @@ class NotFound(BrokerError):
 
 class MethodNotAllowed(BrokerError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class RequestTimeout(BrokerError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
 class PayloadTooLarge(BrokerError):
@@ -176,3 +183,21 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamBadResponse(UpstreamError):
     code = "upstream_bad_response"
+
+
+class UpstreamUnsupported(UpstreamError):
+    """The request asks for something this upstream's protocol cannot express (a field, an endpoint).
+
+    Raised by a translating provider before anything is sent. It is the caller's request, not the
+    upstream's health, so it never counts against a breaker and is not retried; a pool still offers
+    the call to the model's other upstreams (another kind may carry the field) and raises this only
+    when none of them answers.
+    """
+
+    status, type, code = 400, "invalid_request_error", "unsupported_parameter"
+    retryable = False
+
+    @property
+    def caller_fault(self) -> bool:
+        """Always true: the request, not the upstream, is what cannot be served."""
+        return True

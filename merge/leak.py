@@ -6,12 +6,17 @@ request (so two questions that share a phrase do not trip it). A request shorter
 at least `SHORT_FLOOR` words) is protected as a whole: its full word sequence quoted in another member's
 answer is a leak too. Words are compared lower-cased with punctuation stripped; each text is cut into
 word n-grams once per length in use, so the check stays linear in total words.
+
+An answer also leaks when it holds another member's distinctive token (a PIN, an email, a URL, an ID)
+that its own request does not hold, however disguised: see `merge.distinctive`.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Iterator, Mapping, Sequence
+
+from mergebroker.merge.distinctive import distinctive_tokens, stolen_tokens
 
 _WORD = re.compile(r"\w+")
 SHORT_FLOOR = 4  # below this, a whole request is too common a phrase to call quoting it a leak
@@ -24,10 +29,15 @@ def find_leaks(answers: Mapping[str, str], requests: Mapping[str, str], *, min_w
     words = {member: _words(text) for member, text in requests.items()}
     sources = _protected_runs(words, min_words)
     all_ids = set(requests) | set(answers)
+    tokens = {member: distinctive_tokens(text) for member, text in requests.items()}
     leaked: set[str] = set()
     for member, answer in answers.items():
         if _names_other_id(answer, member, all_ids) or _quotes_other(
                 _words(answer), words.get(member, []), member, sources):
+            leaked.add(member)
+            continue
+        others = set().union(*(t for other, t in tokens.items() if other != member))
+        if stolen_tokens(answer, requests.get(member, ""), others):
             leaked.add(member)
     return leaked
 

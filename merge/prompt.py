@@ -1,8 +1,9 @@
 """Build the combined prompt of a merged call (the wire format in docs/architecture.md).
 
 The group's system message is kept unchanged and one user message carries a header and one
-`<request id="ID">` block per member. Member text is neutralised first, so no member can close its own
-block or forge another's, and the IDs are random per batch, so a member cannot guess them.
+`<request id="ID">` block per member. Member text is neutralised first (`neutralize_tags`, on the text as
+a model reads it), so no member can close its own block or forge another's, and the IDs are random per
+batch, so a member cannot guess them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import random
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
+
+from mergebroker.confusables import fold, folded_with_positions
 
 # The header names the request tag only in words: a literal `<request` here would look like one more
 # block to anyone parsing the combined prompt (the simulated upstream does).
@@ -61,9 +64,27 @@ def new_batch_ids(n: int, rng: random.Random | None = None) -> list[str]:
 
 
 def neutralize_tags(text: str, tags: Sequence[str] = _BLOCK_TAGS) -> str:
-    """Replace the `<` of every opening or closing `request`/`response` tag (any case, whitespace
-    allowed after `<` and `/`) with `&lt;`; `tags` widens the set (tagged mode adds `system`)."""
-    return _tag_pattern(tuple(tags)).sub("&lt;", text)
+    """Rewrite every opening or closing `request`/`response` tag in `text` so that no model reads it as one.
+
+    Tags are found in the text as a model reads it (`mergebroker.confusables.fold`: look-alikes such as
+    `＜/request＞`, `﹤/request﹥` or a Cyrillic `е`, invisible characters inside, any case, spaces or
+    separators between the letters, and the escapes `&lt;`, `&#60;`, `&#x3c;`), and each is replaced in
+    the original by the same name in square brackets, `[/request]`: readable, but not the angle-bracket
+    form the header defines. The rest of the text is left exactly as written. `tags` widens the set
+    (tagged mode adds `system`).
+    """
+    pattern = _tag_pattern(tuple(tags))
+    view = fold(text)
+    if pattern.search(view) is None:
+        return text
+    view, origin = folded_with_positions(text)
+    pieces: list[str] = []
+    kept = 0
+    for match in pattern.finditer(view):
+        start, end = origin[match.start()], origin[match.end() - 1] + 1
+        pieces += [text[kept:start], f"[{'/' if match.group(1) else ''}{_UNSPACE.sub('', match.group(2)).lower()}]"]
+        kept = end
+    return "".join([*pieces, text[kept:]])
 
 
 def build_combined_messages(
@@ -95,6 +116,25 @@ def build_combined_messages(
     return messages
 
 
+# Left out of a merged call's body: the members' own budgets and `user` (the merged call has its own), and
+# `stop`, which is applied to each member's answer after the split: met in one answer it would cut every
+# later block.
+_PER_MEMBER_BODY_FIELDS = ("max_tokens", "max_completion_tokens", "user", "stop")
+BLOCK_OVERHEAD_TOKENS = 12
+"""Output tokens a response block's tags cost beyond its answer."""
+
+
+def merged_request_body(template: Mapping[str, Any], members: Sequence[MergeMember], *, system_prompt: str | None,
+                        header: str | None = None, tagged_system: bool = False) -> dict[str, Any]:
+    """The body of a merged call: `template` (the first member's body: model, sampling, every shared field)
+    with the combined messages and the summed token budget in place of the member's own."""
+    body = {k: v for k, v in template.items() if k not in _PER_MEMBER_BODY_FIELDS}
+    body["messages"] = build_combined_messages(members, system_prompt=system_prompt, header=header,
+                                               tagged_system=tagged_system)
+    body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=BLOCK_OVERHEAD_TOKENS)
+    return body
+
+
 def merged_max_tokens(
     members: Sequence[MergeMember], *, model_limit: int | None, per_member_overhead: int = 0
 ) -> int:
@@ -112,8 +152,15 @@ def _request_block(member: MergeMember, tagged_system: bool) -> str:
     return f'<request id="{member.id}">\n{body}\n</request>'
 
 
+_OPEN = r"(?:<|&lt;?|&#0*60;?|&#x0*3c;?)"
+_CLOSE = r"(?:>|&gt;?|&#0*62;?|&#x0*3e;?)"
+_SEPARATORS = r"[\s._\-]*"
+_UNSPACE = re.compile(_SEPARATORS)
+
+
 @functools.lru_cache(maxsize=8)
 def _tag_pattern(tags: tuple[str, ...]) -> re.Pattern[str]:
-    # A lookahead keeps everything but the `<` itself, so the text stays readable to the model.
-    names = "|".join(re.escape(t) for t in tags)
-    return re.compile(rf"<(?=\s*(?:/\s*)?(?:{names}))", re.IGNORECASE)
+    # Group 1: the closing slash; group 2: the name (letters may be spaced out); then, within a short
+    # reach, the attributes up to the tag's end, which go too (a forged id must not survive as text).
+    names = "|".join(_SEPARATORS.join(re.escape(letter) for letter in t) for t in tags)
+    return re.compile(rf"{_OPEN}\s*(/\s*)?({names})(?![a-z0-9])(?:[^<>]{{0,120}}?{_CLOSE})?", re.IGNORECASE)

@@ -94,7 +94,7 @@ class FakePool:
         return self.fast_fail
 
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
-                   tokens: int = 0) -> tuple[dict[str, Any], str]:
+                   tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
         text = body["messages"][-1]["content"]
         blocks = _BLOCK.findall(text)
         if blocks:
@@ -104,7 +104,7 @@ class FakePool:
         return completion(answer_for(text)), "fake"
 
     async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
-                          tokens: int = 0) -> tuple[AsyncIterator[bytes], str]:
+                          tokens: int = 0, tenant: str | None = None) -> tuple[AsyncIterator[bytes], str]:
         answer = answer_for(body["messages"][-1]["content"])
 
         async def chunks() -> AsyncIterator[bytes]:

@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 from structlog.testing import capture_logs
 
+from mergebroker.broker.admission import Caller
 from mergebroker.clock import FakeClock
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.errors import BrokerError, NotFound
@@ -170,7 +171,7 @@ def jobs(*questions: str, systems: tuple[str | None, ...] = ()) -> list[ChatJob]
     for i, q in enumerate(questions):
         system = systems[i] if systems else None
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
-        made.append(ChatJob(request_id=f"r{i}", caller=None, body={"model": "m", "messages": messages},  # type: ignore
+        made.append(ChatJob(request_id=f"r{i}", caller=Caller("tenant", "t"), body={"model": "m", "messages": messages},
                             model="m", priority=0, shape=MergeShape(system, q), merge_key="k", prompt_tokens=10,
                             max_tokens=50, deadline=1e12, enqueued_at=0))
     return made
@@ -188,6 +189,23 @@ async def test_a_merged_reply_of_the_wrong_shape_sends_every_member_alone():
     assert [r.body["choices"][0]["message"]["content"] for r in results] == [  # type: ignore[union-attr]
         answer_for("first question"), answer_for("second question")]
     assert [r.fallback for r in results] == ["bad_reply", "bad_reply"]  # type: ignore[union-attr]
+
+
+async def test_a_tenant_paused_by_the_quality_guard_is_sent_alone_while_the_others_still_merge():
+    def answer_blocks(blocks: list[tuple[str, str]]) -> dict[str, Any]:
+        return completion("\n".join(f'<response id="{i}">{answer_for(q)}</response>' for i, q in blocks))
+
+    guard = QualityGuard(GuardSettings(window=1))
+    guard.record("noisy", "m", True)
+    group = jobs("first question", "second question", "third question")
+    group[2].caller = Caller("noisy", "t")  # a shared (global-scope) window holds several tenants
+    pools = FakePool(answer_blocks)
+    d = Dispatcher(pools, tiers={"t": TierMergePolicy(True, 0.0, 8)}, options=MergeOptions(None, 4, {}, 100_000),
+                   embedder=None, guard=guard, merging_allowed=lambda model: True)
+    await d.run_group(ReleasedGroup("t", "k", group, 0.0))
+    results = await outcomes(group)
+    assert [r.batch_size for r in results] == [2, 2, 1]  # type: ignore[union-attr]
+    assert pools.single_calls == ["third question"]
 
 
 async def test_an_embedder_failure_sends_the_members_alone_instead_of_leaving_them_waiting():

@@ -85,7 +85,7 @@ def test_answers_never_quote_the_question_nor_hold_a_hex_run_like_a_batch_id() -
 
 
 def test_a_neutralised_question_gets_the_answer_of_the_original() -> None:
-    assert answer_for("what does </request> do?") == answer_for("what does &lt;/request> do?")
+    assert answer_for("what does </request> do?") == answer_for("what does [/request] do?")
 
 
 def test_fixed_faults_win_over_random_ones_in_a_documented_order() -> None:
@@ -193,7 +193,7 @@ async def test_raw_stream_sends_a_few_words_per_chunk_then_done(sim: RunningSimu
 
 async def test_merged_call_answers_every_block_under_its_own_id(sim: RunningSimulator,
                                                                 http: aiohttp.ClientSession) -> None:
-    blocks = {**BLOCKS, "0a0b0c": "What does &lt;/request> mean in &lt;response tags?"}
+    blocks = {**BLOCKS, "0a0b0c": "What does [/request] mean in [response] tags?"}
     content, finish = await chat_content(http, sim, merged_text(blocks))
     assert content == expected_reply(blocks)
     assert answer_for("What does </request> mean in <response tags?") in content

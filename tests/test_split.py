@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from mergebroker.merge.prompt import MergeMember, build_combined_messages, new_batch_ids
+from mergebroker.merge.prompt import MergeMember, build_combined_messages, neutralize_tags, new_batch_ids
 from mergebroker.merge.split import BlockFailure, split_reply
 
 IDS = ["aaa111", "bbb222", "ccc333"]
@@ -37,7 +37,7 @@ def test_round_trip_build_simulate_split_returns_each_members_answer():
     reply = _simulate(build_combined_messages(members, system_prompt="Be brief."), rng)
     result = split_reply(reply, [m.id for m in members], finish_reason="stop")
     for member in members:
-        sent = member.user_text.replace("<", "&lt;")
+        sent = neutralize_tags(member.user_text)
         assert result[member.id] == _answer_for(sent)
 
 
