@@ -92,6 +92,13 @@ def test_bulk_quick_compacts_the_file_and_answers_every_line_with_its_own_answer
     assert runs["compacted_pool"]["upstream_calls"] < runs["line_by_line"]["upstream_calls"]
 
 
+def test_latency_quick_runs_the_sequential_client_against_three_brokers(quick_runs) -> None:
+    result = finished(quick_runs, "latency")
+    summary = result["sequential"]["summary"]
+    assert set(summary) == {"passthrough", "adaptive", "fixed"} and result["sequential"]["errors"] == 0
+    assert {"added_p50_ms"} <= set(summary["adaptive"]) and summary["fixed"]["p50_ms"] > 0
+
+
 def test_provider_kinds_quick_measures_every_kind_in_both_modes_without_errors(tmp_path: Path) -> None:
     # Run alone, last, after the others: its four processes would slow the timed chaos phases down.
     out = tmp_path / "provider_kinds.json"
@@ -106,10 +113,3 @@ def test_provider_kinds_quick_measures_every_kind_in_both_modes_without_errors(t
         for kind in ("openai", "anthropic", "azure"):
             assert summary[kind]["rps"] > 0 and summary[kind]["errors"] == 0
         assert summary["anthropic_vs_openai_rps"] > 0 and summary["azure_vs_openai_cpu"] > 0
-
-
-def test_latency_quick_runs_the_sequential_client_against_three_brokers(quick_runs) -> None:
-    result = finished(quick_runs, "latency")
-    summary = result["sequential"]["summary"]
-    assert set(summary) == {"passthrough", "adaptive", "fixed"} and result["sequential"]["errors"] == 0
-    assert {"added_p50_ms"} <= set(summary["adaptive"]) and summary["fixed"]["p50_ms"] > 0
