@@ -23,15 +23,18 @@ from mergebroker.broker.background import spawn
 from mergebroker.broker.batch_runner import Limits
 from mergebroker.broker.batches import build_batch_service
 from mergebroker.broker.chat import ChatService
+from mergebroker.broker.cluster.frontend import build_cluster_queue
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.broker.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
+from mergebroker.broker.job_queue import JobQueue
 from mergebroker.broker.ledger import Ledger
+from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.ledger_store import open_store
 from mergebroker.broker.metrics import (Metrics, PoolMetrics, breaker_listener, connections_listener,
-                                        merging_listener)
+                                        guard_listener, merging_listener)
 from mergebroker.broker.middleware import error_middleware
 from mergebroker.broker.routes import add_routes
 from mergebroker.broker.server import CONNECTIONS
@@ -40,6 +43,7 @@ from mergebroker.broker.queue import MergeQueue, TierWindow
 from mergebroker.broker.ratelimit import RateLimiter
 from mergebroker.broker.ratelimit_redis import RedisRateLimiter
 from mergebroker.broker.settings import HTTP_PROVIDER_KINDS, ProviderSettings, Settings
+from mergebroker.broker.shadow import ShadowRunner
 from mergebroker.broker.tokens import count_text_tokens
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.broker.workers import LocalJobQueue
@@ -110,13 +114,20 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
             routes.setdefault(model, []).append(p.name)
     policy = DegradationPolicy(routes, breakers, merging_listener(metrics))
     host, embedder = _similarity_model(settings, providers)
-    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock)
-    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
+    ledger = _ledger(settings)
+    guard = _guard(settings, clock, metrics)
+    shadow = ShadowRunner(pools, rate=settings.merge.shadow_rate, tpm=settings.merge.shadow_tpm, guard=guard,
+                          metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
+    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow)
+    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap,
+                        adaptive=t.window_policy == "adaptive", min_partners=t.window_min_partners)
              for t in settings.tiers]
     windows = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock, metrics=metrics,
                          on_partners=dispatcher.prefetch)
-    queue = LocalJobQueue(windows, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
-    limiter: Any = RateLimiter(clock)
+    queue: JobQueue = LocalJobQueue(windows, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
+    if settings.cluster.enabled:  # jobs go to the workers; the local queue is the fallback while Redis is down
+        queue = build_cluster_queue(settings, queue, metrics=metrics, clock=clock, sleep=sleep)
+    limiter: Limiter = RateLimiter(clock)
     if redis is not None and settings.redis.share_limits:
         limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
     chat = ChatService(settings, queue=queue, pools=pools, limiter=limiter, cache=_chat_cache(settings, redis, clock),
@@ -129,17 +140,12 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
         shared = SharedBreakerState(redis, clock=clock)
         for b in breakers.values():
             shared.attach(b)
-    ledger = None
-    dsn = settings.ledger.postgres_dsn
-    target = dsn.get_secret_value() if dsn else settings.ledger.path
-    if target:
-        ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s)
     batches = build_batch_service(settings, pools=pools, providers=providers, limits=Limits(limiter, chat.limit_specs),
                                   embedder=embedder, merging_allowed=policy.merging_allowed, metrics=metrics,
                                   clock=clock, sleep=sleep)
     broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host,
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger,
-                    batches=batches)
+                    batches=batches, shadow=shadow)
     await _start(broker, providers)
     return broker
 
@@ -147,15 +153,19 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
 def connection_limits(settings: Settings) -> ConnectionLimits:
     """The client-connection bounds; the default cap leaves descriptors for every provider's connections."""
     s = settings.server
-    upstream_fds = sum(p.max_connections for p in settings.providers if p.kind == "openai") or 100
+    upstream_fds = sum(p.max_connections for p in settings.providers if p.kind in HTTP_PROVIDER_KINDS) or 100
     cap = s.max_connections or auto_max_connections(s.reserved_fds + upstream_fds)
     return ConnectionLimits(cap, s.header_timeout_s, s.body_timeout_s, s.idle_timeout_s)
 
 
 def _similarity_model(settings: Settings, providers: list[ProviderSettings]
                       ) -> tuple[SentenceModelHost | None, CachingEmbedder | None]:
-    """The one local model (if merging or /v1/embeddings needs it) and the merge engine's embedder over it."""
-    needs_model = settings.merge.enabled and settings.merge.embedder != "none" and any(
+    """The one local model (if merging or /v1/embeddings needs it) and the merge engine's embedder over it.
+
+    A cluster-mode front-end never loads it for merging: its workers do (its in-process fallback sends
+    what needs similarity unmerged).
+    """
+    needs_model = not settings.cluster.enabled and settings.merge.enabled and settings.merge.embedder != "none" and any(
         t.merge and t.similarity_threshold > 0 for t in settings.tiers)
     int8 = settings.merge.embedder == "local-int8"
     if not needs_model and not any(p.kind == "local" for p in providers):
@@ -165,8 +175,23 @@ def _similarity_model(settings: Settings, providers: list[ProviderSettings]
     return host, embedder
 
 
+def _ledger(settings: Settings) -> Ledger | None:
+    dsn = settings.ledger.postgres_dsn
+    target = dsn.get_secret_value() if dsn else settings.ledger.path
+    return Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s) if target else None
+
+
+def _guard(settings: Settings, clock: Clock, metrics: Metrics) -> QualityGuard:
+    m = settings.merge
+    return QualityGuard(GuardSettings(m.quality_guard_ratio, m.quality_guard_min_batches, m.quality_guard_cooldown_s,
+                                      min_fidelity=m.quality_guard_min_fidelity,
+                                      fidelity_window=m.quality_guard_fidelity_window),
+                        clock=clock, on_pause=guard_listener(metrics))
+
+
 def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbedder | None,
-                policy: DegradationPolicy, metrics: Metrics, clock: Clock) -> Dispatcher:
+                policy: DegradationPolicy, metrics: Metrics, clock: Clock, guard: QualityGuard,
+                shadow: ShadowRunner) -> Dispatcher:
     tiers = {t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
                                      (t.similarity_budget_ms if t.similarity_budget_ms is not None
                                       else max(4 * t.window_ms, 200.0)) / 1000)
@@ -176,9 +201,8 @@ def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbed
         pools, tiers=tiers,
         options=MergeOptions(m.header, m.leak_min_words, m.context_tokens, m.default_context_tokens),
         embedder=embedder,
-        guard=QualityGuard(GuardSettings(m.quality_guard_ratio, m.quality_guard_min_batches,
-                                         m.quality_guard_cooldown_s), clock=clock),
-        merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock)
+        guard=guard, merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock,
+        on_merged_answer=shadow.offer if shadow.enabled else None)
 
 
 def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache | None:
@@ -247,6 +271,8 @@ async def stop_broker(broker: Broker) -> None:
     for task in list(broker.background):
         task.cancel()
     await asyncio.gather(*broker.background, return_exceptions=True)
+    if broker.shadow is not None:
+        await broker.shadow.close()
     await broker.embeddings.stop()
     if broker.ledger is not None:
         await broker.ledger.stop()

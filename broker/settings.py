@@ -42,6 +42,8 @@ class ServerSettings(_Strict):
     max_json_depth: int = Field(64, ge=2, description="Deepest nesting a request body may have (400 above).")
     max_messages: int = Field(2048, gt=0, description="Most messages one chat request may hold (400 above).")
     accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="The serving event loop: uvloop when installed (auto), or the standard asyncio loop.")
 
 
 class BreakerConfig(_Strict):
@@ -49,7 +51,7 @@ class BreakerConfig(_Strict):
     min_calls: int = Field(10, gt=0)
     error_ratio: float = Field(0.10, gt=0, le=1)
     slow_ratio: float = Field(0.30, gt=0, le=1)
-    slow_call_s: float = Field(10.0, gt=0)
+    slow_call_s: float = Field(10.0, gt=0, description="A call is slow past this plus its output tokens / token_rate.")
     open_s: float = Field(10.0, gt=0)
     open_backoff: float = Field(2.0, ge=1)
     open_max_s: float = Field(120.0, gt=0)
@@ -119,6 +121,10 @@ class TierSettings(_Strict):
                                 "(default: the window, at least 50 ms).")
     omitted_temperature_is_zero: bool = False
     system_prompts: Literal["exact", "tagged"] = "exact"
+    window_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="adaptive: a request that likely gets no partner within the window is sent at once.")
+    window_min_partners: float = Field(
+        0.1, ge=0, description="adaptive: wait only when at least this many partners are expected in the window.")
 
     @property
     def queue_hard_cap(self) -> int:
@@ -178,6 +184,13 @@ class MergeSettings(_Strict):
     quality_guard_ratio: float = Field(0.10, ge=0, le=1)
     quality_guard_min_batches: int = Field(20, gt=0)
     quality_guard_cooldown_s: float = Field(300.0, ge=0)
+    quality_guard_min_fidelity: float = Field(
+        0.8, ge=0, le=1, description="Pause merging for a tenant and model when the mean of its recent shadow "
+                                     "comparisons falls below this (0: never; needs shadow_rate > 0).")
+    quality_guard_fidelity_window: int = Field(20, gt=0, description="Shadow comparisons that mean is taken over.")
+    shadow_rate: float = Field(0.0, ge=0, le=1, description="Share of merged members also sent alone, in the "
+                                                            "background at the lowest priority, to score the merge.")
+    shadow_tpm: int = Field(20_000, ge=0, description="Tokens per minute shadow calls may spend (0: none).")
     embedder: Literal["local-int8", "local", "none"] = Field(
         "local-int8", description="Similarity model: int8-quantised all-MiniLM-L6-v2 (default, ~3x cheaper), "
                                   "the float model, or none (no similarity merging).")
@@ -236,6 +249,19 @@ class LedgerSettings(_Strict):
     flush_interval_s: float = Field(1.0, gt=0)
 
 
+class McpSettings(_Strict):
+    """`mergebroker mcp`: how the MCP server listens and where its tools send their calls."""
+
+    transport: Literal["stdio", "http"] = Field("stdio", description="stdio, or streamable HTTP on host:port.")
+    host: str = "127.0.0.1"
+    port: int = Field(8090, ge=0, le=65535)
+    broker_url: str | None = Field(None, description="A running broker to call; unset: the broker runs embedded.")
+    api_key_env: str = Field("MERGEBROKER_API_KEY", description="Environment variable with the key the tools use.")
+    embedding_model: str = Field("all-MiniLM-L6-v2", description="The embed tool's model when a call names none.")
+    max_inline_values: int = Field(16_384, gt=0, description="embed: past this many floats, a handle instead.")
+    max_handles: int = Field(32, gt=0, description="embed: how many large results stay readable by handle.")
+
+
 class BatchSettings(_Strict):
     enabled: bool = True
     dir: str | None = Field(None, description="Files and batch state (SQLite); default: 'batches' beside "
@@ -271,6 +297,7 @@ class Settings(BaseSettings):
     ledger: LedgerSettings = Field(default_factory=LedgerSettings)
     batches: BatchSettings = Field(default_factory=BatchSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    mcp: McpSettings = Field(default_factory=McpSettings)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

@@ -109,6 +109,7 @@ class _CallSpec:
     tokens: int
     read_timeout: Callable[[Upstream], float]
     holds_slot: bool = False  # streams keep their upstream slot until the last chunk
+    tenant: str | None = None  # whom the call is for: the breaker's blame rule (breaker.blame)
 
 
 def order_upstreams(upstreams: list[Upstream], strategy: Strategy) -> list[Upstream]:
@@ -179,34 +180,36 @@ class ProviderPools:
         return all_open_retry_after([u.breaker for u in self.for_model(model)])
 
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
-                   tokens: int = 0) -> tuple[dict[str, Any], str]:
+                   tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
         """One chat completion through the pool; returns (body, provider name).
 
         `tokens` is the estimate taken from the upstream's token budget; the real usage settles it.
+        `tenant` is whom the call is for (None: several or unknown), for the breakers' blame rule.
         """
         async def attempt(u: Upstream, timeout: float) -> dict[str, Any]:
             return await u.provider.chat(body, timeout=timeout)
 
         return await self._call(model, attempt, _CallSpec(deadline, priority, tokens,
-                                                          lambda u: _read_timeout(body, u.token_rate)))
+                                                          lambda u: _read_timeout(body, u.token_rate), tenant=tenant))
 
     async def embeddings(self, model: str, body: dict[str, Any], *, deadline: float,
-                         tokens: int = 0) -> tuple[dict[str, Any], str]:
+                         tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
         """One embeddings call through the pool; returns (body, provider name)."""
         async def attempt(u: Upstream, timeout: float) -> dict[str, Any]:
             return await u.provider.embeddings(body, timeout=timeout)
 
-        return await self._call(model, attempt, _CallSpec(deadline, 0, tokens, lambda u: EMBEDDINGS_TIMEOUT_S))
+        return await self._call(model, attempt, _CallSpec(deadline, 0, tokens, lambda u: EMBEDDINGS_TIMEOUT_S,
+                                                          tenant=tenant))
 
-    async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float,
-                          priority: float = 0, tokens: int = 0) -> tuple[AsyncIterator[bytes], str]:
+    async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
+                          tokens: int = 0, tenant: str | None = None) -> tuple[AsyncIterator[bytes], str]:
         """Open a stream on the first healthy upstream that answers; failover happens before the first byte.
 
         The stream keeps its upstream's concurrency slot until it ends or is closed.
         """
         return await self._call(model, _first_chunk_opener(body),
                                 _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
-                                          holds_slot=True))
+                                          holds_slot=True, tenant=tenant))
 
     async def close(self) -> None:
         """Close every provider's connections."""
@@ -266,7 +269,7 @@ class ProviderPools:
         if wait_s <= 0:
             raise DeadlineExceeded("The request's deadline passed before an upstream answered.")
         if u.breaker is not None:
-            u.breaker.before_call()  # refuse before queueing for a slot or spending rate budget
+            u.breaker.before_call(spec.tenant)  # refuse before queueing for a slot or spending rate budget
         taken = await self._acquire(u, spec, wait_s)
         sent = False
         try:
@@ -275,7 +278,7 @@ class ProviderPools:
                 raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.")
             sent = True
             result = await self._guarded(u, attempt, min(left, read_timeout),
-                                         deadline=spec.deadline if left < read_timeout else None)
+                                         deadline=spec.deadline if left < read_timeout else None, tenant=spec.tenant)
         except BaseException as exc:
             self._release(u)
             self._give_back_unspent(u, exc, sent, taken)
@@ -333,18 +336,21 @@ class ProviderPools:
         if u._slots is not None:
             u._slots.release()
 
-    async def _guarded(self, u: Upstream, attempt: Attempt[T], timeout: float, *, deadline: float | None) -> T:
+    async def _guarded(self, u: Upstream, attempt: Attempt[T], timeout: float, *, deadline: float | None,
+                       tenant: str | None = None) -> T:
         """The call inside `u`'s breaker. `deadline` is set when the request's deadline, not the read
         timeout, bounds it: a timeout then is the caller's budget running out, and says nothing about
-        the upstream's health, so it leaves as `DeadlineExceeded` (neither success nor failure)."""
+        the upstream's health, so it leaves as `DeadlineExceeded` (neither success nor failure).
+        A reply's output tokens at `u.token_rate` are time it was expected to take (not slow)."""
         started = self._clock()
         outcome = "error"
         try:
             if u.breaker is None:
                 result = await self._attempt(u, attempt, timeout, deadline)
             else:
-                async with u.breaker.guard():
+                async with u.breaker.guard(tenant) as call:
                     result = await self._attempt(u, attempt, timeout, deadline)
+                    call.allowance_s = completion_tokens(result) / u.token_rate
             outcome = "success"
             return result
         except BreakerOpenError:
@@ -442,6 +448,13 @@ def usage_tokens(reply: Any) -> int | None:
         return total
     parts = [usage.get("prompt_tokens"), usage.get("completion_tokens", 0)]
     return sum(parts) if all(_is_count(p) for p in parts) else None
+
+
+def completion_tokens(reply: Any) -> int:
+    """The output tokens a reply reports (0 when it reports none, or is not a reply body)."""
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    count = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return count if _is_count(count) else 0
 
 
 def _is_count(value: Any) -> bool:

@@ -15,6 +15,7 @@ from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireReply, encode_reply
+from mergebroker.broker.job_queue import FakeJobQueue
 from mergebroker.broker.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.settings import ClusterSettings, default_tiers
@@ -26,38 +27,6 @@ SETTINGS = ClusterSettings(enabled=True, partitions=4, claim_idle_ms=5000, lease
 KEYS = Keys("mbt")
 
 
-class AnsweringQueue:
-    """A local job queue whose jobs the test answers by hand (`answer`)."""
-
-    def __init__(self) -> None:
-        self.jobs: list[ChatJob] = []
-        self.arrived = asyncio.Event()
-        self.running = False
-
-    def submit(self, job: ChatJob) -> asyncio.Future[ChatOutcome]:
-        self.jobs.append(job)
-        self.arrived.set()
-        return job.future
-
-    async def next_job(self) -> ChatJob:
-        while not self.jobs:
-            self.arrived.clear()
-            await self.arrived.wait()
-        return self.jobs.pop(0)
-
-    def depth(self, tier: str) -> int:
-        return len(self.jobs)
-
-    def start(self) -> None:
-        self.running = True
-
-    async def stop(self) -> None:
-        self.running = False
-
-    def alive(self) -> bool:
-        return self.running
-
-
 def chat_job(text: str, *, deadline_s: float = 30.0, tenant: str = "t") -> ChatJob:
     body = {"model": "m", "messages": [{"role": "user", "content": text}]}
     return ChatJob(request_id="r-" + text, caller=Caller(tenant, "batch"), body=body, model="m", priority=0.0,
@@ -66,14 +35,19 @@ def chat_job(text: str, *, deadline_s: float = 30.0, tenant: str = "t") -> ChatJ
 
 
 def answer(job: ChatJob, text: str) -> None:
-    job.resolve(ChatOutcome({"choices": [{"message": {"content": text}}]}, "sim", 0.01))
+    FakeJobQueue().answer(job, ChatOutcome({"choices": [{"message": {"content": text}}]}, "sim", 0.01))
+
+
+async def next_job(queue: FakeJobQueue, seen: int = 0) -> ChatJob:
+    """The job after the first `seen` that reached `queue`."""
+    return (await asyncio.wait_for(queue.wait_for(seen + 1), 10))[seen]
 
 
 class Node:
     """One worker's parts, driven by hand: leases renewed and reads, writes, claims called by the test."""
 
     def __init__(self, redis, name: str, clock: FakeClock) -> None:
-        self.queue = AnsweringQueue()
+        self.queue = FakeJobQueue()
         self.metrics = Metrics()
         self.leases = PartitionLeases(redis, KEYS, name, partitions=SETTINGS.partitions, lease_ms=SETTINGS.lease_ms,
                                       server_clock=ServerClock(clock), clock=clock)
@@ -102,7 +76,7 @@ async def frontend(redis):
     queues = []
 
     def make(name: str = "f1") -> ClusterQueue:
-        q = ClusterQueue(redis, AnsweringQueue(), keys=KEYS, settings=SETTINGS, partitions=SETTINGS.partitions,
+        q = ClusterQueue(redis, FakeJobQueue(), keys=KEYS, settings=SETTINGS, partitions=SETTINGS.partitions,
                          server_clock=ServerClock(), metrics=Metrics(), frontend_id=name)
         q.start()
         queues.append(q)
@@ -121,7 +95,7 @@ async def test_a_job_goes_to_the_worker_and_its_answer_comes_back(redis, fronten
     future = fe.submit(chat_job("hello"))
     while not await node.read():
         pass
-    job = await node.queue.next_job()
+    job = await next_job(node.queue)
     assert (job.caller, job.merge_key, job.request_id) == (Caller("t", "batch"), "mk-hello", "r-hello")
     answer(job, "hi there")
     await node.write()
@@ -137,8 +111,8 @@ async def test_identical_jobs_from_two_frontends_share_one_call(redis, frontend)
     taken = 0
     while taken < 2:
         taken += await node.read()
-    job = await node.queue.next_job()
-    assert node.queue.jobs == []  # the second joined the first
+    job = await next_job(node.queue)
+    assert len(node.queue.jobs) == 1  # the second joined the first
     answer(job, "shared")
     await node.write()
     for future in (first, second):
@@ -166,7 +140,7 @@ async def test_held_jobs_are_heartbeated_and_a_dead_workers_jobs_are_claimed(red
     future = fe.submit(chat_job("long call"))
     while not await a.read():
         pass
-    await a.queue.next_job()  # in progress at a, never answered: a is about to die
+    await next_job(a.queue)  # in progress at a, never answered: a is about to die
     stream, entry = next(iter(a.consumer._held))
     await redis.xclaim(stream, GROUP, "wa", 0, [entry], idle=SETTINGS.claim_idle_ms * 2, justid=True)
     await a.consumer.heartbeat_once()  # a is alive: its heartbeat makes the job fresh again
@@ -177,7 +151,7 @@ async def test_held_jobs_are_heartbeated_and_a_dead_workers_jobs_are_claimed(red
     await redis.xclaim(stream, GROUP, "wa", 0, [entry], idle=SETTINGS.claim_idle_ms * 2, justid=True)  # a died
     assert await b.consumer.claim_once() == 1
     assert b.metrics.cluster_claims._value.get() == 1
-    answer(await b.queue.next_job(), "answered by b")
+    answer(await next_job(b.queue), "answered by b")
     await b.write()
     assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "answered by b"
 
@@ -213,14 +187,24 @@ async def test_frontend_falls_back_to_local_merging_and_returns(redis_server, re
     while not fe._waiting:
         await asyncio.sleep(0)
     redis_server.stop()
-    local: AnsweringQueue = fe._local  # type: ignore[assignment]
-    moved = await asyncio.wait_for(local.next_job(), 10)  # the job awaiting a reply moved to the local queue
+    local: FakeJobQueue = fe._local  # type: ignore[assignment]
+    moved = await next_job(local)  # the job awaiting a reply moved to the local queue
     assert fe.in_fallback and fe._metrics.cluster_fallback._value.get() == 1
     answer(moved, "local")
     assert (await waiting).body["choices"][0]["message"]["content"] == "local"
     fe.submit(chat_job("while down"))
-    assert (await local.next_job()).request_id == "r-while down"
+    assert (await next_job(local, 1)).request_id == "r-while down"
     redis_server.start()
     while fe.in_fallback:
         await asyncio.sleep(0.05)  # the probe runs every fallback_probe_s
     assert fe._metrics.cluster_fallback._value.get() == 0
+
+
+async def test_a_frontend_in_cluster_mode_queues_on_redis_and_never_loads_the_similarity_model(
+        redis_server, start_broker, simulator):
+    from tests.conftest import provider_for
+
+    config = {"providers": [provider_for(simulator)], "redis": {"url": redis_server.url}}
+    frontend = await start_broker({**config, "cluster": {"enabled": True}})
+    assert isinstance(frontend.broker.queue, ClusterQueue) and frontend.broker.model_host is None
+    assert (await frontend.http.get("/readyz")).status == 200

@@ -156,7 +156,6 @@ async def test_requests_already_queued_are_answered_busy_without_an_upstream_cal
     calls = simulator.stats()["chat_calls"]
     fast_fails = sample(broker, "mergebroker_fast_fail_total", model="sim-small")
     fake_clock.advance(6)  # past the batch window on the broker's clock, still 4 s before the probe
-    broker.broker.queue.merge_queue.release_due()
     results = await asyncio.wait_for(asyncio.gather(*queued), 5)
     for status, body, headers in results:
         assert status == 503 and {k: body["error"][k] for k in BUSY} == BUSY

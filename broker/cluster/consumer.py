@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from redis.exceptions import RedisError, ResponseError
@@ -28,9 +28,9 @@ from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireJob, WireReply, decode_job, encode_reply
-from mergebroker.broker.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.job_queue import JobQueue
+from mergebroker.broker.jobs import ChatJob, ChatOutcome, aged_rank
 from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.jobs import aged_rank
 from mergebroker.broker.settings import ClusterSettings, TierSettings
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError
@@ -39,12 +39,6 @@ from mergebroker.merge.shape import merge_shape
 log = structlog.get_logger(__name__)
 
 REPLY_MAXLEN = 10_000  # a reply stream is read as it fills; this only bounds an abandoned one
-
-
-class Submit(Protocol):
-    """The worker's local queue as the consumer uses it (`JobQueue.submit`)."""
-
-    def submit(self, job: ChatJob) -> asyncio.Future[ChatOutcome]: ...
 
 
 @dataclass(eq=False)
@@ -65,7 +59,7 @@ class _Flight:
 class StreamConsumer:
     """Reads the held partitions' streams into `queue` and writes the answers back."""
 
-    def __init__(self, redis: Any, queue: Submit, *, keys: Keys, settings: ClusterSettings,
+    def __init__(self, redis: Any, queue: JobQueue, *, keys: Keys, settings: ClusterSettings,
                  tiers: list[TierSettings], leases: PartitionLeases, server_clock: ServerClock, consumer_id: str,
                  aging_per_s: float, metrics: Metrics, clock: Clock = monotonic) -> None:
         self._redis = redis
@@ -162,7 +156,7 @@ class StreamConsumer:
         flight = self._flights.get(wire.flight_key)
         if flight is not None and not flight.job.future.done():
             flight.entries.append(held)
-            _extend(flight.job, self._server_clock.to_local(wire.deadline_ms))
+            flight.job.extend_deadline(self._server_clock.to_local(wire.deadline_ms))
             self._jobs["coalesced"].inc()
             return 1
         job = self._chat_job(wire)
@@ -294,9 +288,3 @@ def _by_stream(response: Any) -> list[tuple[str, list[tuple[bytes, dict[bytes, b
 def _placeholder() -> WireJob:
     """The stand-in for an unreadable entry: it is acknowledged and deleted, never answered."""
     return WireJob("", "", "", Caller("", ""), {}, None, "", 0, 0, 0)
-
-
-def _extend(job: ChatJob, deadline: float) -> None:
-    """A coalesced job not yet sent runs until the latest of its callers' deadlines."""
-    if not job.dispatched:
-        job.deadline = max(job.deadline, deadline)

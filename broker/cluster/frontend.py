@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from redis.exceptions import RedisError
@@ -24,10 +24,12 @@ from redis.exceptions import RedisError
 from mergebroker.broker.cluster.partition import Keys, flight_key, partition_of
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireJob, decode_reply, encode_job
+from mergebroker.broker.job_queue import JobQueue
 from mergebroker.broker.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.settings import ClusterSettings
-from mergebroker.clock import Sleep
+from mergebroker.broker.cluster.client import make_stream_client
+from mergebroker.broker.settings import ClusterSettings, Settings
+from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import Overloaded
 
 log = structlog.get_logger(__name__)
@@ -35,27 +37,17 @@ log = structlog.get_logger(__name__)
 REPLY_TTL_MS = 60_000  # a dead front-end's reply stream disappears after this; a live one renews it
 
 
-class LocalQueue(Protocol):
-    """The in-process queue the front-end falls back to (a `JobQueue`)."""
-
-    def submit(self, job: ChatJob) -> asyncio.Future[ChatOutcome]: ...
-
-    def depth(self, tier: str) -> int: ...
-
-    def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-    def alive(self) -> bool: ...
-
-
 class ClusterQueue:
-    """Sends jobs to the workers through Redis Streams; falls back to `local` while Redis is unreachable."""
+    """Sends jobs to the workers through Redis Streams; falls back to `local` while Redis is unreachable.
 
-    def __init__(self, redis: Any, local: LocalQueue, *, keys: Keys, settings: ClusterSettings, partitions: int,
+    A `JobQueue` (contract in `broker.job_queue`). `owns_client`: `stop()` closes `redis` too.
+    """
+
+    def __init__(self, redis: Any, local: JobQueue, *, keys: Keys, settings: ClusterSettings, partitions: int,
                  server_clock: ServerClock, metrics: Metrics, sleep: Sleep = asyncio.sleep,
-                 frontend_id: str | None = None) -> None:
+                 frontend_id: str | None = None, owns_client: bool = False) -> None:
         self._redis = redis
+        self._owns_client = owns_client
         self._local = local
         self._keys = keys
         self._settings = settings
@@ -89,10 +81,7 @@ class ClusterQueue:
 
     def extend(self, job: ChatJob, deadline: float) -> bool:
         """Extend a job still in this front-end (not yet added to its stream); False once it was sent."""
-        if job.dispatched:
-            return False
-        job.deadline = max(job.deadline, deadline)
-        return True
+        return job.extend_deadline(deadline)
 
     def depth(self, tier: str) -> int:
         """Jobs of `tier` waiting here: in the local queue, or about to be sent (the rest is in Redis)."""
@@ -122,6 +111,8 @@ class ClusterQueue:
             await self._redis.delete(self._reply_stream)
         except RedisError:
             pass
+        if self._owns_client:
+            await self._redis.aclose()
 
     async def _send_loop(self) -> None:
         while True:
@@ -162,12 +153,12 @@ class ClusterQueue:
             return [job for cid, job in sent if self._waiting.pop(cid, None) is not None]
 
     def _wire(self, job: ChatJob) -> WireJob:
-        job.dispatched = True  # its deadline leaves with it
+        deadline = job.mark_sent()  # its deadline leaves with it
         return WireJob(correlation_id=uuid.uuid4().hex, reply_to=self._reply_stream, request_id=job.request_id,
                        caller=job.caller, body=job.body, merge_key=job.merge_key,
                        flight_key=flight_key(job.caller.tenant, job.tier, job.merge_key is not None, job.body),
                        prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
-                       deadline_ms=self._server_clock.to_server_ms(job.deadline))
+                       deadline_ms=self._server_clock.to_server_ms(deadline))
 
     async def _reply_loop(self) -> None:
         last_id = "0-0"
@@ -235,6 +226,7 @@ class ClusterQueue:
     async def _probe(self) -> None:
         await self._sleep(self._settings.fallback_probe_s)
         try:
+            await self._redis.connection_pool.disconnect()  # connections from before the outage are stale
             await self._redis.ping()
             await self._server_clock.sync(self._redis)
         except RedisError:
@@ -243,6 +235,15 @@ class ClusterQueue:
         log.warning("cluster_resumed", message="Redis is back: sending jobs to the cluster again.")
         self._metrics.cluster_fallback.set(0)
         self._metrics.cluster_fallback_transitions.labels("cluster").inc()
+
+
+def build_cluster_queue(settings: Settings, local: JobQueue, *, metrics: Metrics, clock: Clock = monotonic,
+                        sleep: Sleep = asyncio.sleep) -> ClusterQueue:
+    """The front-end's queue for `settings` (cluster mode on, `redis.url` set), with its own stream client."""
+    c = settings.cluster
+    return ClusterQueue(make_stream_client(settings.redis.url or "", block_ms=c.block_ms), local,
+                        keys=Keys(c.prefix), settings=c, partitions=c.partitions, server_clock=ServerClock(clock),
+                        metrics=metrics, sleep=sleep, owns_client=True)
 
 
 async def stop_tasks(tasks: set[asyncio.Task[None]], block_ms: int) -> None:
