@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ("passthrough", "tiers", "chaos", "bulk")
+SCRIPTS = ("passthrough", "tiers", "chaos", "bulk", "latency")
 TIMEOUT_S = 90
 
 
