@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-from bench import charts, report_chaos, report_embeddings, report_merging, report_passthrough, report_tiers
+from bench import charts, report_chaos, report_cluster, report_embeddings, report_merging, report_passthrough, report_tiers
 from bench.markdown import targets_table
 
 BENCH_DIR = Path(__file__).parent
@@ -27,7 +27,7 @@ QUICK_DIR = RESULTS_DIR / "quick"
 
 # Each part renders one result file; every module has smoke(), targets(), findings(), sections(), figures().
 PARTS: dict[str, ModuleType] = {"passthrough": report_passthrough, "tiers": report_tiers, "chaos": report_chaos,
-                                "merging": report_merging, "embeddings": report_embeddings}
+                                "merging": report_merging, "embeddings": report_embeddings, "cluster": report_cluster}
 
 Results = dict[str, dict[str, Any] | None]
 
@@ -84,28 +84,29 @@ def load_results(results_dir: Path) -> Results:
 
 
 def _plans(quick: bool) -> dict[str, Any]:
-    from bench import chaos, passthrough, tiers
+    from bench import chaos, cluster, passthrough, tiers
     from bench.embeddings import FULL_EMBEDDING_PLAN, QUICK_EMBEDDING_PLAN
     from bench.merging import FULL_PLAN, QUICK_PLAN
 
     if quick:
         return {"passthrough": passthrough.QUICK, "tiers": tiers.QUICK, "chaos": chaos.QUICK,
-                "merging": QUICK_PLAN, "embeddings": QUICK_EMBEDDING_PLAN}
+                "merging": QUICK_PLAN, "embeddings": QUICK_EMBEDDING_PLAN, "cluster": cluster.QUICK_PLAN}
     return {"passthrough": passthrough.FULL, "tiers": tiers.FULL, "chaos": chaos.FULL,
-            "merging": FULL_PLAN, "embeddings": FULL_EMBEDDING_PLAN}
+            "merging": FULL_PLAN, "embeddings": FULL_EMBEDDING_PLAN, "cluster": cluster.FULL_PLAN}
 
 
 def run_benchmarks(quick: bool, results_dir: Path) -> None:
-    """Run all five benchmarks one after another with one progress bar; write their JSON into `results_dir`."""
+    """Run every benchmark one after another with one progress bar; write their JSON into `results_dir`."""
     from tqdm import tqdm
 
     from bench import chaos, passthrough, tiers
+    from bench.cluster import LAYOUTS, run_cluster
     from bench.embeddings import run_embeddings
     from bench.harness import write_results
     from bench.merging import run_merging
 
     plans = _plans(quick)
-    steps = 3 + plans["merging"].run_count() + plans["embeddings"].step_count()
+    steps = 3 + plans["merging"].run_count() + plans["embeddings"].step_count() + len(LAYOUTS)
     with tqdm(total=steps, desc="bench", unit="run") as bar:
         def step(name: str) -> None:
             bar.set_postfix_str(name)
@@ -116,7 +117,8 @@ def run_benchmarks(quick: bool, results_dir: Path) -> None:
             "tiers": lambda: tiers.run(plans["tiers"]),
             "chaos": lambda: chaos.run(plans["chaos"]),
             "merging": lambda: run_merging(plans["merging"], on_run=step),
-            "embeddings": lambda: run_embeddings(plans["embeddings"], on_step=step)}
+            "embeddings": lambda: run_embeddings(plans["embeddings"], on_step=step),
+            "cluster": lambda: run_cluster(plans["cluster"], on_run=step)}
         for name, runner in runners.items():
             write_results(results_dir / f"{name}.json", asyncio.run(runner()))
             if name in ("passthrough", "tiers", "chaos"):
