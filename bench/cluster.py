@@ -220,6 +220,7 @@ def summarize(layout: Layout, samples: list[Any], wall_s: float, sim_stats: dict
         - sum(total(b, "mergebroker_cluster_duplicates_dropped_total") for b in before),
         "fallback_transitions": sum(total(a, "mergebroker_cluster_fallback_transitions_total") for a in after),
         "claims": sum(total(w, "mergebroker_cluster_claims_total") for w in workers),
+        "leases_lost": sum(total(w, "mergebroker_cluster_lease_changes_total", event="lost") for w in workers),
         "orphans_answered_after_kill_s": (max(s.sent_at + s.latency_s for s in pre_kill) - kill_at
                                           if pre_kill and kill_at is not None else None),
     }
@@ -235,37 +236,18 @@ async def run_cluster(plan: Plan = FULL_PLAN, *, on_run: Any = None) -> dict[str
     items = mixed_workload(round(plan.rate * plan.duration_s), seed=4)
     sim = await start_simulator(*SIM_OPTIONS)
     redis = await start_redis()
-    runs = {}
+    runs, url = {}, f"redis://127.0.0.1:{redis.port}/0"
     try:
         for layout in LAYOUTS:
-            runs[layout.name] = await measure(layout, plan, sim, f"redis://127.0.0.1:{redis.port}/0", items)
+            runs[layout.name] = await measure(layout, plan, sim, url, items)
             if on_run:
                 on_run(layout.name)
+        floor = await hop_floor(url, rate=plan.rate, count=len(items))
     finally:
         sim.stop()
         redis.stop()
     return {"plan": asdict(plan), "cluster": CLUSTER, "tier": TIER, "simulator_options": list(SIM_OPTIONS),
-            "runs": runs, "meta": run_meta(started, probe)}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m bench.cluster [--quick] [--out FILE]`: run the cluster benchmark and write its JSON."""
-    parser = argparse.ArgumentParser(prog="bench.cluster", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke-sized runs")
-    parser.add_argument("--out", default=str(RESULTS_PATH), help="result file (default: %(default)s)")
-    args = parser.parse_args(argv)
-    results = asyncio.run(run_cluster(QUICK_PLAN if args.quick else FULL_PLAN,
-                                      on_run=lambda name: print("done:", name, flush=True)))
-    write_results(args.out, results)
-    for name, run in results["runs"].items():
-        print(f"{name}: calls/req {run['calls_per_request']:.3f} tokens/req {run['prompt_tokens_per_request']:.0f} "
-              f"p50 {run['p50_ms']:.1f} p99 {run['p99_ms']:.1f} hop p50/p99 {run['hop_p50_ms']}/{run['hop_p99_ms']} "
-              f"errors {run['errors']} wrong {run['wrong_answers']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+            "runs": runs, "hop_floor": floor, "meta": run_meta(started, probe)}
 
 
 class EchoQueue:
@@ -299,31 +281,9 @@ async def hop_floor(redis_url: str, *, rate: float, count: int, **overrides: Any
     import random
 
     from mergebroker.broker.admission import Caller
-    from mergebroker.broker.cluster.client import make_stream_client
-    from mergebroker.broker.cluster.consumer import StreamConsumer
-    from mergebroker.broker.cluster.frontend import ClusterQueue
-    from mergebroker.broker.cluster.leases import PartitionLeases
-    from mergebroker.broker.cluster.partition import Keys
-    from mergebroker.broker.cluster.server_time import ServerClock
-    from mergebroker.broker.cluster.worker import ClusterWorker
     from mergebroker.broker.jobs import ChatJob
-    from mergebroker.broker.metrics import Metrics
-    from mergebroker.broker.settings import ClusterSettings, default_tiers
 
-    settings = ClusterSettings(**{**CLUSTER, "block_ms": 1000, **overrides})
-    keys, server_clock, metrics = Keys("mb:floor"), ServerClock(), Metrics()
-    worker_redis, frontend_redis = (make_stream_client(redis_url, block_ms=settings.block_ms) for _ in range(2))
-    leases = PartitionLeases(worker_redis, keys, "floor", partitions=settings.partitions, lease_ms=settings.lease_ms,
-                             server_clock=server_clock)
-    consumer = StreamConsumer(worker_redis, EchoQueue(), keys=keys, settings=settings,  # type: ignore[arg-type]
-                              tiers=default_tiers(), leases=leases, server_clock=server_clock, consumer_id="floor",
-                              aging_per_s=10.0, metrics=metrics)
-    worker = ClusterWorker(worker_redis, consumer, leases, keys=keys, settings=settings, metrics=metrics)
-    frontend = ClusterQueue(frontend_redis, EchoQueue(), keys=keys, settings=settings,  # type: ignore[arg-type]
-                            partitions=settings.partitions, server_clock=ServerClock(), metrics=Metrics(),
-                            owns_client=True)
-    worker.start()
-    frontend.start()
+    frontend, worker, leases, worker_redis = _echo_pair(redis_url, **overrides)
     while not leases.owned:
         await asyncio.sleep(0.01)  # the first lease round
     rng, latencies = random.Random(5), []
@@ -347,3 +307,52 @@ async def hop_floor(redis_url: str, *, rate: float, count: int, **overrides: Any
         await worker.stop()
         await worker_redis.aclose()
     return {"rate": rate, "jobs": count, **latency_summary(latencies)}
+
+
+def _echo_pair(redis_url: str, **overrides: Any) -> tuple[Any, Any, Any, Any]:
+    """A started front-end queue and a started worker (answering with `EchoQueue`) on `redis_url`."""
+    from mergebroker.broker.cluster.client import make_stream_client
+    from mergebroker.broker.cluster.consumer import StreamConsumer
+    from mergebroker.broker.cluster.frontend import ClusterQueue
+    from mergebroker.broker.cluster.leases import PartitionLeases
+    from mergebroker.broker.cluster.partition import Keys
+    from mergebroker.broker.cluster.server_time import ServerClock
+    from mergebroker.broker.cluster.worker import ClusterWorker
+    from mergebroker.broker.metrics import Metrics
+    from mergebroker.broker.settings import ClusterSettings, default_tiers
+
+    settings = ClusterSettings(**{**CLUSTER, "block_ms": 1000, **overrides})
+    keys, server_clock, metrics = Keys("mb:floor"), ServerClock(), Metrics()
+    worker_redis, frontend_redis = (make_stream_client(redis_url, block_ms=settings.block_ms) for _ in range(2))
+    leases = PartitionLeases(worker_redis, keys, "floor", partitions=settings.partitions, lease_ms=settings.lease_ms,
+                             server_clock=server_clock)
+    consumer = StreamConsumer(worker_redis, EchoQueue(), keys=keys, settings=settings,  # type: ignore[arg-type]
+                              tiers=default_tiers(), leases=leases, server_clock=server_clock, consumer_id="floor",
+                              aging_per_s=10.0, metrics=metrics)
+    worker = ClusterWorker(worker_redis, consumer, leases, keys=keys, settings=settings, metrics=metrics)
+    frontend = ClusterQueue(frontend_redis, EchoQueue(), keys=keys, settings=settings,  # type: ignore[arg-type]
+                            partitions=settings.partitions, server_clock=ServerClock(), metrics=Metrics(),
+                            owns_client=True)
+    worker.start()
+    frontend.start()
+    return frontend, worker, leases, worker_redis
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bench.cluster [--quick] [--out FILE]`: run the cluster benchmark and write its JSON."""
+    parser = argparse.ArgumentParser(prog="bench.cluster", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke-sized runs")
+    parser.add_argument("--out", default=str(RESULTS_PATH), help="result file (default: %(default)s)")
+    args = parser.parse_args(argv)
+    results = asyncio.run(run_cluster(QUICK_PLAN if args.quick else FULL_PLAN,
+                                      on_run=lambda name: print("done:", name, flush=True)))
+    write_results(args.out, results)
+    for name, run in results["runs"].items():
+        print(f"{name}: calls/req {run['calls_per_request']:.3f} tokens/req {run['prompt_tokens_per_request']:.0f} "
+              f"p50 {run['p50_ms']:.1f} p99 {run['p99_ms']:.1f} hop p50/p99 {run['hop_p50_ms']}/{run['hop_p99_ms']} "
+              f"errors {run['errors']} wrong {run['wrong_answers']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,7 @@
 """`python -m bench.report [--quick] [--from-results]`: run every benchmark, write docs/benchmarks.md.
 
-Runs `bench.passthrough`, `bench.tiers`, `bench.chaos`, `bench.merging` and `bench.embeddings` (or, with
+Runs `bench.passthrough`, `bench.tiers`, `bench.chaos`, `bench.merging`, `bench.embeddings` and
+`bench.cluster` (or, with
 `--from-results`, reads their JSON from `bench/results/`), then writes `docs/benchmarks.md`: one targets
 table over all issues, findings built from the numbers, a section per benchmark, and PNG charts in
 `docs/img/`. A `--quick` run is smoke-sized; unless told otherwise it writes under `bench/results/quick/`

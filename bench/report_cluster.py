@@ -99,6 +99,11 @@ def sections(result: dict[str, Any], images: dict[str, str]) -> list[str]:
                      num(r["p50_ms"], 0), num(r["p99_ms"], 0), num(r["hop_p50_ms"], 1), num(r["hop_p99_ms"], 1),
                      f"{r['claims']:g}"])
     c = result["cluster"]
+    floor = result.get("hop_floor")
+    floor_line = (f"The hop alone (a front-end queue and a worker consumer in one process, no HTTP, no upstream, jobs "
+                  f"answered as soon as they are read, Poisson {floor['rate']:g} jobs/s): p50 {num(floor['p50_ms'], 2)} "
+                  f"ms, p90 {num(floor['p90_ms'], 2)} ms, p99 {num(floor['p99_ms'], 2)} ms over {floor['jobs']} jobs."
+                  if floor else "")
     return [
         "## Cluster mode (issue 13)", "",
         f"The merge benchmark's mixed workload on the {result['tier']} tier, Poisson {result['plan']['rate']:g} req/s "
@@ -112,6 +117,7 @@ def sections(result: dict[str, Any], images: dict[str, str]) -> list[str]:
         run_line(result.get("meta"), "cluster benchmark"), "",
         table(["configuration", "requests", "errors", "wrong", "calls/req", "calls saved", "prompt tok/req",
                "tokens saved", "p50 ms", "p99 ms", "hop p50 ms", "hop p99 ms", "claims"], rows), "",
+        floor_line, "",
     ]
 
 

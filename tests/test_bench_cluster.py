@@ -24,7 +24,8 @@ def cluster_fixture(**kill: Any) -> dict[str, Any]:
             run(names[5], 0.12, 53, 990, 1500, **{"hop_p50_ms": 1.5, "hop_p99_ms": 9.0, "claims": 12.0,
                                                    "orphans_answered_after_kill_s": 1.9, **kill})]
     return {"plan": {"rate": FULL_PLAN.rate, "duration_s": FULL_PLAN.duration_s}, "cluster": CLUSTER, "tier": "batch",
-            "simulator_options": ["--latency-base-ms", "300"], "runs": {r["name"]: r for r in runs}}
+            "simulator_options": ["--latency-base-ms", "300"], "runs": {r["name"]: r for r in runs},
+            "hop_floor": {"rate": 100.0, "jobs": 800, "p50_ms": 1.1, "p90_ms": 2.0, "p99_ms": 4.5}}
 
 
 def test_the_cluster_keeps_the_single_replicas_savings_and_per_replica_mode_loses_them() -> None:
@@ -32,7 +33,7 @@ def test_the_cluster_keeps_the_single_replicas_savings_and_per_replica_mode_lose
     assert round(report_cluster.kept(result, report_cluster.CLUSTER, "calls_per_request"), 3) == 0.997
     assert report_cluster.kept(result, "4 replicas (per-replica)", "calls_per_request") < 0.8
     text = render({"cluster": result}, {})
-    assert "## Cluster mode (issue 13)" in text
+    assert "## Cluster mode (issue 13)" in text and "p50 1.10 ms, p90 2.00 ms, p99 4.50 ms over 800 jobs" in text
     assert "| 13 cluster | cluster hop at the front-ends, p99 (ms) | <= 10 | 6.00 | met |" in text
     assert "| 13 cluster | kill -9 of 1 of 2 workers: requests lost (non-200) | == 0 | 0.00 | met |" in text
 

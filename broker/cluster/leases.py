@@ -82,7 +82,9 @@ class PartitionLeases:
         held = sorted(self._owned)
         pipe = self._redis.pipeline(transaction=False)
         pipe.zadd(self._keys.workers, {self._id: now_ms})
-        pipe.zremrangebyscore(self._keys.workers, 0, now_ms - 3 * self._lease_ms)
+        # A worker silent for a whole lease is gone (its leases lapse just as fast): the others' share
+        # grows at once, so they take its partitions as soon as its leases expire.
+        pipe.zremrangebyscore(self._keys.workers, 0, now_ms - self._lease_ms)
         pipe.zrange(self._keys.workers, 0, -1)
         if held:
             _script(pipe, self._renew, [self._keys.lease(p) for p in held], self._id, self._lease_ms)

@@ -62,7 +62,8 @@ class ClusterWorker:
         loops: dict[str, Callable[[], Awaitable[Any]]] = {
             "read": self._read, "write": self._write,
             "heartbeat": lambda: self._every(idle_s / 3, self._consumer.heartbeat_once),
-            "claim": lambda: self._every(max(0.05, idle_s / 4), self._claim_when_due),
+            # Often, but only while orphans can be expected (claim_due): they are answered soon after claim_idle_ms.
+            "claim": lambda: self._every(max(0.05, idle_s / 10), self._claim_when_due),
             "backlog": lambda: self._every(METRICS_INTERVAL_S, self.export_backlog)}
         self._spawn("leases", self._leases.run(self._sleep, self._leases_changed))
         for name, loop in loops.items():
