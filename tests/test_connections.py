@@ -134,13 +134,16 @@ async def test_a_slow_body_gets_408_in_the_envelope(guarded):
 
 
 async def test_at_the_cap_stalled_connections_are_closed_first_and_clients_are_served(guarded):
-    url, app, clock = await guarded({"max_connections": 4})
+    # No merge window: on the fake clock a window would stay open until the test moved the clock.
+    url, app, clock = await guarded({"max_connections": 4}, tiers=[{"name": "standard", "window_ms": 0}],
+                                    default_tier="standard")
     stalled = [await _open(url, PARTIAL) for _ in range(4)]
     await _settled(app, 4)
     async with aiohttp.ClientSession() as http:
         for i in range(3):
             async with http.post(url + "/v1/chat/completions", json={
-                    "model": "sim-small", "messages": [{"role": "user", "content": f"hi {i}"}]}) as resp:
+                    "model": "sim-small", "messages": [{"role": "user", "content": f"hi {i}"}],
+                    "broker": {"merge": False}}) as resp:  # no merge window: the fake clock never closes one
                 assert resp.status == 200
     closed = [await asyncio.wait_for(r.read(), 5) == b"" for r, _ in stalled[:1]]
     assert closed == [True]  # the oldest stalled one made room (the session reused one connection)
