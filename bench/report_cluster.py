@@ -81,7 +81,8 @@ def findings(result: dict[str, Any]) -> list[str]:
         f"(end to end, p50 {num(cluster['p50_ms'] - runs[SINGLE]['p50_ms'], 0)} ms and p99 "
         f"{num(cluster['p99_ms'] - runs[SINGLE]['p99_ms'], 0)} ms against the single replica, whose one process "
         "serves every request).",
-        f"- Cluster mode, kill -9 of one of two workers halfway: {kill['errors']} requests lost, "
+        f"- Cluster mode, kill -9 of one of two workers halfway (the one holding more jobs: "
+        f"{kill.get('killed_worker_held', 0)}): {kill['errors']} requests lost, "
         f"{kill['wrong_answers']} wrong answers, {kill['claims']:g} jobs claimed by the survivor, the last "
         f"orphan answered {num(kill['orphans_answered_after_kill_s'], 2)} s after the kill (claim_idle_ms "
         f"{result['cluster']['claim_idle_ms']} ms), {kill['duplicates_dropped']:g} late duplicate replies dropped.",
@@ -103,7 +104,7 @@ def sections(result: dict[str, Any], images: dict[str, str]) -> list[str]:
     floor_line = (f"The hop alone (a front-end queue and a worker consumer in one process, no HTTP, no upstream, jobs "
                   f"answered as soon as they are read, Poisson {floor['rate']:g} jobs/s): p50 {num(floor['p50_ms'], 2)} "
                   f"ms, p90 {num(floor['p90_ms'], 2)} ms, p99 {num(floor['p99_ms'], 2)} ms over {floor['jobs']} jobs."
-                  if floor else "")
+                  if floor and "p50_ms" in floor else "")
     return [
         "## Cluster mode (issue 13)", "",
         f"The merge benchmark's mixed workload on the {result['tier']} tier, Poisson {result['plan']['rate']:g} req/s "

@@ -131,6 +131,10 @@ async def test_two_workers_split_partitions_and_a_zombie_stops_holding(redis):
     assert a.leases.owned.isdisjoint(b.leases.owned)
     clock.advance(SETTINGS.lease_ms / 1000)  # a cannot renew in time (paused, cut off)
     assert a.leases.owned == frozenset() and a.consumer.streams() == []
+    held = sorted(a.leases._owned)
+    await redis.set(KEYS.lease(held[0]), "wb")  # meanwhile b took one of them
+    await a.leases.renew()  # a's late round keeps what nobody took and gives up the other
+    assert a.leases.owned == frozenset(held[1:])
 
 
 async def test_held_jobs_are_heartbeated_and_a_dead_workers_jobs_are_claimed(redis, frontend):
