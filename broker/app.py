@@ -29,7 +29,7 @@ from mergebroker.broker.jobs import ChatJob
 from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.ledger_store import open_store
 from mergebroker.broker.metrics import (Metrics, PoolMetrics, breaker_listener, connections_listener,
-                                        merging_listener)
+                                        merging_listener, preinitialise)
 from mergebroker.broker.middleware import error_middleware
 from mergebroker.broker.routes import add_routes
 from mergebroker.broker.server import CONNECTIONS
@@ -97,6 +97,8 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
                                        on_transition=breaker_listener(metrics, p.name))
                 for p in providers if p.kind == "openai"}
     upstreams = [_upstream(p, breakers[p.name], clock) for p in providers if p.kind == "openai"]
+    preinitialise(metrics, tiers=[t.name for t in settings.tiers], providers=list(breakers),
+                  models=sorted({m for p in providers for m in p.models if "*" not in m}))
     pools = ProviderPools(upstreams, strategy=settings.routing, retry=RetryPolicy(**settings.retry.model_dump()),
                           clock=clock, sleep=sleep, observer=PoolMetrics(metrics))
     routes: dict[str, list[str]] = {}

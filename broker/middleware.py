@@ -9,6 +9,7 @@ follows it: the handler ends the stream itself and notes the error in `request[I
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 import weakref
@@ -51,6 +52,8 @@ class RequestInfo:
 INFO = web.RequestKey("info", RequestInfo)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+CLIENT_CLOSED = 499
+"""The status a request aborted by its client is counted with (nginx's convention; nothing is sent)."""
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings", "/v1/models": "models"}
 
 
@@ -70,6 +73,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = await handler(request)
     except Exception as exc:  # noqa: BLE001 - every failure leaves in the one envelope (or, mid-stream, not at all)
         response = _failure_response(request, info, exc)
+    except asyncio.CancelledError:  # the client went away (handler cancellation): counted, never answered
+        _observe(request, info, CLIENT_CLOSED, time.perf_counter() - started)
+        raise
     finally:
         if guard is not None:
             guard.request_finished(request.protocol)
@@ -77,7 +83,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     if not response.prepared:
         response.headers["X-Request-ID"] = request_id
         response.headers["X-Broker-Overhead-Ms"] = f"{max(0.0, elapsed - info.upstream_s) * 1000:.2f}"
-    _observe(request, info, response, elapsed)
+    # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
+    _observe(request, info, info.stream_error.status if info.stream_error is not None else response.status, elapsed)
     return response
 
 
@@ -115,12 +122,10 @@ def _error_response(exc: BrokerError) -> web.Response:
     return response
 
 
-def _observe(request: web.Request, info: RequestInfo, response: web.StreamResponse, elapsed: float) -> None:
+def _observe(request: web.Request, info: RequestInfo, status: int, elapsed: float) -> None:
     endpoint = _ENDPOINTS.get(request.path)
     if endpoint is None:
         return
-    # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
-    status = info.stream_error.status if info.stream_error is not None else response.status
     broker = request.app.get(BROKER)
     if broker is not None:
         requests, latency = _request_metrics(broker.metrics, endpoint, info.tier, status)
@@ -128,7 +133,7 @@ def _observe(request: web.Request, info: RequestInfo, response: web.StreamRespon
         latency.observe(elapsed)
     if broker is not None and broker.ledger is not None and endpoint != "models":
         broker.ledger.record(ledger_record(info, endpoint, status, elapsed))
-    log.info("request", endpoint=endpoint, status=response.status, tenant=info.tenant, tier=info.tier,
+    log.info("request", endpoint=endpoint, status=status, tenant=info.tenant, tier=info.tier,
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
              batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache,
              stream_error=(info.stream_error.code or info.stream_error.type) if info.stream_error else None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -15,7 +16,7 @@ from mergebroker.broker.body import BODY_LIMITS, read_json
 from mergebroker.broker.state import BROKER, Broker
 from mergebroker.broker.chat import CacheControl
 from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import BrokerError, NotFound
+from mergebroker.errors import BrokerError, NotFound, Unauthorized
 from mergebroker.broker.middleware import INFO
 from mergebroker.broker.schemas import parse_chat, parse_embeddings
 
@@ -222,11 +223,24 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ready else 503)
 
 
+def _operator_only(request: web.Request, broker: Broker) -> None:
+    """With `server.metrics_token_env` set, the operator's endpoints need `Authorization: Bearer <token>`."""
+    token = broker.settings.server.metrics_token
+    if token is None:
+        return
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(given, b"Bearer " + token.get_secret_value().encode()):
+        raise Unauthorized("This endpoint needs the metrics token: 'Authorization: Bearer <token>'.",
+                           code="invalid_metrics_token")
+
+
 async def metrics(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
+    _operator_only(request, broker)
     return web.Response(body=broker.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
 async def broker_stats(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
+    _operator_only(request, broker)
     return web.json_response(broker.stats())

@@ -42,6 +42,9 @@ class ServerSettings(_Strict):
     max_json_depth: int = Field(64, ge=2, description="Deepest nesting a request body may have (400 above).")
     max_messages: int = Field(2048, gt=0, description="Most messages one chat request may hold (400 above).")
     accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
+    metrics_token_env: str | None = Field(
+        None, description="Environment variable holding a bearer token that /metrics and /v1/broker/stats require.")
+    metrics_token: SecretStr | None = Field(None, exclude=True)
 
 
 class BreakerConfig(_Strict):
@@ -258,7 +261,7 @@ class ConfigError(Exception):
     """Invalid configuration; the message names the field and the problem."""
 
 
-SECRET_FIELDS = ("api_key", "gateway_secret", "postgres_dsn")
+SECRET_FIELDS = ("api_key", "gateway_secret", "postgres_dsn", "metrics_token")
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, *, environ: dict[str, str] | None = None,
@@ -314,6 +317,9 @@ def _refuse_secrets_in_file(data: dict[str, Any]) -> None:
     if isinstance(data.get("auth"), dict) and "gateway_secret" in data["auth"]:
         raise ConfigError("auth.gateway_secret: secrets may only come from the environment; "
                           "set auth.gateway_secret_env instead")
+    if isinstance(data.get("server"), dict) and "metrics_token" in data["server"]:
+        raise ConfigError("server.metrics_token: secrets may only come from the environment; "
+                          "set server.metrics_token_env instead")
     if isinstance(data.get("ledger"), dict) and "postgres_dsn" in data["ledger"]:
         raise ConfigError("ledger.postgres_dsn: secrets may only come from the environment (a DSN holds a "
                           "password); set ledger.postgres_dsn_env instead")
@@ -325,6 +331,11 @@ def _resolve_secrets(settings: Settings, env: dict[str, str] | os._Environ[str])
             provider.api_key = SecretStr(env[provider.api_key_env])
     if settings.ledger.postgres_dsn_env and env.get(settings.ledger.postgres_dsn_env):
         settings.ledger.postgres_dsn = SecretStr(env[settings.ledger.postgres_dsn_env])
+    token_env = settings.server.metrics_token_env
+    if token_env:
+        if not env.get(token_env):
+            raise ConfigError(f"server.metrics_token_env: ${token_env} is not set")
+        settings.server.metrics_token = SecretStr(env[token_env])
     secret = env.get(settings.auth.gateway_secret_env)
     if secret:
         settings.auth.gateway_secret = SecretStr(secret)
