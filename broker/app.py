@@ -19,17 +19,22 @@ from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.breaker.shared_state import SharedBreakerState
 from mergebroker.broker.admission import Authenticator
+from mergebroker.broker.background import spawn
+from mergebroker.broker.batch_runner import Limits
+from mergebroker.broker.batches import build_batch_service
 from mergebroker.broker.chat import ChatService
+from mergebroker.broker.cluster.frontend import build_cluster_queue
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.broker.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
-from mergebroker.broker.jobs import ChatJob
+from mergebroker.broker.job_queue import JobQueue
 from mergebroker.broker.ledger import Ledger
+from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.ledger_store import open_store
 from mergebroker.broker.metrics import (Metrics, PoolMetrics, breaker_listener, connections_listener,
-                                        merging_listener, preinitialise)
+                                        guard_listener, merging_listener, preinitialise)
 from mergebroker.broker.middleware import error_middleware
 from mergebroker.broker.routes import add_routes
 from mergebroker.broker.server import CONNECTIONS
@@ -37,16 +42,19 @@ from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY, Broker
 from mergebroker.broker.queue import MergeQueue, TierWindow
 from mergebroker.broker.ratelimit import RateLimiter
 from mergebroker.broker.ratelimit_redis import RedisRateLimiter
-from mergebroker.broker.settings import ProviderSettings, Settings
+from mergebroker.broker.settings import HTTP_PROVIDER_KINDS, ProviderSettings, Settings
+from mergebroker.broker.shadow import ShadowRunner
 from mergebroker.broker.tokens import count_text_tokens
 from mergebroker.providers.pacing import UpstreamLimiter
-from mergebroker.broker.workers import WorkerPool
+from mergebroker.broker.workers import LocalJobQueue
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.embedder import BatchingEmbedder, CachingEmbedder
 from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
 from mergebroker.merge.lru import LruCache
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.redis_cache import RedisCache, make_redis_client
+from mergebroker.providers.anthropic import AnthropicProvider
+from mergebroker.providers.azure import AzureOpenAIProvider
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pool import ProviderPools, Upstream
 from mergebroker.providers.retry import RetryPolicy
@@ -95,8 +103,9 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     redis = make_redis_client(settings.redis.url) if settings.redis.url else None
     breakers = {p.name: CircuitBreaker(p.name, _breaker_settings(p), clock=clock,
                                        on_transition=breaker_listener(metrics, p.name))
-                for p in providers if p.kind == "openai"}
-    upstreams = [_upstream(p, breakers[p.name], clock) for p in providers if p.kind == "openai"]
+                for p in providers if p.kind in HTTP_PROVIDER_KINDS}
+    upstreams = [_upstream(p, breakers[p.name], clock, settings.merge.default_max_tokens)
+                 for p in providers if p.kind in HTTP_PROVIDER_KINDS]
     preinitialise(metrics, tiers=[t.name for t in settings.tiers], providers=list(breakers),
                   models=sorted({m for p in providers for m in p.models if "*" not in m}))
     pools = ProviderPools(upstreams, strategy=settings.routing, retry=RetryPolicy(**settings.retry.model_dump()),
@@ -107,32 +116,38 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
             routes.setdefault(model, []).append(p.name)
     policy = DegradationPolicy(routes, breakers, merging_listener(metrics))
     host, embedder = _similarity_model(settings, providers)
-    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock)
-    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
+    ledger = _ledger(settings)
+    guard = _guard(settings, clock, metrics)
+    shadow = ShadowRunner(pools, rate=settings.merge.shadow_rate, tpm=settings.merge.shadow_tpm, guard=guard,
+                          metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
+    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow)
+    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap,
+                        adaptive=t.window_policy == "adaptive", min_partners=t.window_min_partners)
              for t in settings.tiers]
-    queue: MergeQueue[ChatJob] = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock,
-                                            metrics=metrics, on_partners=dispatcher.prefetch)
-    limiter: Any = RateLimiter(clock)
+    windows = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock, metrics=metrics,
+                         on_partners=dispatcher.prefetch)
+    queue: JobQueue = LocalJobQueue(windows, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
+    if settings.cluster.enabled:  # jobs go to the workers; the local queue is the fallback while Redis is down
+        queue = build_cluster_queue(settings, queue, metrics=metrics, clock=clock, sleep=sleep)
+    limiter: Limiter = RateLimiter(clock)
     if redis is not None and settings.redis.share_limits:
         limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
     chat = ChatService(settings, queue=queue, pools=pools, limiter=limiter, cache=_chat_cache(settings, redis, clock),
                        metrics=metrics, clock=clock)
     embeddings = build_embedding_service(settings, pools=pools, host=host, redis=redis, limiter=limiter,
                                          metrics=metrics, providers=providers, clock=clock)
-    workers = WorkerPool(queue, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
     auth = Authenticator(settings.auth, tiers=tuple(t.name for t in settings.tiers), default_tier=settings.default_tier)
     shared = None
     if redis is not None and settings.redis.share_breakers:
         shared = SharedBreakerState(redis, clock=clock)
         for b in breakers.values():
             shared.attach(b)
-    ledger = None
-    dsn = settings.ledger.postgres_dsn
-    target = dsn.get_secret_value() if dsn else settings.ledger.path
-    if target:
-        ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s)
-    broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host, workers,
-                    simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger)
+    batches = build_batch_service(settings, pools=pools, providers=providers, limits=Limits(limiter, chat.limit_specs),
+                                  embedder=embedder, merging_allowed=policy.merging_allowed, metrics=metrics,
+                                  clock=clock, sleep=sleep)
+    broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host,
+                    simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger,
+                    batches=batches, shadow=shadow)
     await _start(broker, providers)
     return broker
 
@@ -140,15 +155,19 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
 def connection_limits(settings: Settings) -> ConnectionLimits:
     """The client-connection bounds; the default cap leaves descriptors for every provider's connections."""
     s = settings.server
-    upstream_fds = sum(p.max_connections for p in settings.providers if p.kind == "openai") or 100
+    upstream_fds = sum(p.max_connections for p in settings.providers if p.kind in HTTP_PROVIDER_KINDS) or 100
     cap = s.max_connections or auto_max_connections(s.reserved_fds + upstream_fds)
     return ConnectionLimits(cap, s.header_timeout_s, s.body_timeout_s, s.idle_timeout_s)
 
 
 def _similarity_model(settings: Settings, providers: list[ProviderSettings]
                       ) -> tuple[SentenceModelHost | None, CachingEmbedder | None]:
-    """The one local model (if merging or /v1/embeddings needs it) and the merge engine's embedder over it."""
-    needs_model = settings.merge.enabled and settings.merge.embedder != "none" and any(
+    """The one local model (if merging or /v1/embeddings needs it) and the merge engine's embedder over it.
+
+    A cluster-mode front-end never loads it for merging: its workers do (its in-process fallback sends
+    what needs similarity unmerged).
+    """
+    needs_model = not settings.cluster.enabled and settings.merge.enabled and settings.merge.embedder != "none" and any(
         t.merge and t.similarity_threshold > 0 for t in settings.tiers)
     int8 = settings.merge.embedder == "local-int8"
     if not needs_model and not any(p.kind == "local" for p in providers):
@@ -158,8 +177,23 @@ def _similarity_model(settings: Settings, providers: list[ProviderSettings]
     return host, embedder
 
 
+def _ledger(settings: Settings) -> Ledger | None:
+    dsn = settings.ledger.postgres_dsn
+    target = dsn.get_secret_value() if dsn else settings.ledger.path
+    return Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s) if target else None
+
+
+def _guard(settings: Settings, clock: Clock, metrics: Metrics) -> QualityGuard:
+    m = settings.merge
+    return QualityGuard(GuardSettings(m.quality_guard_ratio, m.quality_guard_min_batches, m.quality_guard_cooldown_s,
+                                      min_fidelity=m.quality_guard_min_fidelity,
+                                      fidelity_window=m.quality_guard_fidelity_window),
+                        clock=clock, on_pause=guard_listener(metrics))
+
+
 def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbedder | None,
-                policy: DegradationPolicy, metrics: Metrics, clock: Clock) -> Dispatcher:
+                policy: DegradationPolicy, metrics: Metrics, clock: Clock, guard: QualityGuard,
+                shadow: ShadowRunner) -> Dispatcher:
     tiers = {t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
                                      (t.similarity_budget_ms if t.similarity_budget_ms is not None
                                       else max(4 * t.window_ms, 200.0)) / 1000)
@@ -169,9 +203,8 @@ def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbed
         pools, tiers=tiers,
         options=MergeOptions(m.header, m.leak_min_words, m.context_tokens, m.default_context_tokens),
         embedder=embedder,
-        guard=QualityGuard(GuardSettings(m.quality_guard_ratio, m.quality_guard_min_batches,
-                                         m.quality_guard_cooldown_s), clock=clock),
-        merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock)
+        guard=guard, merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock,
+        on_merged_answer=shadow.offer if shadow.enabled else None)
 
 
 def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache | None:
@@ -187,20 +220,22 @@ def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache |
 
 async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
     await asyncio.to_thread(count_text_tokens, "load the tokenizer before the first request")
-    broker.workers.start()
+    broker.queue.start()
     if broker.ledger is not None:
         await broker.ledger.start()
     if broker.shared_breakers is not None:
         await broker.shared_breakers.start()
     if broker.model_host is not None:
         _background(broker, _load_model(broker.model_host), "model_load")
-    for p, u in zip([p for p in providers if p.kind == "openai"], broker.pools.upstreams):
+    for p, u in zip([p for p in providers if p.kind in HTTP_PROVIDER_KINDS], broker.pools.upstreams):
         if p.warmup_connections:
             _background(broker, u.provider.warm_up(p.warmup_connections), "warmup")
     if broker.auth.mode == "open":
         log.warning("auth_open", message="Authentication is off (auth.mode=open): every caller is tenant "
                     f"'{broker.settings.auth.default_tenant}'. Use mode 'keys' or 'gateway' in production.")
     await broker.embeddings.start()
+    if broker.batches is not None:
+        await broker.batches.start()
     freeze_startup_objects()
     log.info("broker_started", providers=[u.name for u in broker.pools.upstreams],
              tiers=[t.name for t in broker.settings.tiers], auth=broker.auth.mode,
@@ -226,28 +261,20 @@ async def _load_model(host: SentenceModelHost) -> None:
 
 
 def _background(broker: Broker, coro: Any, name: str) -> None:
-    task = asyncio.get_running_loop().create_task(coro, name=name)
-    broker.background.add(task)
-
-    def done(t: asyncio.Task[Any]) -> None:
-        broker.background.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.error("background_task_failed", task=name, error=repr(t.exception()))
-
-    task.add_done_callback(done)
+    spawn(broker.background, coro, name)
 
 
 async def stop_broker(broker: Broker) -> None:
-    from mergebroker.errors import Overloaded
-
-    for job in broker.queue.close():
-        job.fail(Overloaded("The broker is shutting down.", retry_after=1))
-    await broker.workers.stop()
+    if broker.batches is not None:
+        await broker.batches.stop()
+    await broker.queue.stop()
     if broker.shared_breakers is not None:
         await broker.shared_breakers.stop()
     for task in list(broker.background):
         task.cancel()
     await asyncio.gather(*broker.background, return_exceptions=True)
+    if broker.shadow is not None:
+        await broker.shadow.close()
     await broker.embeddings.stop()
     if broker.ledger is not None:
         await broker.ledger.stop()
@@ -264,11 +291,21 @@ def _breaker_settings(p: ProviderSettings) -> BreakerSettings:
     return BreakerSettings(**p.breaker.model_dump())
 
 
-def _upstream(p: ProviderSettings, breaker: CircuitBreaker, clock: Clock) -> Upstream:
-    provider = OpenAICompatProvider(HttpProviderSettings(
-        name=p.name, base_url=p.base_url.rstrip("/"),
-        api_key=p.api_key.get_secret_value() if p.api_key else None,
-        max_connections=p.max_connections, connect_timeout_s=p.connect_timeout_s))
+def _provider(p: ProviderSettings, default_max_tokens: int) -> OpenAICompatProvider:
+    """The HTTP provider of `p.kind`; Anthropic's fills a missing `max_tokens` with the merge default."""
+    http = HttpProviderSettings(name=p.name, base_url=p.base_url.rstrip("/"),
+                                api_key=p.api_key.get_secret_value() if p.api_key else None,
+                                max_connections=p.max_connections, connect_timeout_s=p.connect_timeout_s)
+    if p.kind == "anthropic":
+        return AnthropicProvider(http, default_max_tokens=default_max_tokens, anthropic_version=p.anthropic_version,
+                                 model_map=p.model_map)
+    if p.kind == "azure":
+        return AzureOpenAIProvider(http, api_version=p.api_version, deployments=p.deployments)
+    return OpenAICompatProvider(http)
+
+
+def _upstream(p: ProviderSettings, breaker: CircuitBreaker, clock: Clock, default_max_tokens: int) -> Upstream:
+    provider = _provider(p, default_max_tokens)
     limiter = UpstreamLimiter(p.rpm, p.tpm, clock=clock) if (p.rpm or p.tpm) else None
     return Upstream(provider, models=tuple(p.models), weight=p.weight, breaker=breaker, limiter=limiter,
                     max_in_flight=p.max_in_flight, token_rate=p.token_rate)

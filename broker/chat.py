@@ -19,9 +19,10 @@ import structlog
 from mergebroker.broker.admission import Caller
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import DeadlineExceeded, UpstreamUnavailable
-from mergebroker.broker.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.job_queue import JobQueue
+from mergebroker.broker.jobs import ChatJob, ChatOutcome, aged_rank
+from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.queue import MergeQueue, aged_rank
 from mergebroker.broker.ratelimit import LimitSpec, Reservation
 from mergebroker.broker.settings import Settings, TierSettings
 from mergebroker.broker.tokens import estimate_prompt_tokens
@@ -29,7 +30,7 @@ from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.coalesce import SingleFlight
 from mergebroker.merge.fingerprint import chat_fingerprint
 from mergebroker.merge.shape import compatibility_key, merge_shape
-from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +64,7 @@ _READ_WRITE = CacheControl()
 class ChatService:
     """Admits, caches, coalesces and queues chat requests."""
 
-    def __init__(self, settings: Settings, *, queue: MergeQueue[ChatJob], pools: ProviderPools, limiter: Any,
+    def __init__(self, settings: Settings, *, queue: JobQueue, pools: Pool, limiter: Limiter,
                  cache: TwoLevelCache | None, metrics: Metrics, clock: Clock = monotonic) -> None:
         self._settings = settings
         self._queue = queue
@@ -73,7 +74,8 @@ class ChatService:
         self._metrics = metrics
         self._clock = clock
         self._flights: SingleFlight[str, ChatOutcome] = SingleFlight()
-        self._pending: dict[str, ChatJob] = {}  # flight key -> its job until answered, for followers' deadlines
+        self._pending: dict[str, tuple[ChatJob, asyncio.Future[ChatOutcome]]] = {}  # flight key -> its job
+        # and future until answered, for followers' deadlines
         self._tiers = {t.name: t for t in settings.tiers}
         self._tier_limits = {t.name: LimitSpec(f"tier:{t.name}", t.rpm, t.tpm) for t in settings.tiers}
         self._estimate_prompts = prompt_estimate_needed(settings)
@@ -150,14 +152,14 @@ class ChatService:
             # queue then drops the job before dispatch) once every caller waiting for it has left.
             job = self._job(caller, tier, scope, request_id, body, deadline, prompt_tokens, max_tokens,
                             merge_opt_out)
-            self._queue.submit(job)
-            self._pending[flight] = job
-            job.future.add_done_callback(partial(self._untrack, flight, job))
-            return job.future
+            future = self._queue.submit(job)
+            self._pending[flight] = (job, future)
+            future.add_done_callback(partial(self._untrack, flight, job))
+            return future
 
         try:
-            # asyncio.timeout, not wait_for: no extra task per request.
-            async with asyncio.timeout(max(0.0, deadline - self._clock())):
+            # A timeout context, not wait_for: no extra task per request.
+            async with self._clock.timeout_at(deadline):
                 outcome, shared = await self._share(flight, submit, deadline)
         except TimeoutError:
             self._metrics.rejected.labels(caller.tier, "deadline").inc()
@@ -175,16 +177,16 @@ class ChatService:
                      deadline: float) -> tuple[ChatOutcome, bool]:
         """The outcome of the pending job for `flight` (or of a new one), and whether it was shared.
 
-        A follower extends a job not yet sent to its own deadline: the dispatcher reads `job.deadline`
-        when it sends. A job already sent runs on the deadline it was sent with; when that earlier
-        deadline cuts it short, this caller, still in time, starts over with a job of its own.
+        A follower asks the queue to extend a job not yet sent to its own deadline. A job already sent
+        runs on the deadline it was sent with; when that earlier deadline cuts it short, this caller,
+        still in time, starts over with a job of its own.
         """
         while True:
-            joined = self._pending.get(flight)
-            if joined is not None and joined.future.done():
-                joined = None  # answered, its clean-up callback not run yet: `join` starts afresh
-            if joined is not None and not joined.dispatched:
-                joined.deadline = max(joined.deadline, deadline)
+            pending = self._pending.get(flight)
+            # An answered job whose clean-up callback has not run yet is no one to join: `join` starts afresh.
+            joined = pending[0] if pending is not None and not pending[1].done() else None
+            if joined is not None:
+                self._queue.extend(joined, deadline)
             try:
                 return await self._flights.join(flight, submit)
             except DeadlineExceeded:  # the pool's error when the job's deadline, not the upstream, ran out
@@ -194,7 +196,7 @@ class ChatService:
 
     def _untrack(self, flight: str, job: ChatJob, _future: asyncio.Future[ChatOutcome]) -> None:
         # A newer job may own the key already (the old one was cancelled as its callers left).
-        if self._pending.get(flight) is job:
+        if (self._pending.get(flight) or (None,))[0] is job:
             del self._pending[flight]
 
     def _count_cache(self, result: str) -> None:

@@ -1,10 +1,11 @@
-"""Dispatch a released group: plan batches, send single or merged calls, split, fall back.
+"""Dispatch a released group: plan batches, send single or merged calls, carry out each settlement.
 
-Deciding is pure (`merge.grouping`, `merge.split`, `merge.leak`); this module only acts: it embeds the
-prompts of a group that could merge, sends each batch through the provider pools, and hands every
-member exactly one outcome. A member whose block is missing, broken, or leaks another member's text is
-re-sent alone within its own deadline; a merged call that fails, or whose reply cannot be read, re-sends
-all its members alone. Whatever goes wrong, no member's future is left unset (`_answer_all`).
+Deciding is pure (`merge.grouping` plans batches, `merge.settle` settles a merged reply: split, leak
+checks, stop sequences, usage, fallback reasons); this module only acts: it embeds the prompts of a group
+that could merge, sends each batch through the provider pools, and executes the `Settlement`, so every
+member gets exactly one outcome. A member whose block is missing, broken, or leaks another member's text
+is re-sent alone within its own deadline; a merged call that fails, or whose reply cannot be read,
+re-sends all its members alone. Whatever goes wrong, no member's future is left unset (`_answer_all`).
 """
 
 from __future__ import annotations
@@ -12,25 +13,24 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable
 
 import structlog
 
 from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import BrokerError, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
+from mergebroker.errors import BrokerError, Overloaded, UpstreamError
 from mergebroker.broker.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.queue import ReleasedGroup
 from mergebroker.broker.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
-from mergebroker.merge.leak import find_leaks
-from mergebroker.merge.prompt import MergeMember, build_combined_messages, merged_max_tokens, new_batch_ids
+from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.quality_guard import QualityGuard
-from mergebroker.merge.split import split_reply
-from mergebroker.merge.usage import apportion_usage
-from mergebroker.providers.pool import ProviderPools
+from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, Settlement,
+                                      every_member, member_request_text, settle, settle_call_error)
+from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
 
@@ -59,9 +59,10 @@ class MergeOptions:
 class Dispatcher:
     """Turns released groups into upstream calls and outcomes for every member."""
 
-    def __init__(self, pools: ProviderPools, *, tiers: dict[str, TierMergePolicy], options: MergeOptions,
+    def __init__(self, pools: Pool, *, tiers: dict[str, TierMergePolicy], options: MergeOptions,
                  embedder: Embedder | None, guard: QualityGuard, merging_allowed: Callable[[str], bool],
-                 metrics: Metrics | None = None, clock: Clock = monotonic) -> None:
+                 metrics: Metrics | None = None, clock: Clock = monotonic,
+                 on_merged_answer: Callable[[ChatJob, str, int], None] | None = None) -> None:
         self._pools = pools
         self._tiers = tiers
         self._options = options
@@ -72,6 +73,7 @@ class Dispatcher:
         self._clock = clock
         self._batch_metrics: dict[str, tuple[Any, Any]] = {}  # labelled children by tier, looked up once
         self._prefetching: set[asyncio.Future[Any]] = set()
+        self._on_merged_answer = on_merged_answer  # (job, answer, batch size): the shadow comparison's sampler
 
     def prefetch(self, tier: str, jobs: list[ChatJob]) -> None:
         """Start embedding prompts that have a merge partner while their window is still open.
@@ -109,9 +111,12 @@ class Dispatcher:
     async def _plan(self, tier: str, jobs: list[ChatJob]) -> list[list[ChatJob]]:
         policy = self._tiers[tier]
         model = jobs[0].model
-        if (len(jobs) == 1 or not policy.merge or jobs[0].shape is None
-                or not self._merging_allowed(model) or not self._guard.allows(model)):
+        if len(jobs) == 1 or not policy.merge or jobs[0].shape is None or not self._merging_allowed(model):
             return [[j] for j in jobs]
+        paused = [[j] for j in jobs if not self._guard.allows(j.caller.tenant, model)]  # only their own tenant's
+        if paused:
+            jobs = [j for j in jobs if self._guard.allows(j.caller.tenant, model)]
+            return paused + (await self._plan(tier, jobs) if jobs else [])
         vectors = None
         if needs_embedding(len(jobs), policy.threshold):
             if self._embedder is None or not self._embedder.ready:
@@ -166,9 +171,9 @@ class Dispatcher:
     async def run_single(self, job: ChatJob, *, fallback: str | None = None) -> None:
         """Send one request on its own and resolve its future."""
         started = self._clock()
-        job.dispatched = True  # from here on `job.deadline` is the one the call runs under
+        deadline = job.mark_sent()  # from here on followers no longer extend it
         try:
-            body, provider = await self._pools.chat(job.model, job.body, deadline=job.deadline,
+            body, provider = await self._pools.chat(job.model, job.body, deadline=deadline,
                                                     priority=job.priority, tokens=job.prompt_tokens + job.max_tokens,
                                                     tenant=job.caller.tenant)
             job.resolve(ChatOutcome(body, provider, self._clock() - started, fallback=fallback))
@@ -179,22 +184,13 @@ class Dispatcher:
             job.fail(UpstreamError(f"Internal error while dispatching: {type(exc).__name__}"))
 
     async def _run_merged(self, tier: str, jobs: list[ChatJob]) -> None:
-        ids = new_batch_ids(len(jobs))
-        by_id = dict(zip(ids, jobs))
+        by_id = dict(zip(new_batch_ids(len(jobs)), jobs))
         batch_id = "b_" + uuid.uuid4().hex[:12]
-        policy = self._tiers[tier]
+        tagged = self._tiers[tier].tagged_system
         first = jobs[0]
-        members = [MergeMember(i, j.shape.user_text, j.max_tokens, j.shape.system_prompt)  # type: ignore[union-attr]
-                   for i, j in by_id.items()]
-        # A stop sequence met in one member's answer would cut every later block: apply it per member instead.
-        body = {k: v for k, v in first.body.items()
-                if k not in ("max_tokens", "max_completion_tokens", "user", "stop")}
-        body["messages"] = build_combined_messages(members, system_prompt=first.shape.system_prompt,  # type: ignore
-                                                   header=self._options.header, tagged_system=policy.tagged_system)
-        body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=12)
-        for job in jobs:
-            job.dispatched = True
-        deadline = min(j.deadline for j in jobs)
+        body = self._merged_body(by_id, tagged)
+        deadline = min([j.mark_sent() for j in jobs])
+        members = [_settle_member(i, j, tagged) for i, j in by_id.items()]
         started = self._clock()
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
@@ -202,27 +198,31 @@ class Dispatcher:
             reply, provider = await self._pools.chat(first.model, body, deadline=deadline, priority=first.priority,
                                                      tokens=estimate_prompt_tokens(body["messages"]) + body["max_tokens"],
                                                      tenant=tenants.pop() if len(tenants) == 1 else None)
-        except (UpstreamUnavailable, NotFound) as exc:  # alone, each would meet the same refusal
-            for job in jobs:
-                job.fail(exc)
-            return
         except BrokerError as exc:
-            # Anything else may be the merged call's own problem (its size, its deadline, the upstream
-            # that took it): each member gets its own call, within its own deadline.
-            log.warning("merged_call_failed", batch_id=batch_id, size=len(jobs), error=type(exc).__name__)
-            self._count_fallback("merged_call_failed", len(jobs))
-            self._guard.record(first.model, True)
-            await asyncio.gather(*(self.run_single(j, fallback="merged_call_failed") for j in jobs))
-            return
+            settlement = settle_call_error(exc, members)
+            if settlement.fallbacks:
+                log.warning("merged_call_failed", batch_id=batch_id, size=len(jobs), error=type(exc).__name__)
+            reply, provider = {}, ""
+        else:
+            try:
+                settlement = settle(reply, members, SettleOptions(self._options.leak_min_words))
+            except Exception:  # noqa: BLE001 - a reply we cannot read must not cost the members their answers
+                log.exception("merged_reply_unreadable", batch_id=batch_id)
+                settlement = every_member(members, BAD_REPLY)
         finally:
             structlog.contextvars.unbind_contextvars("batch_id")
-        upstream_s = self._clock() - started
-        try:
-            retry_alone = self._finish_merged(tier, by_id, reply, provider, upstream_s, batch_id)
-        except Exception:  # noqa: BLE001 - a reply we cannot read must not cost the members their answers
-            log.exception("merged_reply_unreadable", batch_id=batch_id)
-            retry_alone = self._bad_reply(first.model, [j for j in jobs if not j.future.done()], batch_id)
+        # Every member's outcome but its own body: each answer is its own completion, cut out of the reply.
+        shared = ChatOutcome({}, provider, self._clock() - started, batch_size=len(by_id), batch_id=batch_id)
+        retry_alone = self._execute(tier, reply, shared, by_id, settlement)
         await asyncio.gather(*(self.run_single(job, fallback=reason) for job, reason in retry_alone))
+
+    def _merged_body(self, by_id: dict[str, ChatJob], tagged: bool) -> dict[str, Any]:
+        """The combined request: the first member's parameters, one tagged block per member."""
+        first = next(iter(by_id.values()))
+        members = [MergeMember(i, j.shape.user_text, j.max_tokens, j.shape.system_prompt)  # type: ignore[union-attr]
+                   for i, j in by_id.items()]
+        return merged_request_body(first.body, members, system_prompt=first.shape.system_prompt,  # type: ignore
+                                   header=self._options.header, tagged_system=tagged)
 
     def _tier_metrics(self, tier: str) -> tuple[Any, Any]:
         # `labels()` costs more than the increment itself, so each tier's children are looked up once.
@@ -232,62 +232,35 @@ class Dispatcher:
             children = self._batch_metrics[tier] = (m.batches.labels(tier), m.batch_size.labels(tier))  # type: ignore
         return children
 
-    def _finish_merged(self, tier: str, by_id: dict[str, ChatJob], reply: dict[str, Any], provider: str,
-                       upstream_s: float, batch_id: str) -> list[tuple[ChatJob, str]]:
-        """Resolve the members whose block is good; return the others (with the reason) to re-send alone."""
-        read = reply_text(reply)
-        if read is None:
-            return self._bad_reply(next(iter(by_id.values())).model, list(by_id.values()), batch_id)
-        content, finish_reason = read
-        answers = split_reply(content, list(by_id), finish_reason=finish_reason)
-        good = {i: a for i, a in answers.items() if isinstance(a, str)}
-        # With tagged system prompts each member's own system prompt is in the call too: quoting it is a leak.
-        tagged = self._tiers[tier].tagged_system
-        questions = {i: _request_text(j, tagged) for i, j in by_id.items()}
-        for leaked in find_leaks(good, questions, min_words=self._options.leak_min_words):
-            answers[leaked] = "leak"  # type: ignore[assignment]
-            good.pop(leaked)
-        failed = {i: a for i, a in answers.items() if not isinstance(a, str) or i not in good}
-        self._guard.record(next(iter(by_id.values())).model, bool(failed))
-        usage = self._apportion(reply, by_id, good)
-        stop = next(iter(by_id.values())).body.get("stop")
-        for member_id, text in good.items():
-            job = by_id[member_id]
-            body = member_completion(reply, apply_stop(text, stop), usage[member_id], model=job.model)
-            job.resolve(ChatOutcome(body, provider, upstream_s, batch_size=len(by_id), batch_id=batch_id))
-        if self._metrics and good:
-            self._metrics.merged_requests.labels(tier).inc(len(good))
+    def _execute(self, tier: str, reply: dict[str, Any], shared: ChatOutcome, by_id: dict[str, ChatJob],
+                 settlement: Settlement) -> list[tuple[ChatJob, str]]:
+        """Carry out a settlement: answer, fail, count; return the members (with the reason) to re-send alone."""
+        if settlement.needed_fallback is not None:
+            self._record_guard(by_id, settlement)
+        for member_id, answer in settlement.answers.items():
+            body = member_completion(reply, answer.text, answer.usage, model=by_id[member_id].model)
+            by_id[member_id].resolve(replace(shared, body=body))
+            if self._on_merged_answer is not None:
+                self._on_merged_answer(by_id[member_id], answer.text, len(by_id))
+        for member_id, exc in settlement.errors.items():
+            by_id[member_id].fail(exc)
+        if self._metrics and settlement.answers:
+            self._metrics.merged_requests.labels(tier).inc(len(settlement.answers))
             self._metrics.upstream_calls_saved.inc(len(by_id) - 1)
-            alone = sum(by_id[i].prompt_tokens for i in by_id)
-            sent = _count((reply.get("usage") if isinstance(reply.get("usage"), dict) else {}).get("prompt_tokens"))
-            self._metrics.tokens_saved.inc(max(0, alone - sent))
-        retry_alone = []
-        for member_id, reason in failed.items():
-            label = reason if isinstance(reason, str) else reason.value
-            self._count_fallback(label, 1)
-            log.info("split_fallback", batch_id=batch_id, reason=label, request_id=by_id[member_id].request_id)
-            retry_alone.append((by_id[member_id], label))
-        return retry_alone
+            self._metrics.tokens_saved.inc(settlement.tokens_saved)
+        for member_id, reason in settlement.fallbacks.items():
+            self._count_fallback(reason, 1)
+            if reason != MERGED_CALL_FAILED:
+                log.info("split_fallback", batch_id=shared.batch_id, reason=reason,
+                         request_id=by_id[member_id].request_id)
+        return [(by_id[i], reason) for i, reason in settlement.fallbacks.items()]
 
-    def _bad_reply(self, model: str, jobs: list[ChatJob], batch_id: str) -> list[tuple[ChatJob, str]]:
-        """Every member of a merged call whose reply is unusable, to re-send alone."""
-        log.warning("split_fallback", batch_id=batch_id, reason="bad_reply", size=len(jobs))
-        self._count_fallback("bad_reply", len(jobs))
-        self._guard.record(model, True)
-        return [(job, "bad_reply") for job in jobs]
-
-    def _apportion(self, reply: dict[str, Any], by_id: dict[str, ChatJob], good: dict[str, str]) -> dict[str, dict]:
-        usage = reply.get("usage")
-        usage = usage if isinstance(usage, dict) else {}
-        prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-        member_tokens = {i: count_text_tokens(j.shape.user_text) for i, j in by_id.items()}  # type: ignore
-        own_total = sum(member_tokens.values())
-        return apportion_usage(
-            {"prompt_tokens": prompt, "completion_tokens": completion},
-            shared_prompt_tokens=max(0, prompt - own_total),
-            member_prompt_tokens=member_tokens,
-            member_completion_weights={i: max(1, len(good.get(i, ""))) for i in by_id},
-        )
+    def _record_guard(self, by_id: dict[str, ChatJob], settlement: Settlement) -> None:
+        """One merged call's outcome, per tenant with members in it: did any of its members need a fallback."""
+        model = next(iter(by_id.values())).model
+        failed = {by_id[i].caller.tenant for i in settlement.fallbacks}
+        for tenant in {j.caller.tenant for j in by_id.values()}:
+            self._guard.record(tenant, model, bool(settlement.needed_fallback) and tenant in failed)
 
     def _count_fallback(self, reason: str, n: int) -> None:
         if self._metrics:
@@ -320,43 +293,17 @@ def _fail_unanswered(jobs: list[ChatJob], exc: BrokerError) -> int:
     return len(waiting)
 
 
-def reply_text(reply: Any) -> tuple[str, str | None] | None:
-    """The first choice's text and finish reason of a merged reply, or None when the reply is unusable."""
-    choices = reply.get("choices") if isinstance(reply, dict) else None
-    choice = choices[0] if isinstance(choices, list) and choices else None
-    message = choice.get("message") if isinstance(choice, dict) else None
-    content = message.get("content") if isinstance(message, dict) else None
-    if not isinstance(content, str):
-        return None
-    finish_reason = choice.get("finish_reason")  # type: ignore[union-attr]
-    return content, finish_reason if isinstance(finish_reason, str) else None
-
-
-def _request_text(job: ChatJob, tagged_system: bool) -> str:
-    shape = job.shape
-    if tagged_system and shape.system_prompt:  # type: ignore[union-attr]
-        return shape.system_prompt + "\n" + shape.user_text  # type: ignore[union-attr]
-    return shape.user_text  # type: ignore[union-attr]
-
-
-def _count(value: Any) -> int:
-    """A token count from an upstream's usage object; anything but a non-negative number counts as 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        return 0
-    return int(value)
-
-
-def apply_stop(text: str, stop: str | list[str] | None) -> str:
-    """Cut a member's answer at its first stop sequence, as the upstream would have."""
-    sequences = [stop] if isinstance(stop, str) else list(stop or [])
-    cut = min((i for i in (text.find(s) for s in sequences if s) if i >= 0), default=len(text))
-    return text[:cut]
-
-
 def _retrieve(task: asyncio.Future[Any]) -> None:
     """Mark a background encode's error as seen (it is logged where it matters: the next caller's encode)."""
     if not task.cancelled():
         task.exception()
+
+
+def _settle_member(member_id: str, job: ChatJob, tagged_system: bool) -> SettleMember:
+    shape = job.shape
+    request = member_request_text(shape.system_prompt, shape.user_text, tagged_system)  # type: ignore[union-attr]
+    return SettleMember(member_id, request, count_text_tokens(shape.user_text), job.prompt_tokens,  # type: ignore
+                        job.body.get("stop"))
 
 
 def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int], *, model: str = "") -> dict[str, Any]:

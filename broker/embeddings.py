@@ -19,11 +19,13 @@ from mergebroker.broker.admission import Caller
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import DeadlineExceeded, InvalidRequest
 from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.ratelimit import LimitSpec
 from mergebroker.broker.schemas import EmbeddingRequest
 from mergebroker.broker.settings import ProviderSettings, Settings
 from mergebroker.broker.tokens import count_text_tokens, estimate_embedding_tokens
 from mergebroker.merge.cache import TwoLevelCache
+from mergebroker.broker.embedding_stats import CoalescerStats
 from mergebroker.broker.embedding_engine import EmbeddingBatcher, cache_metrics_hook
 from mergebroker.providers.base import EmbedResult
 from mergebroker.providers.local_model import SentenceModelHost
@@ -45,7 +47,7 @@ class EmbeddingResponse:
 class EmbeddingService:
     """Admits embedding requests and answers them through the batcher."""
 
-    def __init__(self, settings: Settings, *, batcher: EmbeddingBatcher, pools: ProviderPools, limiter: Any,
+    def __init__(self, settings: Settings, *, batcher: EmbeddingBatcher, pools: ProviderPools, limiter: Limiter,
                  local_models: list[str], clock: Clock = monotonic) -> None:
         self._settings = settings
         self._batcher = batcher
@@ -62,6 +64,10 @@ class EmbeddingService:
 
     async def start(self) -> None:
         return None
+
+    def stats(self) -> CoalescerStats:
+        """The coalescer's counts and figures (cache-hit rate, coalesced ratio, mean batch size, pending window)."""
+        return self._batcher.stats()
 
     async def stop(self) -> None:
         """Send what waits in open windows, then fail anything left (shutdown never strands a caller)."""
@@ -124,7 +130,7 @@ def _response_body(parsed: EmbeddingRequest, result: EmbedResult) -> dict[str, A
 
 
 def build_embedding_service(settings: Settings, *, pools: ProviderPools, host: SentenceModelHost | None, redis: Any,
-                            limiter: Any, metrics: Metrics, providers: list[ProviderSettings],
+                            limiter: Limiter, metrics: Metrics, providers: list[ProviderSettings],
                             clock: Clock = monotonic) -> EmbeddingService:
     """Wire the batcher with its cache levels and its backends (local model or provider pools)."""
     emb = settings.embeddings

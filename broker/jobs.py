@@ -10,6 +10,17 @@ from mergebroker.broker.admission import Caller
 from mergebroker.merge.shape import MergeShape
 
 
+def aged_rank(priority: int, enqueued_at: float, aging_per_s: float) -> float:
+    """A time-invariant rank with the same order as `priority + aging_per_s * (now - enqueued_at)` at any `now`.
+
+    Waiters that are ordered once (the upstream limiter's heap) keep the aging bound this way: a request
+    that has waited (p_high - p_low) / aging_per_s longer outranks a fresh higher-priority one.
+    """
+    if aging_per_s <= 0:
+        return float(priority)
+    return priority / aging_per_s - enqueued_at
+
+
 @dataclass(frozen=True)
 class ChatOutcome:
     """What a caller receives: its own completion body plus how it was produced."""
@@ -30,19 +41,31 @@ class ChatJob:
     caller: Caller
     body: dict[str, Any]
     model: str
-    priority: float  # rank at the upstream limiter: tier priority aged by queue time (broker.queue.aged_rank)
+    priority: float  # rank at the upstream limiter: tier priority aged by queue time (aged_rank)
     shape: MergeShape | None
     merge_key: str | None
     prompt_tokens: int
     max_tokens: int
-    deadline: float  # a follower joining before dispatch may extend it (broker.chat); read when sent
+    deadline: float  # only `extend_deadline` changes it, and only until `mark_sent`
     enqueued_at: float
-    dispatched: bool = False  # set by the dispatcher as it reads `deadline` to send
+    dispatched: bool = False  # only `mark_sent` sets it
     future: asyncio.Future[ChatOutcome] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property
     def tier(self) -> str:
         return self.caller.tier
+
+    def extend_deadline(self, deadline: float) -> bool:
+        """Let the job run until the later `deadline` (a coalesced follower's); False once it was sent."""
+        if self.dispatched:
+            return False
+        self.deadline = max(self.deadline, deadline)
+        return True
+
+    def mark_sent(self) -> float:
+        """Freeze the deadline as the job goes upstream; returns the deadline the call runs under."""
+        self.dispatched = True
+        return self.deadline
 
     def resolve(self, outcome: ChatOutcome) -> None:
         """Set the answer; safe to call twice or after the caller left."""

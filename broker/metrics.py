@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128)
+FIDELITY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
+SHADOW_RESULTS = ("agree", "differ", "failed", "over_budget", "busy")
 MAX_MODEL_LABELS = 200
 OTHER_MODEL = "other"
 """The `model` label of every model name past the first `MAX_MODEL_LABELS`."""
@@ -67,6 +69,18 @@ class Metrics:
                                      ["reason"], registry=r)
         self.embedding_seconds = Histogram(p + "embedding_seconds", "Similarity-embedding time per window batch.",
                                            buckets=LATENCY_BUCKETS, registry=r)
+        # Merge quality (broker.shadow): merged answers scored against the same request sent alone.
+        self.merge_fidelity = Histogram(p + "merge_fidelity", "Shadow comparisons: how close a merged answer was "
+                                        "to the same request answered alone (0..1), by tier, model and batch size.",
+                                        ["tier", "model", "batch_size"], buckets=FIDELITY_BUCKETS, registry=r)
+        self.shadow = Counter(p + "shadow", "Merged members sampled for a shadow call, by result "
+                              "(agree, differ, failed, over_budget, busy).", ["result"], registry=r)
+        for result in SHADOW_RESULTS:
+            self.shadow.labels(result)
+        self.merge_guard_pauses = Counter(p + "merge_guard_pauses", "Merging paused for a tenant and model by the "
+                                          "quality guard, by reason (fallbacks, fidelity).", ["reason"], registry=r)
+        for reason in ("fallbacks", "fidelity"):
+            self.merge_guard_pauses.labels(reason)
         # Breakers and degradation.
         self.breaker_state = Gauge(p + "breaker_state", "Breaker state per provider: 0 closed, 1 half-open, 2 open.",
                                    ["provider"], registry=r)
@@ -88,6 +102,44 @@ class Metrics:
         self.connections_open = Gauge(p + "connections_open", "Client connections held by this process.", registry=r)
         self.connections_closed = Counter(p + "connections_closed", "Client connections closed by the broker's "
                                           "limits, by reason.", ["reason"], registry=r)
+        # Cluster mode (broker.cluster): partitions on Redis Streams, front-ends and workers.
+        self.cluster_backlog = Gauge(p + "cluster_backlog", "Jobs in a partition stream not yet read by a worker "
+                                     "(exported by the partition's owner; an autoscaling signal).",
+                                     ["tier", "partition"], registry=r)
+        self.cluster_pending = Gauge(p + "cluster_pending", "Jobs read by a partition's owner and not yet answered.",
+                                     ["tier", "partition"], registry=r)
+        self.cluster_lag = Gauge(p + "cluster_lag_seconds", "Age of the oldest unanswered job in a partition stream.",
+                                 ["tier", "partition"], registry=r)
+        self.cluster_partitions_owned = Gauge(p + "cluster_partitions_owned", "Partitions this worker holds.",
+                                              registry=r)
+        self.cluster_lease_changes = Counter(p + "cluster_lease_changes", "Partition leases acquired, released "
+                                             "(rebalancing) or lost (another worker holds it now, or renewal failed).",
+                                             ["event"], registry=r)
+        self.cluster_claims = Counter(p + "cluster_claims", "Jobs claimed from a dead worker after claim_idle_ms.",
+                                      registry=r)
+        self.cluster_jobs = Counter(p + "cluster_jobs", "Jobs a worker finished, by outcome (answered, failed, "
+                                    "expired: dropped past its deadline, coalesced, unreadable).",
+                                    ["outcome"], registry=r)
+        self.cluster_duplicates_dropped = Counter(p + "cluster_duplicates_dropped", "Replies a front-end dropped: "
+                                                  "a later reply for a job already answered or no longer awaited.",
+                                                  registry=r)
+        self.cluster_fallback = Gauge(p + "cluster_fallback", "1 while a front-end merges in-process because Redis "
+                                      "is unreachable.", registry=r)
+        self.cluster_fallback_transitions = Counter(p + "cluster_fallback_transitions", "Front-end switches between "
+                                                    "cluster mode and in-process fallback.", ["to"], registry=r)
+        # Batch API (bulk jobs).
+        self.bulk_lines = Counter(p + "bulk_lines", "Batch API lines answered, by outcome (completed, failed).",
+                                  ["outcome"], registry=r)
+        self.bulk_upstream_requests = Counter(p + "bulk_upstream_requests", "Compacted upstream requests of bulk "
+                                              "jobs, by mode (pool, batch_api) and kind (merged, single).",
+                                              ["mode", "kind"], registry=r)
+        self.bulk_duplicate_lines = Counter(p + "bulk_duplicate_lines", "Bulk lines answered by an identical "
+                                            "line's request.", registry=r)
+        self.bulk_batches = Counter(p + "bulk_batches", "Bulk jobs ended, by final status.", ["status"], registry=r)
+        self.bulk_active = Gauge(p + "bulk_active", "Bulk jobs running.", registry=r)
+        self.window_decisions = Counter(p + "window_decisions", "Requests that opened a merge window (wait) or were "
+                                        "sent at once because no partner was likely (skip), by tier.",
+                                        ["tier", "decision"], registry=r)
 
     def model_label(self, model: str) -> str:
         """The `model` label value for `model`: the name itself for the first `max_model_labels` distinct
@@ -134,6 +186,15 @@ def merging_listener(metrics: Metrics) -> Callable[[str, bool], None]:
         metrics.degraded.labels(model=metrics.model_label(model)).set(0 if allowed else 1)
 
     return on_merging
+
+
+def guard_listener(metrics: Metrics) -> Callable[[str, str, str], None]:
+    """A quality-guard callback that counts pauses by reason (tenants are not a label: clients choose them)."""
+
+    def on_pause(_tenant: str, _model: str, reason: str) -> None:
+        metrics.merge_guard_pauses.labels(reason).inc()
+
+    return on_pause
 
 
 UPSTREAM_OUTCOMES = ("success", "5xx", "429", "auth", "timeout", "connection", "bad_response", "other",

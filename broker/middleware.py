@@ -23,7 +23,7 @@ from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadT
 from mergebroker.broker.ledger import LedgerRecord, saved_tokens
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.server import CONNECTIONS
-from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY
+from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY, Broker
 
 log = structlog.get_logger("mergebroker.access")
 
@@ -84,7 +84,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response.headers["X-Request-ID"] = request_id
         response.headers["X-Broker-Overhead-Ms"] = f"{max(0.0, elapsed - info.upstream_s) * 1000:.2f}"
     # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
-    _observe(request, info, info.stream_error.status if info.stream_error is not None else response.status, elapsed)
+    _observe(request, info, info.stream_error.status if info.stream_error is not None else response.status, elapsed,
+             sent_status=response.status)
     return response
 
 
@@ -122,18 +123,24 @@ def _error_response(exc: BrokerError) -> web.Response:
     return response
 
 
-def _observe(request: web.Request, info: RequestInfo, status: int, elapsed: float) -> None:
+def _observe(request: web.Request, info: RequestInfo, status: int, elapsed: float, *,
+             sent_status: int | None = None) -> None:
     endpoint = _ENDPOINTS.get(request.path)
     if endpoint is None:
         return
-    broker = request.app.get(BROKER)
+    record_request(request.app.get(BROKER), info, endpoint, status, elapsed, sent_status=sent_status)
+
+
+def record_request(broker: Broker | None, info: RequestInfo, endpoint: str, status: int, elapsed: float, *,
+                   sent_status: int | None = None) -> None:
+    """Count one answered request (metrics, usage ledger) and log its event; HTTP and the library alike."""
     if broker is not None:
         requests, latency = _request_metrics(broker.metrics, endpoint, info.tier, status)
         requests.inc()
         latency.observe(elapsed)
     if broker is not None and broker.ledger is not None and endpoint != "models":
         broker.ledger.record(ledger_record(info, endpoint, status, elapsed))
-    log.info("request", endpoint=endpoint, status=status, tenant=info.tenant, tier=info.tier,
+    log.info("request", endpoint=endpoint, status=sent_status or status, tenant=info.tenant, tier=info.tier,
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
              batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache,
              stream_error=(info.stream_error.code or info.stream_error.type) if info.stream_error else None)

@@ -42,6 +42,8 @@ class ServerSettings(_Strict):
     max_json_depth: int = Field(64, ge=2, description="Deepest nesting a request body may have (400 above).")
     max_messages: int = Field(2048, gt=0, description="Most messages one chat request may hold (400 above).")
     accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="The serving event loop: uvloop when installed (auto), or the standard asyncio loop.")
     metrics_token_env: str | None = Field(
         None, description="Environment variable holding a bearer token that /metrics and /v1/broker/stats require.")
     metrics_token: SecretStr | None = Field(None, exclude=True)
@@ -62,7 +64,7 @@ class BreakerConfig(_Strict):
 
 class ProviderSettings(_Strict):
     name: str
-    kind: Literal["openai", "local"] = "openai"
+    kind: Literal["openai", "local", "anthropic", "azure"] = "openai"
     base_url: str = ""
     models: list[str] = Field(default_factory=lambda: ["*"], description='Model names served; "*" = any.')
     api_key_env: str | None = Field(None, description="Environment variable holding this provider's API key.")
@@ -76,6 +78,26 @@ class ProviderSettings(_Strict):
     tpm: int | None = Field(None, gt=0)
     warmup_connections: int = Field(0, ge=0)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    anthropic_version: str = Field("2023-06-01", min_length=1, description="kind anthropic: anthropic-version header.")
+    model_map: dict[str, str] = Field(default_factory=dict,
+                                      description="kind anthropic: callers' model name -> Anthropic model name.")
+    api_version: str = Field("2024-10-21", min_length=1, description="kind azure: the api-version query parameter.")
+    deployments: dict[str, str] = Field(default_factory=dict,
+                                        description="kind azure: callers' model name -> deployment name.")
+    batch_api: bool = Field(False, description="Send bulk jobs through this provider's own Batch API "
+                                               "(/v1/files + /v1/batches) instead of call by call.")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "ProviderSettings":
+        if self.model_map and self.kind != "anthropic":
+            raise ValueError(f"providers.{self.name}.model_map: only for kind 'anthropic'")
+        if self.deployments and self.kind != "azure":
+            raise ValueError(f"providers.{self.name}.deployments: only for kind 'azure'")
+        return self
+
+
+HTTP_PROVIDER_KINDS = ("openai", "anthropic", "azure")
+"""Provider kinds reached over HTTP (each gets a breaker and a place in the pools); "local" runs in process."""
 
 
 class RetrySettings(_Strict):
@@ -102,6 +124,10 @@ class TierSettings(_Strict):
                                 "(default: the window, at least 50 ms).")
     omitted_temperature_is_zero: bool = False
     system_prompts: Literal["exact", "tagged"] = "exact"
+    window_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="adaptive: a request that likely gets no partner within the window is sent at once.")
+    window_min_partners: float = Field(
+        0.1, ge=0, description="adaptive: wait only when at least this many partners are expected in the window.")
 
     @property
     def queue_hard_cap(self) -> int:
@@ -161,6 +187,13 @@ class MergeSettings(_Strict):
     quality_guard_ratio: float = Field(0.10, ge=0, le=1)
     quality_guard_min_batches: int = Field(20, gt=0)
     quality_guard_cooldown_s: float = Field(300.0, ge=0)
+    quality_guard_min_fidelity: float = Field(
+        0.8, ge=0, le=1, description="Pause merging for a tenant and model when the mean of its recent shadow "
+                                     "comparisons falls below this (0: never; needs shadow_rate > 0).")
+    quality_guard_fidelity_window: int = Field(20, gt=0, description="Shadow comparisons that mean is taken over.")
+    shadow_rate: float = Field(0.0, ge=0, le=1, description="Share of merged members also sent alone, in the "
+                                                            "background at the lowest priority, to score the merge.")
+    shadow_tpm: int = Field(20_000, ge=0, description="Tokens per minute shadow calls may spend (0: none).")
     embedder: Literal["local-int8", "local", "none"] = Field(
         "local-int8", description="Similarity model: int8-quantised all-MiniLM-L6-v2 (default, ~3x cheaper), "
                                   "the float model, or none (no similarity merging).")
@@ -179,6 +212,19 @@ class RedisSettings(_Strict):
     url: str | None = None
     share_limits: bool = True
     share_breakers: bool = True
+
+
+class ClusterSettings(_Strict):
+    """Cluster mode: front-ends queue chat jobs on Redis Streams, `mergebroker worker` processes merge them."""
+
+    enabled: bool = Field(False, description="Front-ends send chat jobs to workers through Redis (needs redis.url).")
+    partitions: int = Field(64, ge=1, le=4096, description="Partition streams per tier; a merge key maps to one.")
+    claim_idle_ms: int = Field(5000, gt=0, description="A job idle this long in a dead worker's hands is claimed.")
+    lease_ms: int = Field(3000, gt=0, description="Partition lease lifetime; renewed every lease_ms / 3.")
+    prefetch: int = Field(256, gt=0, description="Jobs a worker holds at once; the rest of the backlog stays in Redis.")
+    block_ms: int = Field(1000, gt=0, description="Longest blocking read on the streams.")
+    fallback_probe_s: float = Field(1.0, gt=0, description="How often a front-end in fallback checks for Redis.")
+    prefix: str = Field("mb:cluster", min_length=1, description="Key prefix of every cluster stream and lease.")
 
 
 class EmbeddingSettings(_Strict):
@@ -206,6 +252,34 @@ class LedgerSettings(_Strict):
     flush_interval_s: float = Field(1.0, gt=0)
 
 
+class McpSettings(_Strict):
+    """`mergebroker mcp`: how the MCP server listens and where its tools send their calls."""
+
+    transport: Literal["stdio", "http"] = Field("stdio", description="stdio, or streamable HTTP on host:port.")
+    host: str = "127.0.0.1"
+    port: int = Field(8090, ge=0, le=65535)
+    broker_url: str | None = Field(None, description="A running broker to call; unset: the broker runs embedded.")
+    api_key_env: str = Field("MERGEBROKER_API_KEY", description="Environment variable with the key the tools use.")
+    embedding_model: str = Field("all-MiniLM-L6-v2", description="The embed tool's model when a call names none.")
+    max_inline_values: int = Field(16_384, gt=0, description="embed: past this many floats, a handle instead.")
+    max_handles: int = Field(32, gt=0, description="embed: how many large results stay readable by handle.")
+
+
+class BatchSettings(_Strict):
+    enabled: bool = True
+    dir: str | None = Field(None, description="Files and batch state (SQLite); default: 'batches' beside "
+                                              "ledger.path, else a temporary directory (not durable).")
+    tier: str | None = Field(None, description="Tier whose merge rules and admission bulk jobs follow; "
+                                               "default: 'batch' when configured, else default_tier.")
+    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
+    max_lines: int = Field(50_000, gt=0)
+    file_ttl_s: float = Field(30 * 86400.0, gt=0, description="Uploaded and output files expire after this.")
+    concurrency: int = Field(8, gt=0, description="Bulk calls in flight through the pools, all jobs together.")
+    call_timeout_s: float = Field(600.0, gt=0)
+    poll_interval_s: float = Field(30.0, gt=0, description="How often a provider's Batch API is polled.")
+    cleanup_interval_s: float = Field(3600.0, gt=0)
+
+
 class Settings(BaseSettings):
     """Everything configurable; build it with `load_settings`, which layers its sources (see the module doc)."""
 
@@ -224,6 +298,9 @@ class Settings(BaseSettings):
     embeddings: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     ledger: LedgerSettings = Field(default_factory=LedgerSettings)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    mcp: McpSettings = Field(default_factory=McpSettings)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -247,11 +324,20 @@ class Settings(BaseSettings):
         if len(set(provider_names)) != len(provider_names):
             raise ValueError("providers: provider names must be unique")
         for p in self.providers:
-            if p.kind == "openai" and not p.base_url.startswith(("http://", "https://")):
+            if p.kind in HTTP_PROVIDER_KINDS and not p.base_url.startswith(("http://", "https://")):
                 raise ValueError(f"providers.{p.name}.base_url: must be an http(s) URL, got {p.base_url!r}")
+        if self.batches.tier is not None and self.batches.tier not in names:
+            raise ValueError(f"batches.tier: {self.batches.tier!r} is not a configured tier")
+        if self.cluster.enabled and not self.redis.url:
+            raise ValueError("cluster.enabled: cluster mode needs redis.url")
         if self.auth.mode == "keys" and not self.auth.keys:
             raise ValueError("auth.keys: mode 'keys' needs at least one key")
         return self
+
+    def batch_tier(self) -> str:
+        """The tier bulk jobs run in: `batches.tier`, else 'batch' when configured, else the default tier."""
+        names = [t.name for t in self.tiers]
+        return self.batches.tier or ("batch" if "batch" in names else self.default_tier)
 
     def tier(self, name: str) -> TierSettings:
         return next(t for t in self.tiers if t.name == name)

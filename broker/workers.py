@@ -1,6 +1,7 @@
-"""Queue workers: take released groups by priority and hand them to the dispatcher.
+"""The in-process `JobQueue`: merge windows (`MergeQueue`) and worker tasks that hand groups to the dispatcher.
 
-The worker count bounds how many groups are dispatched at once; it is the only limit enforced here.
+Workers take released groups by priority and hand them to the dispatcher. The worker count bounds how
+many groups are dispatched at once; it is the only limit enforced here.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from typing import Any
 import structlog
 
 from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import Overloaded
 from mergebroker.broker.dispatch import Dispatcher
-from mergebroker.broker.jobs import ChatJob
+from mergebroker.broker.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.queue import MergeQueue
 
@@ -65,3 +67,43 @@ class WorkerPool:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class LocalJobQueue:
+    """The `JobQueue` of one process (contract in `broker.job_queue.JobQueue`).
+
+    Jobs wait in `merge_queue`'s windows; `size` worker tasks take released groups and dispatch them.
+    A cancelled future (every caller gone) makes `MergeQueue` drop its job when the group is taken.
+    """
+
+    def __init__(self, merge_queue: MergeQueue[ChatJob], dispatcher: Dispatcher, *, size: int, metrics: Metrics,
+                 clock: Clock = monotonic) -> None:
+        self.merge_queue = merge_queue
+        self._workers = WorkerPool(merge_queue, dispatcher, size=size, metrics=metrics, clock=clock)
+
+    def submit(self, job: ChatJob) -> asyncio.Future[ChatOutcome]:
+        """Place `job` in its tier's window; raises `Overloaded` past the tier's hard cap."""
+        self.merge_queue.submit(job)
+        return job.future
+
+    def extend(self, job: ChatJob, deadline: float) -> bool:
+        """Extend a job still waiting in this process's queue."""
+        return job.extend_deadline(deadline)
+
+    def depth(self, tier: str) -> int:
+        """Jobs of `tier` not yet taken by a worker."""
+        return self.merge_queue.depth(tier)
+
+    def start(self) -> None:
+        """Start the worker tasks."""
+        self._workers.start()
+
+    async def stop(self) -> None:
+        """Refuse new jobs, answer the waiting ones with `Overloaded`, stop the workers."""
+        for job in self.merge_queue.close():
+            job.fail(Overloaded("The broker is shutting down.", retry_after=1))
+        await self._workers.stop()
+
+    def alive(self) -> bool:
+        """True while every worker task runs."""
+        return self._workers.alive()

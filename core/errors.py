@@ -18,7 +18,9 @@
         │                            its rejection of the broker's credentials is a 502, never the caller's fault
         ├── UpstreamConnectionError  could not connect / connection dropped  -> 502
         ├── UpstreamTimeout          upstream did not answer in time          -> 504
-        └── UpstreamBadResponse      upstream answered 2xx with an unusable body -> 502
+        ├── UpstreamBadResponse      upstream answered 2xx with an unusable body -> 502
+        └── UpstreamUnsupported      this upstream's protocol cannot carry a field of the request -> 400
+                                     (param names it); pools try the model's other upstreams first
 
 Foreign exceptions (aiohttp, redis, pybreaker) are translated at the boundary with
 `raise Mapped(...) from exc`; HTTP errors leave the service through `error_body` only.
@@ -181,3 +183,21 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamBadResponse(UpstreamError):
     code = "upstream_bad_response"
+
+
+class UpstreamUnsupported(UpstreamError):
+    """The request asks for something this upstream's protocol cannot express (a field, an endpoint).
+
+    Raised by a translating provider before anything is sent. It is the caller's request, not the
+    upstream's health, so it never counts against a breaker and is not retried; a pool still offers
+    the call to the model's other upstreams (another kind may carry the field) and raises this only
+    when none of them answers.
+    """
+
+    status, type, code = 400, "invalid_request_error", "unsupported_parameter"
+    retryable = False
+
+    @property
+    def caller_fault(self) -> bool:
+        """Always true: the request, not the upstream, is what cannot be served."""
+        return True

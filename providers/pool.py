@@ -32,6 +32,7 @@ from mergebroker.errors import (
     UpstreamHTTPError,
     UpstreamTimeout,
     UpstreamUnavailable,
+    UpstreamUnsupported,
 )
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.providers.base import Provider
@@ -234,27 +235,31 @@ class ProviderPools:
         """One round over the model's upstreams in routing order; the first answer wins.
 
         A retryable failure moves on to the next upstream and, if none answers, is raised (tagged with
-        its provider) for the retry loop; a caller fault is raised at once. When no upstream could even
-        be tried (breakers open, or a half-open one busy with its probe) the round ends with
-        `UpstreamUnavailable`, which is never retried.
+        its provider) for the retry loop; a caller fault is raised at once, except a field one kind of
+        upstream cannot carry (`UpstreamUnsupported`): that moves on too, and is raised last. When no
+        upstream could even be tried (breakers open, or a half-open one busy with its probe) the round
+        ends with `UpstreamUnavailable`, which is never retried.
         """
         retry_after = self.fast_fail_after(model)
         if retry_after is not None:
             raise UpstreamUnavailable(retry_after)
         failure: UpstreamError | None = None
+        unsupported: UpstreamUnsupported | None = None
         refusals: list[float] = []
         for u in order_upstreams([u for u in upstreams if not u.is_open()], self._strategy):
             try:
                 return await self._try(u, attempt, spec), u.name
             except BreakerOpenError as exc:
                 refusals.append(exc.retry_after or PROBE_BUSY_RETRY_S)
+            except UpstreamUnsupported as exc:  # another kind of upstream may carry what this one cannot
+                unsupported = unsupported or exc
             except UpstreamError as exc:
                 exc.provider = u.name  # type: ignore[attr-defined]  # labels the retry this may cause
                 if not exc.retryable:
                     raise
                 failure = exc
-        if failure is not None:
-            raise failure
+        if failure is not None or unsupported is not None:
+            raise failure or unsupported  # type: ignore[misc]
         retry_after = self.fast_fail_after(model)
         raise UpstreamUnavailable(retry_after if retry_after is not None else max(0.1, min(refusals, default=1.0)))
 

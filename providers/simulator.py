@@ -27,6 +27,9 @@ from mergebroker.errors import BrokerError, InvalidRequest
 from mergebroker.providers.simulator_content import (INJECTION_MARKER, Reply, answer_for, block_answers, compose_reply,
                                          count_tokens, embedding_vector, parse_request_blocks, prompt_tokens,
                                          question_text, stream_pieces)
+from mergebroker.providers.simulator_anthropic import anthropic_routes
+from mergebroker.providers.simulator_azure import azure_routes
+from mergebroker.providers.simulator_batches import add_batch_routes
 from mergebroker.providers.simulator_faults import MAX_EMBEDDING_DIM, FaultInjector, SimulatorConfig, error_response, is_int
 
 log = structlog.get_logger(__name__)
@@ -148,13 +151,14 @@ class Simulator:
         self._faults.close()
 
     def routes(self) -> list[web.RouteDef]:
-        """The routes, each served with and without the /v1 prefix."""
+        """The OpenAI routes, with and without the /v1 prefix, then those of the Anthropic and Azure modes."""
         table = [("POST", "/chat/completions", self.chat), ("POST", "/embeddings", self.embeddings),
                  ("GET", "/models", self.models), ("GET", "/stats", self.get_stats),
                  ("POST", "/stats/reset", self.post_stats_reset), ("GET", "/control/faults", self.get_faults),
                  ("POST", "/control/faults", self.post_faults)]
-        return [web.route(method, prefix + path, handler)
-                for prefix in ("", "/v1") for method, path, handler in table]
+        openai_routes = [web.route(method, prefix + path, handler)
+                         for prefix in ("", "/v1") for method, path, handler in table]
+        return openai_routes + anthropic_routes(self) + azure_routes(self)
 
     async def _injected_fault(self, request: web.Request, *, chat: bool, stream: bool = False,
                               random_faults: bool = True) -> web.StreamResponse | None:
@@ -288,6 +292,7 @@ def create_simulator_app(config: SimulatorConfig, *, sleep: Sleep = asyncio.slee
     app = web.Application(middlewares=[_error_envelope])
     app[SIMULATOR_KEY] = simulator
     app.add_routes(simulator.routes())
+    add_batch_routes(app)  # /files and /batches (providers.simulator_batches)
 
     async def end_hangs(_: web.Application) -> None:
         simulator.close()

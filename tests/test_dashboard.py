@@ -146,3 +146,28 @@ def test_prometheus_config_scrapes_the_brokers_and_loads_the_alert_rules() -> No
 @pytest.mark.parametrize("expr,ok", [("sum(rate(a[5m]))", True), ("sum(rate(a[5m])", False), ('a{b=")"}', True)])
 def test_the_bracket_check_used_above_can_fail(expr: str, ok: bool) -> None:
     assert balanced(expr) is ok
+
+
+def test_compose_provisions_grafana_with_the_dashboard_and_the_prometheus_data_source() -> None:
+    compose = yaml.safe_load((CONFIGS / "docker-compose.yml").read_text())["services"]
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in compose["grafana"]["volumes"]}
+    assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+    dashboards_dir = mounts["./grafana/mergebroker.json"].rsplit("/", 1)[0]
+    provider = yaml.safe_load((CONFIGS / "grafana/provisioning/dashboards/mergebroker.yml").read_text())
+    assert [p["options"]["path"] for p in provider["providers"]] == [dashboards_dir]
+    sources = yaml.safe_load((CONFIGS / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (source,) = sources["datasources"]
+    assert source["type"] == "prometheus" and source["isDefault"]
+    assert source["url"].split("//")[1].split(":")[0] in compose
+
+
+def test_compose_runs_two_frontends_and_two_workers_in_cluster_mode_all_scraped() -> None:
+    compose = yaml.safe_load((CONFIGS / "docker-compose.yml").read_text())["services"]
+    workers = [name for name, s in compose.items() if s.get("command", [None])[0] == "worker"]
+    frontends = [name for name, s in compose.items() if s.get("build") and name not in workers]
+    assert len(workers) == 2 and len(frontends) == 2
+    for name in workers + frontends:
+        assert compose[name]["environment"]["MERGEBROKER_CLUSTER__ENABLED"] == "true"
+    doc = yaml.safe_load((CONFIGS / "prometheus" / "prometheus.yml").read_text())
+    targets = {t.split(":")[0] for job in doc["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert set(workers + frontends) <= targets

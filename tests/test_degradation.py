@@ -156,7 +156,6 @@ async def test_requests_already_queued_are_answered_busy_without_an_upstream_cal
     calls = simulator.stats()["chat_calls"]
     fast_fails = sample(broker, "mergebroker_fast_fail_total", model="sim-small")
     fake_clock.advance(6)  # past the batch window on the broker's clock, still 4 s before the probe
-    broker.broker.queue.release_due()
     results = await asyncio.wait_for(asyncio.gather(*queued), 5)
     for status, body, headers in results:
         assert status == 503 and {k: body["error"][k] for k in BUSY} == BUSY
@@ -334,6 +333,6 @@ async def test_readyz_says_not_ready_once_the_queue_workers_are_gone(simulator, 
     broker = await start_broker(config(simulator))
     async with broker.http.get("/readyz") as resp:
         assert resp.status == 200 and (await resp.json())["checks"]["workers"] is True
-    await broker.broker.workers.stop()
+    await broker.broker.queue.stop()
     async with broker.http.get("/readyz") as resp:
         assert resp.status == 503 and (await resp.json())["checks"]["workers"] is False

@@ -94,3 +94,23 @@ def test_postgres_dsn_is_read_from_the_named_environment_variable(tmp_path):
     path.write_text("ledger:\n  postgres_dsn_env: PG_DSN\n")
     settings = load_settings(path, environ={"PG_DSN": "postgresql://u:pw@db/x"})
     assert settings.ledger.postgres_dsn.get_secret_value() == "postgresql://u:pw@db/x"
+
+
+@pytest.mark.parametrize("provider, field", [
+    ({"name": "a", "kind": "anthropic", "base_url": "api.example.com"}, "base_url"),
+    ({"name": "z", "kind": "azure", "base_url": ""}, "base_url"),
+    ({"name": "o", "base_url": "http://x/v1", "deployments": {"m": "d"}}, "deployments"),
+    ({"name": "o", "base_url": "http://x/v1", "model_map": {"m": "n"}}, "model_map"),
+])
+def test_provider_kinds_check_their_own_keys(provider, field):
+    with pytest.raises(ConfigError, match=field):
+        load_settings(None, environ={}, overrides={"providers": [provider]})
+
+
+def test_provider_kind_keys_have_defaults_and_keys_come_from_the_environment():
+    providers = [{"name": "a", "kind": "anthropic", "base_url": "https://api.example.com", "api_key_env": "AK"},
+                 {"name": "z", "kind": "azure", "base_url": "https://r.example.com", "api_key_env": "ZK"}]
+    settings = load_settings(None, environ={"AK": "ant", "ZK": "az"}, overrides={"providers": providers})
+    anthropic, azure = settings.providers
+    assert anthropic.anthropic_version == "2023-06-01" and azure.api_version == "2024-10-21"
+    assert anthropic.api_key.get_secret_value() == "ant" and azure.api_key.get_secret_value() == "az"

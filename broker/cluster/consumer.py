@@ -1,0 +1,290 @@
+"""The worker's side of cluster mode: read jobs from the partitions it holds and feed today's queue.
+
+Reading (`XREADGROUP`) goes realtime before standard before batch, and only while the worker holds
+fewer than `prefetch` jobs: under load the backlog stays in Redis, where its length is exported. Each
+job becomes a `ChatJob` on the worker's own `JobQueue` (merge windows, priority with aging, similarity,
+dispatch, breakers), so a worker merges exactly as a single broker does. Identical jobs from any
+front-end share one `ChatJob` (the flight key).
+
+Every job held is heartbeated (`XCLAIM ... JUSTID` by its own consumer resets its idle time), so a
+long upstream call is never taken for a dead worker's. A dead worker's jobs idle past `claim_idle_ms`
+are taken over (`XAUTOCLAIM`) by whoever holds their partition now. An answer goes to the front-end's
+reply stream, then the job is acknowledged and deleted, in one round trip. A job already past its
+deadline is dropped unanswered: its front-end has answered 504 by then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from redis.exceptions import RedisError, ResponseError
+
+from mergebroker.broker.admission import Caller
+from mergebroker.broker.cluster.leases import PartitionLeases
+from mergebroker.broker.cluster.partition import GROUP, Keys
+from mergebroker.broker.cluster.server_time import ServerClock
+from mergebroker.broker.cluster.wire import WireJob, WireReply, decode_job, encode_reply
+from mergebroker.broker.job_queue import JobQueue
+from mergebroker.broker.jobs import ChatJob, ChatOutcome, aged_rank
+from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.settings import ClusterSettings, TierSettings
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import BrokerError
+from mergebroker.merge.shape import merge_shape
+
+log = structlog.get_logger(__name__)
+
+REPLY_MAXLEN = 10_000  # a reply stream is read as it fills; this only bounds an abandoned one
+
+
+@dataclass(eq=False)
+class _Held:
+    """One stream entry this worker is answering."""
+
+    stream: str
+    entry_id: bytes
+    job: WireJob
+
+
+@dataclass(eq=False)
+class _Flight:
+    job: ChatJob
+    entries: list[_Held] = field(default_factory=list)
+
+
+class StreamConsumer:
+    """Reads the held partitions' streams into `queue` and writes the answers back."""
+
+    def __init__(self, redis: Any, queue: JobQueue, *, keys: Keys, settings: ClusterSettings,
+                 tiers: list[TierSettings], leases: PartitionLeases, server_clock: ServerClock, consumer_id: str,
+                 aging_per_s: float, metrics: Metrics, clock: Clock = monotonic) -> None:
+        self._redis = redis
+        self._queue = queue
+        self._keys = keys
+        self._settings = settings
+        self._tiers = sorted(tiers, key=lambda t: -t.priority)  # reading order: highest priority first
+        self._tier_priority = {t.name: t.priority for t in tiers}
+        self._leases = leases
+        self._server_clock = server_clock
+        self._id = consumer_id
+        self._aging = aging_per_s
+        self._metrics = metrics
+        self._clock = clock
+        self._held: dict[tuple[str, bytes], _Held] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._grouped: set[str] = set()
+        self._outbox: list[tuple[_Held, WireReply]] = []
+        self._wrote = asyncio.Event()  # a reply was written: room to read again
+        self._outbox_ready = asyncio.Event()
+        self._jobs = {o: metrics.cluster_jobs.labels(o) for o in
+                      ("answered", "failed", "expired", "coalesced", "unreadable")}
+
+    @property
+    def tier_names(self) -> list[str]:
+        """Tier names in reading order."""
+        return [t.name for t in self._tiers]
+
+    def server_now_ms(self) -> int:
+        return self._server_clock.now_ms()
+
+    @property
+    def held(self) -> int:
+        """Jobs read and not yet answered."""
+        return len(self._held)
+
+    def streams(self, tier: str | None = None) -> list[str]:
+        """The job streams of the partitions held now (of one tier, or all)."""
+        owned = sorted(self._leases.owned)
+        names = [tier] if tier else [t.name for t in self._tiers]
+        return [self._keys.jobs(name, p) for name in names for p in owned]
+
+    async def read_once(self, block_ms: int | None) -> int:
+        """One read by tier priority (blocking up to `block_ms` when every tier is empty); jobs taken."""
+        room = self._settings.prefetch - len(self._held)
+        if room <= 0 or not self.streams():
+            return 0
+        await self._ensure_groups(self.streams())
+        for tier in self._tiers:
+            taken = await self._read(self.streams(tier.name), room, None)
+            if taken:
+                return taken
+        return await self._read(self.streams(), room, block_ms) if block_ms else 0
+
+    async def _read(self, streams: list[str], room: int, block_ms: int | None) -> int:
+        if not streams:
+            return 0
+        count = max(1, math.ceil(room / len(streams)))
+        try:
+            response = await self._redis.xreadgroup(GROUP, self._id, dict.fromkeys(streams, ">"), count=count,
+                                                    block=block_ms)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._grouped.clear()  # a stream was deleted (its group with it): create them again
+            return 0
+        return self._accept_all(response or [])
+
+    def _accept_all(self, response: Any) -> int:
+        taken = 0
+        for stream, entries in _by_stream(response):
+            for entry_id, fields in entries:
+                taken += self._accept(stream, entry_id, fields)
+        return taken
+
+    def _accept(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes] | None) -> int:
+        if (stream, entry_id) in self._held:
+            return 0  # claimed back while still held here
+        if not fields:
+            return 0  # deleted meanwhile (answered by its earlier owner)
+        try:
+            wire = decode_job(fields)
+        except ValueError as exc:
+            log.warning("cluster_job_unreadable", stream=stream, error=str(exc))
+            self._jobs["unreadable"].inc()
+            self._finish(_Held(stream, entry_id, _placeholder()), None)
+            return 0
+        held = _Held(stream, entry_id, wire)
+        if wire.deadline_ms <= self._server_clock.now_ms():
+            self._jobs["expired"].inc()
+            self._finish(held, None)
+            return 0
+        self._held[(stream, entry_id)] = held
+        flight = self._flights.get(wire.flight_key)
+        if flight is not None and not flight.job.future.done():
+            flight.entries.append(held)
+            flight.job.extend_deadline(self._server_clock.to_local(wire.deadline_ms))
+            self._jobs["coalesced"].inc()
+            return 1
+        job = self._chat_job(wire)
+        self._flights[wire.flight_key] = _Flight(job, [held])
+        try:
+            future = self._queue.submit(job)
+        except BrokerError as exc:  # the worker's own hard cap: the front-end hears it as it would in-process
+            job.fail(exc)
+            future = job.future
+        future.add_done_callback(lambda f, key=wire.flight_key, j=job: self._answered(key, j, f))
+        return 1
+
+    def _chat_job(self, wire: WireJob) -> ChatJob:
+        now = self._clock()
+        body = wire.body
+        return ChatJob(request_id=wire.request_id, caller=wire.caller, body=body, model=body["model"],
+                       priority=aged_rank(self._tier_priority.get(wire.caller.tier, 0), now, self._aging),
+                       shape=merge_shape(body) if wire.merge_key is not None else None, merge_key=wire.merge_key,
+                       prompt_tokens=wire.prompt_tokens, max_tokens=wire.max_tokens,
+                       deadline=self._server_clock.to_local(wire.deadline_ms), enqueued_at=now)
+
+    def _answered(self, key: str, job: ChatJob, future: asyncio.Future[ChatOutcome]) -> None:
+        flight = self._flights.get(key)
+        if flight is None or flight.job is not job:
+            return
+        del self._flights[key]
+        if future.cancelled():
+            error: BrokerError | None = BrokerError("The worker stopped before answering.", status=503)
+            outcome = None
+        else:
+            exc = future.exception()
+            error = exc if isinstance(exc, BrokerError) or exc is None else BrokerError(
+                f"The worker failed ({type(exc).__name__}).")
+            outcome = None if exc is not None else future.result()
+        for held in flight.entries:
+            self._jobs["failed" if error else "answered"].inc()
+            self._finish(held, WireReply(held.job.correlation_id, outcome=outcome, error=error))
+
+    def _finish(self, held: _Held, reply: WireReply | None) -> None:
+        """Queue the reply (None: none) and the acknowledgement for the writer."""
+        self._outbox.append((held, reply))  # type: ignore[arg-type]
+        self._outbox_ready.set()
+
+    async def write_once(self) -> None:
+        """Send queued replies, then acknowledge and delete their entries, in one round trip.
+
+        On a Redis error they stay queued (and held, so heartbeated) for the next try.
+        """
+        batch, self._outbox = self._outbox, []
+        self._outbox_ready.clear()
+        if not batch:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for held, reply in batch:
+            if reply is not None:
+                pipe.xadd(held.job.reply_to, encode_reply(reply), maxlen=REPLY_MAXLEN, approximate=True)
+            pipe.xack(held.stream, GROUP, held.entry_id)
+            pipe.xdel(held.stream, held.entry_id)
+        try:
+            await pipe.execute()
+        except RedisError:
+            self._outbox = batch + self._outbox
+            raise
+        for held, _reply in batch:
+            self._held.pop((held.stream, held.entry_id), None)
+        self._wrote.set()
+
+    async def heartbeat_once(self) -> None:
+        """Reset the idle time of every job held, so none is claimed while it is being answered."""
+        by_stream: dict[str, list[bytes]] = {}
+        for stream, entry_id in list(self._held):
+            by_stream.setdefault(stream, []).append(entry_id)
+        if not by_stream:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, ids in by_stream.items():
+            pipe.xclaim(stream, GROUP, self._id, 0, ids, justid=True)
+        await pipe.execute(raise_on_error=False)
+
+    async def claim_once(self) -> int:
+        """Take over the jobs of the held partitions that idled past `claim_idle_ms` (a dead worker's)."""
+        room = self._settings.prefetch - len(self._held)
+        streams = [s for s in self.streams() if s in self._grouped]
+        if room <= 0 or not streams:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xautoclaim(stream, GROUP, self._id, self._settings.claim_idle_ms, "0-0", count=room)
+        claimed = 0
+        for stream, result in zip(streams, await pipe.execute(raise_on_error=False)):
+            if isinstance(result, Exception) or not result or not result[1]:
+                continue
+            entries = [(entry_id, fields) for entry_id, fields in result[1] if (stream, entry_id) not in self._held]
+            if entries:
+                log.info("cluster_jobs_claimed", stream=stream, count=len(entries))
+                self._metrics.cluster_claims.inc(len(entries))
+                claimed += self._accept_all([(stream, entries)])
+        return claimed
+
+    async def _ensure_groups(self, streams: list[str]) -> None:
+        missing = [s for s in streams if s not in self._grouped]
+        if not missing:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for stream in missing:
+            pipe.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        for stream, result in zip(missing, await pipe.execute(raise_on_error=False)):
+            if not isinstance(result, Exception) or "BUSYGROUP" in str(result):
+                self._grouped.add(stream)
+
+    async def wait_for_room(self) -> None:
+        """Return when the worker holds fewer than `prefetch` jobs."""
+        while len(self._held) >= self._settings.prefetch:
+            self._wrote.clear()
+            await self._wrote.wait()
+
+    async def wait_for_replies(self) -> None:
+        """Return when a reply (or an acknowledgement) is waiting to be written."""
+        if not self._outbox:
+            await self._outbox_ready.wait()
+
+
+def _by_stream(response: Any) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes] | None]]]]:
+    """`XREADGROUP`'s answer (a list of pairs in RESP2, a mapping in RESP3) as (stream name, entries)."""
+    pairs = response.items() if isinstance(response, dict) else response
+    return [(s.decode() if isinstance(s, bytes) else s, entries) for s, entries in pairs]
+
+
+def _placeholder() -> WireJob:
+    """The stand-in for an unreadable entry: it is acknowledged and deleted, never answered."""
+    return WireJob("", "", "", Caller("", ""), {}, None, "", 0, 0, 0)

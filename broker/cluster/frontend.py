@@ -1,0 +1,272 @@
+"""`ClusterQueue`: the front-end's job queue in cluster mode (a `JobQueue`, like the in-process one).
+
+`submit` hands the job to a writer task that adds it (`XADD`, pipelined with whatever else arrived in
+the same loop turn) to its partition's stream of its tier; one reader task reads the front-end's own
+reply stream and completes each job's future by correlation ID. The first reply wins; a later one (a
+job answered twice after a claim, or one whose caller left) is dropped and counted.
+
+Redis down: the front-end falls back to its in-process queue (`local`, today's merge windows and
+workers, without the similarity model), logs it and exports `cluster_fallback = 1`. Jobs sent and not
+yet answered are handed to the local queue too, so no caller waits for a reply that cannot come (an
+answer may then be computed twice; the caller still gets exactly one). A probe every
+`fallback_probe_s` returns the front-end to cluster mode once Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import structlog
+from redis.exceptions import RedisError
+
+from mergebroker.broker.cluster.partition import Keys, flight_key, partition_of
+from mergebroker.broker.cluster.server_time import ServerClock
+from mergebroker.broker.cluster.wire import WireJob, decode_reply, encode_job
+from mergebroker.broker.job_queue import JobQueue
+from mergebroker.broker.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.cluster.client import make_stream_client
+from mergebroker.broker.settings import ClusterSettings, Settings
+from mergebroker.clock import Clock, Sleep, monotonic
+from mergebroker.errors import Overloaded
+
+log = structlog.get_logger(__name__)
+
+REPLY_TTL_MS = 60_000  # a dead front-end's reply stream disappears after this; a live one renews it
+
+
+class ClusterQueue:
+    """Sends jobs to the workers through Redis Streams; falls back to `local` while Redis is unreachable.
+
+    A `JobQueue` (contract in `broker.job_queue`). `owns_client`: `stop()` closes `redis` too.
+    """
+
+    def __init__(self, redis: Any, local: JobQueue, *, keys: Keys, settings: ClusterSettings, partitions: int,
+                 server_clock: ServerClock, metrics: Metrics, sleep: Sleep = asyncio.sleep,
+                 frontend_id: str | None = None, owns_client: bool = False) -> None:
+        self._redis = redis
+        self._owns_client = owns_client
+        self._local = local
+        self._keys = keys
+        self._settings = settings
+        self._partitions = partitions
+        self._server_clock = server_clock
+        self._metrics = metrics
+        self._sleep = sleep
+        self._reply_stream = keys.replies(frontend_id or uuid.uuid4().hex[:16])
+        self._waiting: dict[str, ChatJob] = {}  # correlation ID -> job, sent and not answered
+        self._outbox: list[ChatJob] = []
+        self._outbox_ready = asyncio.Event()
+        self._fallback = False
+        self._back = asyncio.Event()  # set when Redis answers again
+        self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        metrics.cluster_fallback.set(0)
+
+    @property
+    def in_fallback(self) -> bool:
+        return self._fallback
+
+    def submit(self, job: ChatJob) -> asyncio.Future[ChatOutcome]:
+        """Queue `job` for the cluster (or the local queue in fallback); its future carries the answer."""
+        if self._closed:
+            raise Overloaded("The broker is shutting down.", retry_after=1)
+        if self._fallback:
+            return self._local.submit(job)
+        self._outbox.append(job)
+        self._outbox_ready.set()
+        return job.future
+
+    def extend(self, job: ChatJob, deadline: float) -> bool:
+        """Extend a job still in this front-end (not yet added to its stream); False once it was sent."""
+        return job.extend_deadline(deadline)
+
+    def depth(self, tier: str) -> int:
+        """Jobs of `tier` waiting here: in the local queue, or about to be sent (the rest is in Redis)."""
+        return self._local.depth(tier) + sum(1 for j in self._outbox if j.tier == tier)
+
+    def start(self) -> None:
+        self._local.start()
+        for name, coro in (("send", self._send_loop()), ("replies", self._reply_loop())):
+            task = asyncio.get_running_loop().create_task(coro, name=f"cluster-{name}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def alive(self) -> bool:
+        return self._local.alive() and len(self._tasks) == 2
+
+    async def stop(self) -> None:
+        """Refuse new jobs, answer the waiting ones with `Overloaded`, stop the loops and the local queue."""
+        self._closed = True
+        self._outbox_ready.set()
+        await stop_tasks(self._tasks, self._settings.block_ms)
+        for job in self._outbox + list(self._waiting.values()):
+            job.fail(Overloaded("The broker is shutting down.", retry_after=1))
+        self._outbox.clear()
+        self._waiting.clear()
+        await self._local.stop()
+        try:
+            await self._redis.delete(self._reply_stream)
+        except RedisError:
+            pass
+        if self._owns_client:
+            await self._redis.aclose()
+
+    async def _send_loop(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            if self._closed:
+                return
+            self._outbox_ready.clear()
+            batch, self._outbox = self._outbox, []
+            live = [j for j in batch if not j.future.done()]  # callers gone before sending: dropped
+            unsent = await self._send(live) if live else None
+            if unsent is not None:
+                self._fall_back(unsent)
+
+    async def _send(self, jobs: list[ChatJob]) -> list[ChatJob] | None:
+        """Add `jobs` to their streams in one round trip; None when sent, else the jobs left to serve locally.
+
+        A job is awaited by correlation ID before it is sent (its reply may come before `execute`
+        returns); on failure only the jobs still awaited here are returned, the others were moved already.
+        """
+        sent: list[tuple[str, ChatJob]] = []
+        try:
+            if not self._server_clock.synced:
+                await self._server_clock.sync(self._redis)
+            pipe = self._redis.pipeline(transaction=False)
+            for job in jobs:
+                wire = self._wire(job)
+                self._waiting[wire.correlation_id] = job
+                job.future.add_done_callback(lambda _f, cid=wire.correlation_id: self._waiting.pop(cid, None))
+                pipe.xadd(self._keys.jobs(job.tier, partition_of(job.merge_key or wire.flight_key,
+                                                                 self._partitions)), encode_job(wire))
+                sent.append((wire.correlation_id, job))
+            await pipe.execute()
+            return None
+        except RedisError as exc:
+            log.warning("cluster_send_failed", error=type(exc).__name__, jobs=len(jobs))
+            if not sent:
+                return jobs
+            return [job for cid, job in sent if self._waiting.pop(cid, None) is not None]
+
+    def _wire(self, job: ChatJob) -> WireJob:
+        deadline = job.mark_sent()  # its deadline leaves with it
+        return WireJob(correlation_id=uuid.uuid4().hex, reply_to=self._reply_stream, request_id=job.request_id,
+                       caller=job.caller, body=job.body, merge_key=job.merge_key,
+                       flight_key=flight_key(job.caller.tenant, job.tier, job.merge_key is not None, job.body),
+                       prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
+                       deadline_ms=self._server_clock.to_server_ms(deadline))
+
+    async def _reply_loop(self) -> None:
+        last_id = "0-0"
+        while not self._closed:
+            if self._fallback:
+                await self._probe()
+                continue
+            try:
+                response = await self._redis.xread({self._reply_stream: last_id}, count=512,
+                                                   block=self._settings.block_ms)
+            except RedisError as exc:
+                log.warning("cluster_replies_failed", error=type(exc).__name__)
+                self._fall_back([])
+                continue
+            for _stream, entries in _pairs(response):
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    self._deliver(fields)
+            if response:
+                await self._trim(last_id)
+
+    def _deliver(self, fields: dict[bytes, bytes]) -> None:
+        try:
+            reply = decode_reply(fields)
+        except ValueError as exc:
+            log.warning("cluster_reply_unreadable", error=str(exc))
+            return
+        job = self._waiting.pop(reply.correlation_id, None)
+        if job is None or job.future.done():
+            self._metrics.cluster_duplicates_dropped.inc()
+            return
+        if reply.outcome is not None:
+            job.resolve(reply.outcome)
+        else:
+            job.fail(reply.error)  # type: ignore[arg-type]
+
+    async def _trim(self, last_id: Any) -> None:
+        """Drop what was read (later ones stay) and keep the stream's expiry renewed while this front-end lives."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xtrim(self._reply_stream, minid=_next_id(last_id))
+        pipe.pexpire(self._reply_stream, REPLY_TTL_MS)
+        try:
+            await pipe.execute()
+        except RedisError:
+            pass  # the next read notices
+
+    def _fall_back(self, unsent: list[ChatJob]) -> None:
+        """Serve `unsent` and every job awaiting a reply from the local queue, and stay local until Redis is back."""
+        if not self._fallback:
+            self._fallback = True
+            log.error("cluster_fallback", message="Redis is unreachable: merging in-process until it is back.")
+            self._metrics.cluster_fallback.set(1)
+            self._metrics.cluster_fallback_transitions.labels("local").inc()
+        moved = unsent + list(self._waiting.values()) + self._outbox
+        self._waiting.clear()
+        self._outbox = []
+        for job in moved:
+            if job.future.done():
+                continue
+            try:
+                self._local.submit(job)
+            except Overloaded as exc:
+                job.fail(exc)
+
+    async def _probe(self) -> None:
+        await self._sleep(self._settings.fallback_probe_s)
+        try:
+            await self._redis.connection_pool.disconnect()  # connections from before the outage are stale
+            await self._redis.ping()
+            await self._server_clock.sync(self._redis)
+        except RedisError:
+            return
+        self._fallback = False
+        log.warning("cluster_resumed", message="Redis is back: sending jobs to the cluster again.")
+        self._metrics.cluster_fallback.set(0)
+        self._metrics.cluster_fallback_transitions.labels("cluster").inc()
+
+
+def build_cluster_queue(settings: Settings, local: JobQueue, *, metrics: Metrics, clock: Clock = monotonic,
+                        sleep: Sleep = asyncio.sleep) -> ClusterQueue:
+    """The front-end's queue for `settings` (cluster mode on, `redis.url` set), with its own stream client."""
+    c = settings.cluster
+    return ClusterQueue(make_stream_client(settings.redis.url or "", block_ms=c.block_ms), local,
+                        keys=Keys(c.prefix), settings=c, partitions=c.partitions, server_clock=ServerClock(clock),
+                        metrics=metrics, sleep=sleep, owns_client=True)
+
+
+async def stop_tasks(tasks: set[asyncio.Task[None]], block_ms: int) -> None:
+    """Stop loops that check a closed flag: wait out a blocking read in progress, then cancel what is left.
+
+    Cancelling redis-py in the middle of a blocking read can leave the task waiting on its connection
+    for seconds; letting the read end (within `block_ms`) is faster and leaves the connection clean.
+    """
+    if tasks:
+        await asyncio.wait(tasks, timeout=block_ms / 1000 + 0.5)
+    for task in list(tasks):
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _pairs(response: Any) -> Any:
+    if not response:
+        return []
+    return response.items() if isinstance(response, dict) else response
+
+
+def _next_id(entry_id: Any) -> str:
+    """The smallest stream ID after `entry_id` (XTRIM MINID keeps IDs at or above it)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    ms, seq = text.split("-")
+    return f"{ms}-{int(seq) + 1}"

@@ -1,0 +1,139 @@
+"""Partition leases: a worker reads a partition only while it holds the partition's lease in Redis.
+
+A lease is a key set-if-absent with an expiry (`SET NX PX`) holding the worker's ID, renewed every
+`lease_ms / 3` by a script that extends it only if it still holds the worker's ID. Each renewal also
+refreshes the worker's entry in the live-workers set and rebalances: a worker holds its fair share
+(`partition.fair_share`), gives up what is above it and takes free partitions up to it.
+
+A worker that cannot renew (Redis unreachable, the process paused) stops treating its partitions as
+its own once `lease_ms` has passed since its last successful renewal, the moment another worker may
+take them: a zombie stops taking work by itself, without being told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+import structlog
+from redis.exceptions import RedisError
+
+from mergebroker.broker.cluster.partition import Keys, fair_share, lease_plan, preferred_order
+from mergebroker.broker.cluster.server_time import ServerClock
+from mergebroker.clock import Clock, Sleep, monotonic
+
+log = structlog.get_logger(__name__)
+
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+
+LeaseEvent = Callable[[int, str], None]
+"""`(partition, event)` with event one of acquired, released, lost."""
+
+
+class PartitionLeases:
+    """The partitions one worker holds; `renew()` once per `lease_ms / 3` keeps and rebalances them."""
+
+    def __init__(self, redis: Any, keys: Keys, worker_id: str, *, partitions: int, lease_ms: int,
+                 server_clock: ServerClock, on_change: LeaseEvent | None = None, clock: Clock = monotonic) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._id = worker_id
+        self._partitions = partitions
+        self._lease_ms = lease_ms
+        self._server_clock = server_clock
+        self._on_change = on_change
+        self._clock = clock
+        self._order = preferred_order(worker_id, partitions)
+        self._owned: set[int] = set()
+        self._valid_until = 0.0
+        self._renew = redis.register_script(_RENEW)
+        self._release = redis.register_script(_RELEASE)
+
+    @property
+    def owned(self) -> frozenset[int]:
+        """The partitions held now; empty once `lease_ms` has passed without a successful renewal."""
+        if self._clock() >= self._valid_until:
+            return frozenset()
+        return frozenset(self._owned)
+
+    @property
+    def interval_s(self) -> float:
+        return self._lease_ms / 3000
+
+    async def renew(self) -> None:
+        """Extend the leases held, refresh this worker's liveness, then give up or take partitions to its share.
+
+        Raises the client's error when Redis is unreachable; the leases then lapse on their own.
+        """
+        if self._clock() >= self._valid_until and self._owned:
+            self._drop(sorted(self._owned), "lost")  # too late: another worker may hold them already
+        started = self._clock()
+        await self._server_clock.sync(self._redis)
+        now_ms = self._server_clock.now_ms()
+        held = sorted(self._owned)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zadd(self._keys.workers, {self._id: now_ms})
+        pipe.zremrangebyscore(self._keys.workers, 0, now_ms - 3 * self._lease_ms)
+        pipe.zcard(self._keys.workers)
+        for p in held:
+            _script(pipe, self._renew, self._keys.lease(p), self._id, self._lease_ms)
+        results = await pipe.execute()
+        self._drop([p for p, ok in zip(held, results[3:]) if not ok], "lost")
+        self._valid_until = started + self._lease_ms / 1000
+        acquire, release = lease_plan(self._owned, fair_share(self._partitions, int(results[2])), self._order)
+        if release:
+            await self.release(release)
+        if acquire:
+            await self._acquire(acquire, fair_share(self._partitions, int(results[2])) - len(self._owned))
+
+    async def _acquire(self, candidates: list[int], wanted: int) -> None:
+        while wanted > 0 and candidates:
+            batch, candidates = candidates[:wanted], candidates[wanted:]
+            pipe = self._redis.pipeline(transaction=False)
+            for p in batch:
+                pipe.set(self._keys.lease(p), self._id, nx=True, px=self._lease_ms)
+            for p, ok in zip(batch, await pipe.execute()):
+                if ok:
+                    self._owned.add(p)
+                    wanted -= 1
+                    self._event(p, "acquired")
+
+    async def release(self, partitions: list[int] | None = None) -> None:
+        """Give up `partitions` (all held when None) at once, so another worker can take them now."""
+        chosen = sorted(self._owned) if partitions is None else partitions
+        self._drop(chosen, "released")
+        pipe = self._redis.pipeline(transaction=False)
+        for p in chosen:
+            _script(pipe, self._release, self._keys.lease(p), self._id)
+        if partitions is None:
+            pipe.zrem(self._keys.workers, self._id)
+        await pipe.execute()
+
+    def _drop(self, partitions: list[int], event: str) -> None:
+        for p in partitions:
+            if p in self._owned:
+                self._owned.discard(p)
+                self._event(p, event)
+
+    def _event(self, partition: int, event: str) -> None:
+        if event != "acquired":
+            log.info("partition_lease", partition=partition, change=event)
+        if self._on_change is not None:
+            self._on_change(partition, event)
+
+    async def run(self, sleep: Sleep, changed: asyncio.Event) -> None:
+        """Renew forever; sets `changed` after each round (the reader picks up new partitions at once)."""
+        while True:
+            try:
+                await self.renew()
+            except RedisError as exc:
+                log.warning("partition_lease_renew_failed", error=type(exc).__name__, held=len(self.owned))
+            changed.set()
+            await sleep(self.interval_s)
+
+
+def _script(pipe: Any, script: Any, key: str, *args: Any) -> None:
+    """Queue a registered script on a pipeline (the pipeline loads it first if Redis does not know it)."""
+    pipe.scripts.add(script)
+    pipe.evalsha(script.sha, 1, key, *args)

@@ -1,0 +1,122 @@
+"""The job and reply formats on the streams: what a worker needs, and what a front-end hands its caller.
+
+Pure: `encode_job`/`decode_job` and `encode_reply`/`decode_reply` turn dataclasses into stream-entry
+fields and back. Deadlines travel as absolute Redis server time in milliseconds (one clock for the
+cluster, see `server_time`). Errors travel as their OpenAI envelope parts and come back as the same
+`BrokerError` class when the front-end's code has to tell it apart (a deadline, a refusal), otherwise
+as a `BrokerError` with the same status, type, code and message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from mergebroker.broker.admission import Caller
+from mergebroker.broker.jobs import ChatOutcome
+from mergebroker.errors import BrokerError, DeadlineExceeded, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
+
+WIRE_VERSION = 1
+FIELD = b"j"  # every entry carries one JSON document under this field
+
+
+@dataclass(frozen=True)
+class WireJob:
+    """One chat job on a partition stream."""
+
+    correlation_id: str
+    reply_to: str  # the front-end's reply stream
+    request_id: str
+    caller: Caller
+    body: dict[str, Any]
+    merge_key: str | None
+    flight_key: str  # identical requests share it: the worker coalesces them
+    prompt_tokens: int
+    max_tokens: int
+    deadline_ms: int  # Redis server time
+
+
+@dataclass(frozen=True)
+class WireReply:
+    """A worker's answer for one correlation ID: an outcome or an error."""
+
+    correlation_id: str
+    outcome: ChatOutcome | None = None
+    error: BrokerError | None = None
+
+
+def encode_job(job: WireJob) -> dict[bytes, bytes]:
+    """Stream-entry fields for `job`."""
+    c = job.caller
+    doc = {"v": WIRE_VERSION, "cid": job.correlation_id, "to": job.reply_to, "rid": job.request_id,
+           "caller": [c.tenant, c.tier, c.key_id, c.user], "body": job.body, "mk": job.merge_key,
+           "fk": job.flight_key, "pt": job.prompt_tokens, "mt": job.max_tokens, "dl": job.deadline_ms}
+    return {FIELD: json.dumps(doc, separators=(",", ":")).encode()}
+
+
+def decode_job(fields: dict[bytes, bytes]) -> WireJob:
+    """The job in a stream entry; raises `ValueError` on an entry this version cannot read."""
+    doc = _document(fields)
+    try:
+        tenant, tier, key_id, user = doc["caller"]
+        return WireJob(correlation_id=str(doc["cid"]), reply_to=str(doc["to"]), request_id=str(doc["rid"]),
+                       caller=Caller(tenant=tenant, tier=tier, key_id=key_id, user=user), body=doc["body"],
+                       merge_key=doc["mk"], flight_key=str(doc["fk"]), prompt_tokens=int(doc["pt"]),
+                       max_tokens=int(doc["mt"]), deadline_ms=int(doc["dl"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"unreadable job entry: {type(exc).__name__}") from exc
+
+
+def encode_reply(reply: WireReply) -> dict[bytes, bytes]:
+    """Stream-entry fields for `reply`."""
+    doc: dict[str, Any] = {"v": WIRE_VERSION, "cid": reply.correlation_id}
+    if reply.outcome is not None:
+        o = reply.outcome
+        doc["ok"] = [o.body, o.provider, o.upstream_s, o.batch_size, o.batch_id, o.fallback]
+    else:
+        e = reply.error or BrokerError("The worker gave no answer.")
+        doc["err"] = [type(e).__name__, e.status, e.type, e.code, e.message, e.param, e.retry_after]
+    return {FIELD: json.dumps(doc, separators=(",", ":")).encode()}
+
+
+def decode_reply(fields: dict[bytes, bytes]) -> WireReply:
+    """The reply in a stream entry; raises `ValueError` on an entry this version cannot read."""
+    doc = _document(fields)
+    try:
+        cid = str(doc["cid"])
+        if "ok" in doc:
+            body, provider, upstream_s, batch_size, batch_id, fallback = doc["ok"]
+            return WireReply(cid, outcome=ChatOutcome(body, provider, float(upstream_s), int(batch_size),
+                                                      batch_id, fallback))
+        return WireReply(cid, error=_error(*doc["err"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"unreadable reply entry: {type(exc).__name__}") from exc
+
+
+# The classes the front-end's own code tells apart (ChatService retries a shared job cut by its deadline).
+_KNOWN: dict[str, type[BrokerError]] = {"DeadlineExceeded": DeadlineExceeded, "Overloaded": Overloaded,
+                                        "NotFound": NotFound}
+
+
+def _error(name: str, status: int, type_: str, code: str | None, message: str, param: str | None,
+           retry_after: float | None) -> BrokerError:
+    if name == "UpstreamUnavailable":
+        return UpstreamUnavailable(retry_after or 1.0, message)
+    cls = _KNOWN.get(name, UpstreamError if name.startswith("Upstream") else BrokerError)
+    error = cls(message, param=param, code=code, status=int(status), retry_after=retry_after)
+    error.type = type_
+    return error
+
+
+def _document(fields: dict[bytes, bytes]) -> dict[str, Any]:
+    raw = fields.get(FIELD)
+    if raw is None:
+        raise ValueError("entry without a job document")
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError("entry is not JSON") from exc
+    if not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION:
+        raise ValueError(f"unknown wire version {doc.get('v') if isinstance(doc, dict) else None!r}")
+    return doc

@@ -1,0 +1,143 @@
+"""`ClusterWorker`: the background loops of one worker process around its `StreamConsumer`.
+
+Five loops, each in its own task: lease renewal, reading, writing replies, heartbeats and claiming,
+plus a slow one exporting each held partition's backlog, pending count and lag. A Redis error in any
+loop is logged and retried after a short pause; the worker never exits because Redis went away (its
+leases lapse, and it takes partitions again when Redis is back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable
+
+import structlog
+from redis.exceptions import RedisError
+
+from mergebroker.broker.cluster.consumer import StreamConsumer
+from mergebroker.broker.cluster.leases import PartitionLeases
+from mergebroker.broker.cluster.partition import GROUP, Keys
+from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.settings import ClusterSettings
+from mergebroker.clock import Sleep
+
+log = structlog.get_logger(__name__)
+
+METRICS_INTERVAL_S = 2.0
+RETRY_PAUSE_S = 0.2
+
+
+class ClusterWorker:
+    """Runs a consumer's loops; `start()` and `stop()` from the worker's lifecycle."""
+
+    def __init__(self, redis: Any, consumer: StreamConsumer, leases: PartitionLeases, *, keys: Keys,
+                 settings: ClusterSettings, metrics: Metrics, sleep: Sleep = asyncio.sleep) -> None:
+        self._redis = redis
+        self._consumer = consumer
+        self._leases = leases
+        self._keys = keys
+        self._settings = settings
+        self._metrics = metrics
+        self._sleep = sleep
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._leases_changed = asyncio.Event()
+        self._exported: set[tuple[str, str]] = set()
+
+    def start(self) -> None:
+        idle_s = self._settings.claim_idle_ms / 1000
+        loops: dict[str, Callable[[], Awaitable[Any]]] = {
+            "read": self._read, "write": self._write,
+            "heartbeat": lambda: self._every(idle_s / 3, self._consumer.heartbeat_once),
+            "claim": lambda: self._every(max(0.05, idle_s / 4), self._consumer.claim_once),
+            "backlog": lambda: self._every(METRICS_INTERVAL_S, self.export_backlog)}
+        self._spawn("leases", self._leases.run(self._sleep, self._leases_changed))
+        for name, loop in loops.items():
+            self._spawn(name, loop())
+
+    def _spawn(self, name: str, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=f"cluster-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("cluster_loop_crashed", loop=task.get_name(), error=repr(task.exception()))
+
+    def alive(self) -> bool:
+        """True while every loop runs (for /readyz)."""
+        return len(self._tasks) == 6
+
+    async def stop(self) -> None:
+        """Stop reading, give the partitions back at once, and stop the loops.
+
+        Jobs still held are neither answered nor acknowledged: their partition's next owner claims them.
+        """
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self._leases.release()
+        except RedisError:
+            pass  # they lapse on their own
+
+    async def _read(self) -> None:
+        while True:
+            await self._consumer.wait_for_room()
+            try:
+                if not self._consumer.streams():
+                    self._leases_changed.clear()
+                    await self._leases_changed.wait()
+                    continue
+                await self._consumer.read_once(min(self._settings.block_ms, self._settings.lease_ms // 3))
+            except RedisError as exc:
+                log.warning("cluster_read_failed", error=type(exc).__name__)
+                await self._sleep(RETRY_PAUSE_S)
+
+    async def _write(self) -> None:
+        while True:
+            await self._consumer.wait_for_replies()
+            try:
+                await self._consumer.write_once()
+            except RedisError as exc:
+                log.warning("cluster_reply_failed", error=type(exc).__name__)
+                await self._sleep(RETRY_PAUSE_S)
+
+    async def _every(self, interval_s: float, step: Callable[[], Awaitable[Any]]) -> None:
+        while True:
+            await self._sleep(interval_s)
+            try:
+                await step()
+            except RedisError as exc:
+                log.warning("cluster_loop_failed", step=getattr(step, "__name__", "step"), error=type(exc).__name__)
+
+    async def export_backlog(self) -> None:
+        """Backlog (not yet read), pending (read, unanswered) and lag of each held partition's streams."""
+        m = self._metrics
+        m.cluster_partitions_owned.set(len(self._leases.owned))
+        streams = [(t, p, self._keys.jobs(t, p)) for t in self._tier_names() for p in sorted(self._leases.owned)]
+        pipe = self._redis.pipeline(transaction=False)
+        for _t, _p, stream in streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, GROUP)
+            pipe.xrange(stream, count=1)
+        results = await pipe.execute(raise_on_error=False)
+        now_ms = self._consumer.server_now_ms()
+        labels = set()
+        for i, (tier, p, _stream) in enumerate(streams):
+            length, pending, oldest = results[3 * i: 3 * i + 3]
+            pending_n = pending.get("pending", 0) if isinstance(pending, dict) else 0
+            length_n = length if isinstance(length, int) else 0
+            age = (now_ms - int(oldest[0][0].split(b"-")[0])) / 1000 if isinstance(oldest, list) and oldest else 0.0
+            label = (tier, str(p))
+            labels.add(label)
+            m.cluster_backlog.labels(*label).set(max(0, length_n - pending_n))
+            m.cluster_pending.labels(*label).set(pending_n)
+            m.cluster_lag.labels(*label).set(max(0.0, age))
+        for label in self._exported - labels:  # partitions given up: their new owner exports them
+            for gauge in (m.cluster_backlog, m.cluster_pending, m.cluster_lag):
+                gauge.remove(*label)
+        self._exported = labels
+
+    def _tier_names(self) -> list[str]:
+        return self._consumer.tier_names

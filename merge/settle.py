@@ -1,0 +1,169 @@
+"""Settling a merged call: one pure decision per member, which `broker.dispatch` then carries out.
+
+Every member ends in exactly one of three places of a `Settlement`:
+    answers    its own answer, cut out of the merged reply (stop sequences applied, usage apportioned)
+    fallbacks  re-send it alone, with the reason (a metric label)
+    errors     fail it at once (alone it would meet the same refusal)
+
+Fallback reasons:
+    bad_reply           the reply has no readable text (every member)
+    merged_call_failed  the merged call itself failed in a way sending alone may avoid (every member)
+    leak                the member's answer quotes another member's request or names its ID
+    missing, empty, duplicated, malformed, truncated, foreign_id: its block (see `merge.split`)
+
+`settle_block` judges one member's block on its own, so answers can be settled as blocks arrive; only
+the usage split waits for the whole reply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from mergebroker.errors import BrokerError, NotFound, UpstreamUnavailable
+from mergebroker.merge.leak import find_leaks
+from mergebroker.merge.split import BlockFailure, split_reply
+from mergebroker.merge.usage import apportion_usage
+
+BAD_REPLY = "bad_reply"
+MERGED_CALL_FAILED = "merged_call_failed"
+LEAK = "leak"
+
+
+@dataclass(frozen=True)
+class SettleMember:
+    """What settling needs to know of one member of a merged call."""
+
+    id: str  # its correlation ID in the combined prompt
+    request_text: str  # its own request as the call carried it (leak checks): user text, plus system if tagged
+    own_prompt_tokens: int  # tokens of its own text in the combined prompt (its share of the prompt)
+    alone_prompt_tokens: int  # its prompt's tokens had it been sent alone (tokens saved)
+    stop: str | list[str] | None = None  # cut here, as the upstream would have for it alone
+
+
+@dataclass(frozen=True)
+class SettleOptions:
+    """Engine-wide settling options."""
+
+    leak_min_words: int = 8
+
+
+@dataclass(frozen=True)
+class MemberAnswer:
+    """A member's own answer out of a merged reply."""
+
+    text: str
+    usage: dict[str, int]
+
+
+@dataclass(frozen=True)
+class BlockVerdict:
+    """One block judged: the member's raw answer, or (answer None) the reason to re-send it alone."""
+
+    answer: str | None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """The decision for every member of a merged call (see the module docstring)."""
+
+    answers: dict[str, MemberAnswer] = field(default_factory=dict)
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, BrokerError] = field(default_factory=dict)
+    tokens_saved: int = 0  # prompt tokens the members would have cost alone, less what the call cost
+    needed_fallback: bool | None = None  # what the quality guard learns; None: nothing about merging
+
+
+def member_request_text(system_prompt: str | None, user_text: str, tagged_system: bool) -> str:
+    """A member's request as a merged call carries it, which its leak check protects: the user text and, with
+    tagged system prompts (each member's own system prompt travels in the call too), the system prompt."""
+    return system_prompt + "\n" + user_text if tagged_system and system_prompt else user_text
+
+
+def settle(reply: Any, members: Sequence[SettleMember], options: SettleOptions) -> Settlement:
+    """Settle a merged reply: split it by ID, judge each block, apportion usage over the answers."""
+    read = reply_text(reply)
+    if read is None:
+        return every_member(members, BAD_REPLY)
+    content, finish_reason = read
+    blocks = split_reply(content, [m.id for m in members], finish_reason=finish_reason)
+    requests = {m.id: m.request_text for m in members}
+    verdicts = {m.id: settle_block(m.id, blocks[m.id], requests, options) for m in members}
+    good = {i: v.answer for i, v in verdicts.items() if v.answer is not None}
+    usage = _apportion(reply, members, good)
+    answers = {m.id: MemberAnswer(apply_stop(good[m.id], m.stop), usage[m.id]) for m in members if m.id in good}
+    fallbacks = {i: v.reason for i, v in verdicts.items() if v.reason is not None}
+    saved = 0
+    if answers:
+        sent = _count(_usage(reply).get("prompt_tokens"))
+        saved = max(0, sum(m.alone_prompt_tokens for m in members) - sent)
+    return Settlement(answers, fallbacks, tokens_saved=saved, needed_fallback=bool(fallbacks))
+
+
+def settle_block(member_id: str, block: str | BlockFailure, requests: Mapping[str, str],
+                 options: SettleOptions) -> BlockVerdict:
+    """Judge one member's block: a broken block or an answer that leaks another member's request falls back."""
+    if isinstance(block, BlockFailure):
+        return BlockVerdict(None, block.value)
+    if find_leaks({member_id: block}, requests, min_words=options.leak_min_words):
+        return BlockVerdict(None, LEAK)
+    return BlockVerdict(block)
+
+
+def settle_call_error(exc: BrokerError, members: Sequence[SettleMember]) -> Settlement:
+    """Settle a merged call that failed: a refusal each member would meet alone fails them all at once;
+    anything else may be the merged call's own problem (its size, its deadline, its upstream), so each
+    member is re-sent alone."""
+    if isinstance(exc, (UpstreamUnavailable, NotFound)):
+        return Settlement(errors={m.id: exc for m in members})
+    return every_member(members, MERGED_CALL_FAILED)
+
+
+def every_member(members: Sequence[SettleMember], reason: str) -> Settlement:
+    """Every member re-sent alone for `reason`; the merge counts as needing a fallback."""
+    return Settlement(fallbacks={m.id: reason for m in members}, needed_fallback=True)
+
+
+def reply_text(reply: Any) -> tuple[str, str | None] | None:
+    """The first choice's text and finish reason of a merged reply, or None when the reply is unusable."""
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str):
+        return None
+    finish_reason = choice.get("finish_reason")  # type: ignore[union-attr]
+    return content, finish_reason if isinstance(finish_reason, str) else None
+
+
+def apply_stop(text: str, stop: str | list[str] | None) -> str:
+    """Cut a member's answer at its first stop sequence, as the upstream would have."""
+    sequences = [stop] if isinstance(stop, str) else list(stop or [])
+    cut = min((i for i in (text.find(s) for s in sequences if s) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def _apportion(reply: Any, members: Sequence[SettleMember], good: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    usage = _usage(reply)
+    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    own = {m.id: m.own_prompt_tokens for m in members}
+    return apportion_usage(
+        {"prompt_tokens": prompt, "completion_tokens": completion},
+        shared_prompt_tokens=max(0, prompt - sum(own.values())),
+        member_prompt_tokens=own,
+        # Weighed by the answer before its stop sequence: that is what the upstream generated.
+        member_completion_weights={m.id: max(1, len(good.get(m.id, ""))) for m in members},
+    )
+
+
+def _usage(reply: Any) -> Mapping[str, Any]:
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    return usage if isinstance(usage, dict) else {}
+
+
+def _count(value: Any) -> int:
+    """A token count from an upstream's usage object; anything but a non-negative number counts as 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        return 0
+    return int(value)

@@ -1,0 +1,77 @@
+"""One upstream speaking Anthropic's Messages API, presented to the broker as an OpenAI provider.
+
+The HTTP side (pooled session, timeouts, error translation, SSE framing) is `OpenAICompatProvider`'s;
+this class only swaps the endpoint, the headers and the bodies, with every decision in the pure
+`providers.anthropic_translate`. A field the Messages API cannot carry is refused (400, naming it)
+before anything is sent. Anthropic has no embeddings endpoint: embeddings calls are refused the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, AsyncIterator, Callable, Mapping
+
+from mergebroker.errors import UpstreamBadResponse, UpstreamHTTPError, UpstreamUnsupported
+from mergebroker.providers.anthropic_translate import (ANTHROPIC_VERSION, StreamTranslator, to_completion, to_error,
+                                                       to_messages)
+from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider, _decode_json
+from mergebroker.providers.retry import parse_retry_after
+
+
+class AnthropicProvider(OpenAICompatProvider):
+    """A `providers.base.Provider` over `POST {base_url}/v1/messages` with `x-api-key` and `anthropic-version`.
+
+    `base_url` is the API root, with or without its `/v1` ("https://api.anthropic.com"). `api_key`
+    travels as `x-api-key`, never as a Bearer token. `default_max_tokens` fills the `max_tokens` the
+    Messages API requires when a request names none; `model_map` renames the callers' model names.
+    `wall_clock` stamps `created` on translated answers (Unix seconds).
+    """
+
+    def __init__(self, settings: HttpProviderSettings, *, default_max_tokens: int,
+                 anthropic_version: str = ANTHROPIC_VERSION, model_map: Mapping[str, str] | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        headers = [("anthropic-version", anthropic_version), *settings.extra_headers]
+        if settings.api_key:
+            headers.append(("x-api-key", settings.api_key))
+        root = settings.base_url.rstrip("/").removesuffix("/v1")
+        super().__init__(replace(settings, base_url=root + "/v1", api_key=None, extra_headers=tuple(headers)))
+        self._default_max_tokens = default_max_tokens
+        self._model_map = dict(model_map or {})
+        self._wall_clock = wall_clock
+
+    def __repr__(self) -> str:
+        return f"AnthropicProvider(name={self.name!r}, base_url={self._base_url!r})"
+
+    def _request_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return to_messages(body, default_max_tokens=self._default_max_tokens, model_map=self._model_map)
+
+    def _upstream_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
+        return to_error(status, _decode_json(raw), retry_after=parse_retry_after(headers.get("Retry-After")))
+
+    async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        """POST /v1/messages; the answer as a `chat.completion`."""
+        message = await self._request_json("POST", "/messages", self._request_body(body), timeout)
+        return to_completion(message, created=int(self._wall_clock()))
+
+    def stream_chat(self, body: dict[str, Any], *, timeout: float) -> AsyncIterator[bytes]:
+        """POST /v1/messages with `stream: true`; yield `chat.completion.chunk` SSE events ending in `[DONE]`.
+
+        Translation errors raise here, before any connection is made. An `error` event raises its
+        mapped error; a stream that ends before `message_stop` raises `UpstreamBadResponse`.
+        """
+        request = {**self._request_body(body), "stream": True}
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return self._translated_stream(request, StreamTranslator(int(self._wall_clock()), include_usage), timeout)
+
+    async def _translated_stream(self, request: dict[str, Any], translator: StreamTranslator,
+                                 timeout: float) -> AsyncIterator[bytes]:
+        async for event in self._sse_events("/messages", request, timeout):
+            for chunk in translator.feed(event):
+                yield chunk
+        if not translator.done:
+            raise UpstreamBadResponse("upstream ended the stream before message_stop")
+
+    async def embeddings(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        """Refused: the Messages API has no embeddings (a pool tries the model's other upstreams)."""
+        raise UpstreamUnsupported(f"Provider '{self.name}' (Anthropic) has no embeddings endpoint.", param="model")

@@ -1,0 +1,210 @@
+"""Cluster mode's parts in one process on a real Redis: a job's round trip, coalescing across front-ends,
+leases, heartbeats against claims, first-reply-wins and the fallback when Redis goes away."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mergebroker.broker.admission import Caller
+from mergebroker.broker.cluster.client import make_stream_client
+from mergebroker.broker.cluster.consumer import StreamConsumer
+from mergebroker.broker.cluster.frontend import ClusterQueue
+from mergebroker.broker.cluster.leases import PartitionLeases
+from mergebroker.broker.cluster.partition import GROUP, Keys
+from mergebroker.broker.cluster.server_time import ServerClock
+from mergebroker.broker.cluster.wire import WireReply, encode_reply
+from mergebroker.broker.job_queue import FakeJobQueue
+from mergebroker.broker.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.settings import ClusterSettings, default_tiers
+from mergebroker.clock import FakeClock, monotonic
+
+pytestmark = pytest.mark.redis
+
+SETTINGS = ClusterSettings(enabled=True, partitions=4, claim_idle_ms=5000, lease_ms=3000, block_ms=100, prefetch=16)
+KEYS = Keys("mbt")
+
+
+def chat_job(text: str, *, deadline_s: float = 30.0, tenant: str = "t") -> ChatJob:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    return ChatJob(request_id="r-" + text, caller=Caller(tenant, "batch"), body=body, model="m", priority=0.0,
+                   shape=None, merge_key="mk-" + text, prompt_tokens=5, max_tokens=10,
+                   deadline=monotonic() + deadline_s, enqueued_at=monotonic())
+
+
+def answer(job: ChatJob, text: str) -> None:
+    FakeJobQueue().answer(job, ChatOutcome({"choices": [{"message": {"content": text}}]}, "sim", 0.01))
+
+
+async def next_job(queue: FakeJobQueue, seen: int = 0) -> ChatJob:
+    """The job after the first `seen` that reached `queue`."""
+    return (await asyncio.wait_for(queue.wait_for(seen + 1), 10))[seen]
+
+
+class Node:
+    """One worker's parts, driven by hand: leases renewed and reads, writes, claims called by the test."""
+
+    def __init__(self, redis, name: str, clock: FakeClock) -> None:
+        self.queue = FakeJobQueue()
+        self.metrics = Metrics()
+        self.leases = PartitionLeases(redis, KEYS, name, partitions=SETTINGS.partitions, lease_ms=SETTINGS.lease_ms,
+                                      server_clock=ServerClock(clock), clock=clock)
+        self.consumer = StreamConsumer(redis, self.queue, keys=KEYS, settings=SETTINGS, tiers=default_tiers(),
+                                       leases=self.leases, server_clock=ServerClock(monotonic), consumer_id=name,
+                                       aging_per_s=10.0, metrics=self.metrics, clock=clock)
+
+    async def write(self) -> None:
+        await self.consumer.wait_for_replies()  # the answer reaches the outbox in the future's callback
+        await self.consumer.write_once()
+
+    async def read(self) -> int:
+        await self.consumer._server_clock.sync(self.consumer._redis)
+        return await self.consumer.read_once(SETTINGS.block_ms * 5)
+
+
+@pytest.fixture
+async def redis(redis_server):
+    client = make_stream_client(redis_server.url, block_ms=SETTINGS.block_ms)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def frontend(redis):
+    queues = []
+
+    def make(name: str = "f1") -> ClusterQueue:
+        q = ClusterQueue(redis, FakeJobQueue(), keys=KEYS, settings=SETTINGS, partitions=SETTINGS.partitions,
+                         server_clock=ServerClock(), metrics=Metrics(), frontend_id=name)
+        q.start()
+        queues.append(q)
+        return q
+
+    yield make
+    for q in queues:
+        await q.stop()
+
+
+async def test_a_job_goes_to_the_worker_and_its_answer_comes_back(redis, frontend):
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    assert node.leases.owned == frozenset(range(4))
+    fe = frontend()
+    future = fe.submit(chat_job("hello"))
+    while not await node.read():
+        pass
+    job = await next_job(node.queue)
+    assert (job.caller, job.merge_key, job.request_id) == (Caller("t", "batch"), "mk-hello", "r-hello")
+    answer(job, "hi there")
+    await node.write()
+    outcome = await asyncio.wait_for(future, 10)
+    assert outcome.body["choices"][0]["message"]["content"] == "hi there"
+    assert sum([await redis.xlen(KEYS.jobs("batch", p)) for p in range(4)]) == 0  # acknowledged and deleted
+
+
+async def test_identical_jobs_from_two_frontends_share_one_call(redis, frontend):
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    first, second = frontend("f1").submit(chat_job("same")), frontend("f2").submit(chat_job("same"))
+    taken = 0
+    while taken < 2:
+        taken += await node.read()
+    job = await next_job(node.queue)
+    assert len(node.queue.jobs) == 1  # the second joined the first
+    answer(job, "shared")
+    await node.write()
+    for future in (first, second):
+        assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "shared"
+
+
+async def test_two_workers_split_partitions_and_a_zombie_stops_holding(redis):
+    clock = FakeClock()
+    a, b = Node(redis, "wa", clock), Node(redis, "wb", clock)
+    await a.leases.renew()
+    await b.leases.renew()  # b sees two live workers, takes what is free (nothing yet)
+    await a.leases.renew()  # a gives up half
+    await b.leases.renew()
+    assert len(a.leases.owned) == len(b.leases.owned) == 2
+    assert a.leases.owned.isdisjoint(b.leases.owned)
+    clock.advance(SETTINGS.lease_ms / 1000)  # a cannot renew in time (paused, cut off)
+    assert a.leases.owned == frozenset() and a.consumer.streams() == []
+
+
+async def test_held_jobs_are_heartbeated_and_a_dead_workers_jobs_are_claimed(redis, frontend):
+    clock = FakeClock()
+    a, b = Node(redis, "wa", clock), Node(redis, "wb", clock)
+    await a.leases.renew()
+    fe = frontend()
+    future = fe.submit(chat_job("long call"))
+    while not await a.read():
+        pass
+    await next_job(a.queue)  # in progress at a, never answered: a is about to die
+    stream, entry = next(iter(a.consumer._held))
+    await redis.xclaim(stream, GROUP, "wa", 0, [entry], idle=SETTINGS.claim_idle_ms * 2, justid=True)
+    await a.consumer.heartbeat_once()  # a is alive: its heartbeat makes the job fresh again
+    await a.leases.release()
+    await b.leases.renew()
+    b.consumer._grouped.add(stream)
+    assert await b.consumer.claim_once() == 0
+    await redis.xclaim(stream, GROUP, "wa", 0, [entry], idle=SETTINGS.claim_idle_ms * 2, justid=True)  # a died
+    assert await b.consumer.claim_once() == 1
+    assert b.metrics.cluster_claims._value.get() == 1
+    answer(await next_job(b.queue), "answered by b")
+    await b.write()
+    assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "answered by b"
+
+
+async def test_the_first_reply_wins_and_later_ones_are_dropped_and_counted(redis, frontend):
+    fe = frontend()
+    future = fe.submit(chat_job("twice"))
+    while not fe._waiting:
+        await asyncio.sleep(0)  # the send loop runs on the next turns of the loop
+    cid = next(iter(fe._waiting))
+    for text in ("first", "second"):
+        outcome = ChatOutcome({"choices": [{"message": {"content": text}}]}, "sim", 0.0)
+        await redis.xadd(KEYS.replies("f1"), encode_reply(WireReply(cid, outcome=outcome)))
+    assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "first"
+    while fe._metrics.cluster_duplicates_dropped._value.get() < 1:
+        await asyncio.sleep(0.01)  # the reader drops the second in its next read
+
+
+async def test_an_expired_job_is_dropped_by_the_worker(redis, frontend):
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    fe = frontend()
+    fe.submit(chat_job("too late", deadline_s=-1.0))
+    while not fe._waiting:
+        await asyncio.sleep(0.01)  # the send loop adds it on a later turn
+    assert await node.read() == 0
+    assert node.queue.jobs == [] and node.metrics.cluster_jobs.labels("expired")._value.get() == 1
+
+
+async def test_frontend_falls_back_to_local_merging_and_returns(redis_server, redis, frontend):
+    fe = frontend()
+    waiting = fe.submit(chat_job("in flight"))
+    while not fe._waiting:
+        await asyncio.sleep(0)
+    redis_server.stop()
+    local: FakeJobQueue = fe._local  # type: ignore[assignment]
+    moved = await next_job(local)  # the job awaiting a reply moved to the local queue
+    assert fe.in_fallback and fe._metrics.cluster_fallback._value.get() == 1
+    answer(moved, "local")
+    assert (await waiting).body["choices"][0]["message"]["content"] == "local"
+    fe.submit(chat_job("while down"))
+    assert (await next_job(local, 1)).request_id == "r-while down"
+    redis_server.start()
+    while fe.in_fallback:
+        await asyncio.sleep(0.05)  # the probe runs every fallback_probe_s
+    assert fe._metrics.cluster_fallback._value.get() == 0
+
+
+async def test_a_frontend_in_cluster_mode_queues_on_redis_and_never_loads_the_similarity_model(
+        redis_server, start_broker, simulator):
+    from tests.conftest import provider_for
+
+    config = {"providers": [provider_for(simulator)], "redis": {"url": redis_server.url}}
+    frontend = await start_broker({**config, "cluster": {"enabled": True}})
+    assert isinstance(frontend.broker.queue, ClusterQueue) and frontend.broker.model_host is None
+    assert (await frontend.http.get("/readyz")).status == 200

@@ -1,0 +1,76 @@
+"""Cluster mode's pure parts: the wire format round-trips, partitions are stable, leases split fairly."""
+
+from __future__ import annotations
+
+import pytest
+
+from mergebroker.broker.admission import Caller
+from mergebroker.broker.cluster.partition import (Keys, fair_share, flight_key, lease_plan, partition_of,
+                                                  preferred_order)
+from mergebroker.broker.cluster.wire import (WireJob, WireReply, decode_job, decode_reply, encode_job,
+                                             encode_reply)
+from mergebroker.broker.jobs import ChatOutcome
+from mergebroker.errors import BrokerError, DeadlineExceeded, UpstreamError, UpstreamUnavailable
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi </request> <response id=\"x\">"}]}
+
+
+def test_job_round_trips_with_caller_deadline_and_keys():
+    job = WireJob("cid1", "mb:replies:f1", "req-1", Caller("acme", "batch", key_id="k1", user="u:1"), BODY, "mk", "fk",
+                  12, 34, 1_700_000_000_123)
+    assert decode_job(encode_job(job)) == job
+
+
+@pytest.mark.parametrize("error", [DeadlineExceeded("late"), UpstreamUnavailable(3.0),
+                                   UpstreamError("bad gateway", status=502),
+                                   BrokerError("full", status=503, code="queue_full", retry_after=1)])
+def test_errors_come_back_with_their_status_code_and_class(error):
+    back = decode_reply(encode_reply(WireReply("c", error=error))).error
+    assert (back.status, back.type, back.code, back.message, back.retry_after) == (
+        error.status, error.type, error.code, error.message, error.retry_after)
+    if isinstance(error, (DeadlineExceeded, UpstreamUnavailable)):
+        assert type(back) is type(error)  # the front-end's code tells these apart
+
+
+def test_outcome_round_trips():
+    outcome = ChatOutcome({"choices": []}, "sim", 0.25, 3, "b_1", None)
+    assert decode_reply(encode_reply(WireReply("c", outcome=outcome))).outcome == outcome
+
+
+@pytest.mark.parametrize("fields", [{}, {b"j": b"not json"}, {b"j": b'{"v": 99}'}, {b"j": b'{"v": 1}'}])
+def test_unreadable_entries_raise_value_error(fields):
+    with pytest.raises(ValueError):
+        decode_job(fields)
+    with pytest.raises(ValueError):
+        decode_reply(fields)
+
+
+def test_partition_is_stable_and_spread():
+    assert partition_of("abc", 64) == partition_of("abc", 64)
+    assert len({partition_of(f"key{i}", 64) for i in range(1000)}) == 64
+
+
+def test_flight_key_separates_tenants_tiers_and_merge_opt_out():
+    keys = {flight_key("a", "batch", True, BODY), flight_key("b", "batch", True, BODY),
+            flight_key("a", "standard", True, BODY), flight_key("a", "batch", False, BODY)}
+    assert len(keys) == 4
+    assert flight_key("a", "batch", True, dict(reversed(list(BODY.items())))) == flight_key("a", "batch", True, BODY)
+
+
+def test_fair_share_rounds_up_so_no_partition_is_left_over():
+    assert [fair_share(64, n) for n in (0, 1, 2, 3, 64, 100)] == [64, 64, 32, 22, 1, 1]
+
+
+def test_lease_plan_takes_up_to_share_and_gives_up_the_latest_in_its_order():
+    order = preferred_order("w1", 8)
+    assert sorted(order) == list(range(8))
+    acquire, release = lease_plan(set(order[:2]), 4, order)
+    assert acquire == order[2:] and release == []
+    acquire, release = lease_plan(set(order), 3, order)
+    assert acquire == [] and release == order[3:]
+
+
+def test_keys_live_under_one_prefix():
+    keys = Keys("mb:c")
+    assert {keys.jobs("batch", 3), keys.lease(3), keys.replies("f"), keys.workers} == {
+        "mb:c:jobs:batch:3", "mb:c:lease:3", "mb:c:replies:f", "mb:c:workers"}
