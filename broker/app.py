@@ -27,6 +27,7 @@ from mergebroker.broker.cluster.frontend import build_cluster_queue
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.broker.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
+from mergebroker.broker.drain import DRAIN, Drain
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
 from mergebroker.broker.job_queue import JobQueue
@@ -70,6 +71,8 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = a
     app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
                                   settings.server.max_json_depth)
     app[CONNECTIONS] = guard = ConnectionGuard(connection_limits(settings), clock=clock)
+    app[DRAIN] = drain = Drain(settings.server.drain_timeout_s)
+    app.on_shutdown.append(drain.drain)
     add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ follows it: the handler ends the stream itself and notes the error in `request[I
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 import weakref
@@ -22,6 +23,7 @@ from aiohttp import web
 from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
 from mergebroker.broker.ledger import LedgerRecord, saved_tokens
 from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.drain import DRAIN
 from mergebroker.broker.server import CONNECTIONS
 from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY, Broker
 
@@ -69,13 +71,19 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     guard = request.app.get(CONNECTIONS)
     if guard is not None:
         guard.request_started(request.protocol, request.content.is_eof)
+    drain = request.app.get(DRAIN)
     try:
-        response = await handler(request)
+        with drain.track() if drain is not None else contextlib.nullcontext():
+            response = await handler(request)
     except Exception as exc:  # noqa: BLE001 - every failure leaves in the one envelope (or, mid-stream, not at all)
         response = _failure_response(request, info, exc)
-    except asyncio.CancelledError:  # the client went away (handler cancellation): counted, never answered
-        _observe(request, info, CLIENT_CLOSED, time.perf_counter() - started)
-        raise
+    except asyncio.CancelledError:
+        if drain is None or not drain.expired or (info.response is not None and info.response.prepared):
+            # The client went away (handler cancellation): counted, never answered.
+            _observe(request, info, CLIENT_CLOSED, time.perf_counter() - started)
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]  # cut off by the shutdown drain: answer 503
+        response = _error_response(drain.refusal())
     finally:
         if guard is not None:
             guard.request_finished(request.protocol)

@@ -44,6 +44,7 @@ class ServerSettings(_Strict):
     accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto", description="The serving event loop: uvloop when installed (auto), or the standard asyncio loop.")
+    drain_timeout_s: float = Field(15.0, ge=0, description="At shutdown, requests in flight get this long, then 503.")
     metrics_token_env: str | None = Field(
         None, description="Environment variable holding a bearer token that /metrics and /v1/broker/stats require.")
     metrics_token: SecretStr | None = Field(None, exclude=True)

@@ -105,3 +105,20 @@ async def test_a_stream_whose_upstream_dies_mid_way_counts_as_a_failure(fake_clo
             pass
     assert observer.outcomes == ["success", "stream_broken"]
     assert breaker.snapshot()["error_ratio"] == 0.5
+
+
+async def test_shutdown_with_a_hung_upstream_answers_503_after_the_drain_timeout(simulator, start_broker):
+    broker = await start_broker({"providers": [provider_for(simulator)], **NO_MERGE_MODEL,
+                                 "server": {"drain_timeout_s": 0.3}})
+    simulator.set_faults(timeout_rate=1.0, hang_s=60)
+    pending = asyncio.ensure_future(broker.chat("this upstream hangs"))
+    for _ in range(500):  # until the call is upstream (it is then in flight in the broker)
+        if simulator.stats()["chat_calls"]:
+            break
+        await asyncio.sleep(0.01)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await broker.runner.cleanup()
+    status, body, _ = await asyncio.wait_for(pending, 10)
+    assert status == 503 and body["error"]["code"] == "shutting_down"
+    assert loop.time() - started < 10  # not the hung call's read timeout
