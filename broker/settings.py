@@ -29,7 +29,8 @@ class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Requests over this size get 413.")
-    workers: int = Field(64, gt=0, description="Concurrent dispatches taken from the tier queues.")
+    workers: int = Field(64, gt=0, description="Tasks taking released groups by priority; each group is dispatched "
+                                               "in its own task, so a hung upstream holds no worker.")
     aging_per_s: float = Field(10.0, ge=0, description="Priority points a released group gains per second waited.")
     header_timeout_s: float = Field(10.0, gt=0, description="Longest a client may take to send a request's headers.")
     body_timeout_s: float = Field(30.0, gt=0, description="Longest a client may take to send a request's body (408).")
