@@ -240,6 +240,8 @@ class EmbeddingSettings(_Strict):
         "global", description="global: one cache for everyone (a hit can tell that anyone embedded the text before); "
                               "tenant: each tenant its own entries.")
     local_models: list[str] = Field(default_factory=lambda: ["all-MiniLM-L6-v2", "local-minilm"])
+    max_inputs: int = Field(2048, gt=0, description="Most inputs one /v1/embeddings request may hold (400 above).")
+    max_input_tokens: int = Field(100_000, gt=0, description="Most tokens one /v1/embeddings request may hold (400 above).")
 
 
 class LoggingSettings(_Strict):
