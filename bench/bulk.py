@@ -23,6 +23,7 @@ import json
 import random
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -120,10 +121,16 @@ async def through_broker(broker: Process, rows: list[dict[str, Any]]) -> dict[st
                 row = json.loads(raw)
                 body = (row.get("response") or {}).get("body") or {}
                 choices = body.get("choices") or [{}]
-                answers[row["custom_id"]] = (choices[0].get("message") or {}).get("content", "")
+                answers[row["custom_id"]] = (choices[0].get("message") or {}).get("content") or _error(row)
         return answers
     finally:
         await client.close()
+
+
+def _error(row: dict[str, Any]) -> str:
+    """An error line's code, kept as its "answer" (it is counted wrong, and the report shows which errors)."""
+    error = row.get("error") or ((row.get("response") or {}).get("body") or {}).get("error") or {}
+    return f"error: {error.get('code') or error.get('type') or 'unknown'}"
 
 
 def broker_config(sim: Process, plan: Plan, *, batch_api: bool) -> dict[str, Any]:
@@ -142,10 +149,11 @@ async def measure(sim: Process, name: str, rows: list[dict[str, Any]], send: Any
     stats = await get_json(sim.url + "/stats")
     wrong = sum(1 for r in rows if answers.get(r["custom_id"]) != answer_for(question(r)))
     missing = sum(1 for r in rows if r["custom_id"] not in answers)
+    errors = Counter(a for a in answers.values() if a.startswith("error: "))
     return {"name": name, "lines": len(rows), "answered": len(answers), "missing": missing, "wrong_answers": wrong,
             "upstream_calls": stats["chat_calls"], "merged_calls": stats["merged_calls"],
             "prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["completion_tokens"],
-            "wall_s": round(wall_s, 2)}
+            "wall_s": round(wall_s, 2), "errors": dict(errors)}
 
 
 async def run(plan: Plan) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """`python -m bench.report [--quick] [--from-results]`: run every benchmark, write docs/benchmarks.md.
 
 Runs `bench.passthrough`, `bench.tiers`, `bench.chaos`, `bench.merging`, `bench.embeddings` and
-`bench.provider_kinds`, `bench.bulk`, `bench.latency` (or, with `--from-results`, reads their JSON from `bench/results/`), then writes
+`bench.provider_kinds`, `bench.bulk`, `bench.latency`, `bench.cluster` (or, with `--from-results`, reads their JSON from `bench/results/`), then writes
 `docs/benchmarks.md`: one targets table over all issues, findings built from the numbers, a section per
 benchmark, and PNG charts in `docs/img/`. A `--quick` run is smoke-sized; unless told otherwise it writes
 under `bench/results/quick/` so it never overwrites the real report. `main(argv)` is what `mergebroker bench` calls.
@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any, Callable, Sequence
 
 from bench import charts, report_chaos, report_embeddings, report_merging, report_passthrough, report_tiers
-from bench import report_bulk, report_latency, report_provider_kinds
+from bench import report_bulk, report_cluster, report_latency, report_provider_kinds
 from bench.markdown import targets_table
 
 BENCH_DIR = Path(__file__).parent
@@ -32,6 +32,7 @@ PARTS: dict[str, ModuleType] = {"passthrough": report_passthrough, "tiers": repo
 PARTS["provider_kinds"] = report_provider_kinds
 PARTS["bulk"] = report_bulk
 PARTS["latency"] = report_latency
+PARTS["cluster"] = report_cluster
 
 Results = dict[str, dict[str, Any] | None]
 
@@ -88,17 +89,17 @@ def load_results(results_dir: Path) -> Results:
 
 
 def _plans(quick: bool) -> dict[str, Any]:
-    from bench import bulk, chaos, latency, passthrough, provider_kinds, tiers
+    from bench import bulk, chaos, cluster, latency, passthrough, provider_kinds, tiers
     from bench.embeddings import FULL_EMBEDDING_PLAN, QUICK_EMBEDDING_PLAN
     from bench.merging import FULL_PLAN, QUICK_PLAN
 
     if quick:
         return {"passthrough": passthrough.QUICK, "tiers": tiers.QUICK, "chaos": chaos.QUICK,
                 "merging": QUICK_PLAN, "embeddings": QUICK_EMBEDDING_PLAN, "provider_kinds": provider_kinds.QUICK,
-                "bulk": bulk.QUICK, "latency": latency.QUICK}
+                "bulk": bulk.QUICK, "latency": latency.QUICK, "cluster": cluster.QUICK_PLAN}
     return {"passthrough": passthrough.FULL, "tiers": tiers.FULL, "chaos": chaos.FULL,
             "merging": FULL_PLAN, "embeddings": FULL_EMBEDDING_PLAN, "provider_kinds": provider_kinds.FULL,
-            "bulk": bulk.FULL, "latency": latency.FULL}
+            "bulk": bulk.FULL, "latency": latency.FULL, "cluster": cluster.FULL_PLAN}
 
 
 def run_benchmarks(quick: bool, results_dir: Path) -> None:
@@ -106,12 +107,13 @@ def run_benchmarks(quick: bool, results_dir: Path) -> None:
     from tqdm import tqdm
 
     from bench import bulk, chaos, latency, passthrough, provider_kinds, tiers
+    from bench.cluster import LAYOUTS, run_cluster
     from bench.embeddings import run_embeddings
     from bench.harness import write_results
     from bench.merging import run_merging
 
     plans = _plans(quick)
-    steps = 4 + plans["merging"].run_count() + plans["embeddings"].step_count()
+    steps = 6 + plans["merging"].run_count() + plans["embeddings"].step_count() + len(LAYOUTS)
     with tqdm(total=steps, desc="bench", unit="run") as bar:
         def step(name: str) -> None:
             bar.set_postfix_str(name)
@@ -125,7 +127,8 @@ def run_benchmarks(quick: bool, results_dir: Path) -> None:
             "embeddings": lambda: run_embeddings(plans["embeddings"], on_step=step),
             "provider_kinds": lambda: provider_kinds.run(plans["provider_kinds"]),
             "bulk": lambda: bulk.run(plans["bulk"]),
-            "latency": lambda: latency.run(plans["latency"])}
+            "latency": lambda: latency.run(plans["latency"]),
+            "cluster": lambda: run_cluster(plans["cluster"], on_run=step)}
         for name, runner in runners.items():
             write_results(results_dir / f"{name}.json", asyncio.run(runner()))
             if name in ("passthrough", "tiers", "chaos", "provider_kinds", "bulk", "latency"):

@@ -63,7 +63,7 @@ from mergebroker.providers.retry import RetryPolicy
 log = structlog.get_logger(__name__)
 
 
-def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> web.Application:
+def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None) -> web.Application:
     """The aiohttp application for `settings`; components are built when it starts."""
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware],
                           handler_args=HANDLER_ARGS)
@@ -90,8 +90,13 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = a
     return app
 
 
-async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> Broker:
-    """Build and start every component; `clock` and `sleep` drive all time-based parts (tests inject fakes)."""
+async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None) -> Broker:
+    """Build and start every component; `clock` drives all time-based parts (tests inject a fake).
+
+    `sleep` (default `clock.sleep`) is what retry backoffs and background loops wait with, for tests that
+    let those waits pass at once.
+    """
+    sleep = sleep or clock.sleep
     metrics = Metrics()
     simulated = None
     providers = list(settings.providers)
@@ -119,7 +124,7 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
             routes.setdefault(model, []).append(p.name)
     policy = DegradationPolicy(routes, breakers, merging_listener(metrics))
     host, embedder = _similarity_model(settings, providers)
-    ledger = _ledger(settings)
+    ledger = _ledger(settings, clock)
     guard = _guard(settings, clock, metrics)
     shadow = ShadowRunner(pools, rate=settings.merge.shadow_rate, tpm=settings.merge.shadow_tpm, guard=guard,
                           metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
@@ -142,7 +147,7 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     auth = Authenticator(settings.auth, tiers=tuple(t.name for t in settings.tiers), default_tier=settings.default_tier)
     shared = None
     if redis is not None and settings.redis.share_breakers:
-        shared = SharedBreakerState(redis, clock=clock)
+        shared = SharedBreakerState(redis, clock=clock, sleep=clock.sleep)
         for b in breakers.values():
             shared.attach(b)
     batches = build_batch_service(settings, pools=pools, providers=providers, limits=Limits(limiter, chat.limit_specs),
@@ -180,10 +185,12 @@ def _similarity_model(settings: Settings, providers: list[ProviderSettings]
     return host, embedder
 
 
-def _ledger(settings: Settings) -> Ledger | None:
+def _ledger(settings: Settings, clock: Clock) -> Ledger | None:
     dsn = settings.ledger.postgres_dsn
     target = dsn.get_secret_value() if dsn else settings.ledger.path
-    return Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s) if target else None
+    if not target:
+        return None
+    return Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s, sleep=clock.sleep)
 
 
 def _guard(settings: Settings, clock: Clock, metrics: Metrics) -> QualityGuard:

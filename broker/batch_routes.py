@@ -8,7 +8,10 @@ holding more than the limit in memory.
 
 from __future__ import annotations
 
-from aiohttp import BodyPartReader, web
+import asyncio
+
+from aiohttp import BodyPartReader, ClientPayloadError, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from mergebroker.broker.admission import Caller
 from mergebroker.broker.batches import BatchService
@@ -16,11 +19,13 @@ from mergebroker.broker.body import BODY_LIMITS, read_json
 from mergebroker.broker.files import file_object, too_large
 from mergebroker.broker.middleware import INFO
 from mergebroker.broker.state import BROKER
-from mergebroker.errors import InvalidRequest, NotFound, UnsupportedMediaType
+from mergebroker.errors import InvalidRequest, NotFound, RequestTimeout, UnsupportedMediaType
 
 MAX_FILES_PAGE = 10_000  # as OpenAI: up to 10,000 files, 100 batches a page
 MAX_BATCHES_PAGE = 100
 CHUNK_BYTES = 1 << 16
+FORM_OVERHEAD_BYTES = 64 * 1024
+"""Room for the multipart boundaries and small fields around a file of the largest size allowed."""
 
 
 def add_batch_routes(app: web.Application) -> None:
@@ -58,31 +63,49 @@ async def upload_file(request: web.Request) -> web.Response:
     service, caller = _service(request)
     if not request.content_type.startswith("multipart/"):
         raise UnsupportedMediaType("Upload files as multipart/form-data with fields 'purpose' and 'file'.")
-    fields: dict[str, str] = {}
-    data, filename = None, "upload.jsonl"
-    reader = await request.multipart()
-    async for part in reader:
-        if not isinstance(part, BodyPartReader):
-            continue
-        if part.name == "file":
-            filename = part.filename or filename
-            data = await _read_limited(part, service.files.max_bytes)
-        elif part.name:
-            fields[part.name] = (await _read_limited(part, 1024)).decode("utf-8", "replace")
+    limit = service.files.max_bytes
+    if request.content_length is not None and request.content_length > limit + FORM_OVERHEAD_BYTES:
+        raise too_large(limit)
+    try:
+        fields, filename, data = await _read_form(request, limit, request.app[BODY_LIMITS].timeout_s)
+    except TimeoutError:
+        raise RequestTimeout("The upload stalled: no data for too long.") from None
+    except (ValueError, AssertionError, ClientPayloadError, HttpProcessingError):  # a malformed multipart body
+        raise InvalidRequest("The body is not valid multipart/form-data.", code="invalid_multipart") from None
     if data is None:
         raise InvalidRequest("Missing the 'file' field.", param="file")
     record = await service.files.upload(caller.tenant, fields.get("purpose", ""), filename, data)
     return web.json_response(file_object(record))
 
 
-async def _read_limited(part: BodyPartReader, limit: int) -> bytes:
+async def _read_form(request: web.Request, limit: int, idle_s: float) -> tuple[dict[str, str], str, bytes | None]:
+    """The form's small fields, the file's name and its bytes (at most `limit`)."""
+    fields: dict[str, str] = {}
+    data, filename = None, "upload.jsonl"
+    async for part in await request.multipart():
+        if not isinstance(part, BodyPartReader):
+            continue
+        if part.name == "file":
+            filename = part.filename or filename
+            data = await _read_limited(part, limit, idle_s)
+        elif part.name:
+            fields[part.name] = (await _read_limited(part, 1024, idle_s)).decode("utf-8", "replace")
+    return fields, filename, data
+
+
+async def _read_limited(part: BodyPartReader, limit: int, idle_s: float) -> bytes:
+    """A part's bytes, refused past `limit` (413); a client silent for `idle_s` is cut off (a slow but
+    moving upload of a large file is fine)."""
     chunks, size = [], 0
-    while chunk := await part.read_chunk(CHUNK_BYTES):
+    while True:
+        async with asyncio.timeout(idle_s):
+            chunk = await part.read_chunk(CHUNK_BYTES)
+        if not chunk:
+            return b"".join(chunks)
         size += len(chunk)
         if size > limit:
             raise too_large(limit)
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def list_files(request: web.Request) -> web.Response:

@@ -36,7 +36,7 @@ from mergebroker.merge.compaction import BulkItem, CompactionRules, PlannedCall,
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.fingerprint import chat_fingerprint
 from mergebroker.merge.grouping import needs_embedding
-from mergebroker.merge.settle import SettleOptions, settle, settle_call_error
+from mergebroker.merge.settle import BAD_REPLY, SettleOptions, every_member, settle, settle_call_error
 from mergebroker.merge.shape import compatibility_key, merge_shape
 from mergebroker.merge.usage import largest_remainder
 from mergebroker.providers.openai_batches import BatchApi
@@ -238,7 +238,9 @@ class _Run:
             self._count("pool", call)
             retry.extend(await self._settle(call, outcome))
 
-        await asyncio.gather(*(one(c) for c in calls))
+        async with asyncio.TaskGroup() as group:  # a failure stops the others: the job fails as a whole
+            for call in calls:
+                group.create_task(one(call))
         return retry
 
     async def _send(self, call: PlannedCall) -> dict[str, Any] | BrokerError:
@@ -286,7 +288,11 @@ class _Run:
         if isinstance(outcome, BrokerError):
             settlement = settle_call_error(outcome, members)
         else:
-            settlement = settle(outcome, members, SettleOptions(self.r.settings.merge.leak_min_words))
+            try:
+                settlement = settle(outcome, members, SettleOptions(self.r.settings.merge.leak_min_words))
+            except Exception:  # noqa: BLE001 - a reply we cannot read must not cost the members their answers
+                log.exception("merged_reply_unreadable", batch_id=self.job.batch_id, call_id=call.call_id)
+                settlement = every_member(members, BAD_REPLY)
         results: list[Result] = []
         for m in call.members:
             answer = settlement.answers.get(m.tag)  # type: ignore[arg-type]

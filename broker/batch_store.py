@@ -99,7 +99,13 @@ class BatchStore:
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         def locked() -> T:
             with self._lock, self._conn:  # one transaction per call
-                return fn(self._conn)
+                result = fn(self._conn)
+                if isinstance(result, sqlite3.Cursor):
+                    # Closed here, under the lock: a cursor dropped later on the loop's thread finalizes its
+                    # statement while another thread uses the connection (sqlite3 "API misuse", seen under load).
+                    result.close()
+                    return None  # type: ignore[return-value]
+                return result
         return await asyncio.to_thread(locked)
 
     async def add_file(self, record: FileRecord) -> None:

@@ -94,7 +94,9 @@ class BatchService:
                 isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
             raise InvalidRequest("'metadata' must be an object of at most 16 string values.", param="metadata")
         file_id = body.get("input_file_id")
-        record = await self.files.get(caller.tenant, str(file_id))
+        if not isinstance(file_id, str) or not file_id:
+            raise InvalidRequest("Missing required parameter: 'input_file_id'.", param="input_file_id")
+        record = await self.files.get(caller.tenant, file_id)
         if record.purpose != BATCH_PURPOSE:
             raise InvalidRequest(f"File {file_id} was not uploaded with purpose 'batch'.", param="input_file_id")
         lines = await self.files.batch_lines(record)

@@ -66,7 +66,8 @@ async def start_worker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     consumer = StreamConsumer(redis, broker.queue, keys=keys, settings=c, tiers=settings.tiers, leases=leases,
                               server_clock=server_clock, consumer_id=worker_id,
                               aging_per_s=settings.server.aging_per_s, metrics=broker.metrics, clock=clock)
-    cluster = ClusterWorker(redis, consumer, leases, keys=keys, settings=c, metrics=broker.metrics, sleep=sleep)
+    cluster = ClusterWorker(redis, consumer, leases, keys=keys, settings=c, metrics=broker.metrics, sleep=sleep,
+                            clock=clock)
     cluster.start()
     log.info("worker_started", worker_id=worker_id, partitions=c.partitions)
     return Worker(broker, cluster, redis, worker_id)

@@ -137,11 +137,12 @@ class Dispatcher:
         Past the budget the group goes out unmerged (always correct), and the encode still finishes in the
         background, so the vectors are cached for the paraphrases that come next.
         """
-        started = time.perf_counter()
+        started = self._clock()
         encode = asyncio.ensure_future(self._embedder.embed([j.shape.user_text for j in jobs]))  # type: ignore
         try:
-            vectors = await asyncio.wait_for(asyncio.shield(encode), budget_s)
-        except asyncio.TimeoutError:
+            async with self._clock.timeout_at(started + budget_s):
+                vectors = await asyncio.shield(encode)
+        except TimeoutError:
             encode.add_done_callback(_retrieve)
             if self._metrics:
                 self._metrics.merge_skipped.labels("similarity_slow").inc(len(jobs))
@@ -152,7 +153,7 @@ class Dispatcher:
                 self._metrics.merge_skipped.labels("similarity_failed").inc(len(jobs))
             return None
         if self._metrics:
-            self._metrics.embedding_seconds.observe(time.perf_counter() - started)
+            self._metrics.embedding_seconds.observe(self._clock() - started)
         return vectors
 
     async def _run_batch(self, tier: str, jobs: list[ChatJob]) -> None:

@@ -9,7 +9,6 @@ cache and in-flight coalescing are per tenant instead of shared by everyone.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +104,7 @@ class EmbeddingService:
                                                   tokens)
         started = self._clock()
         try:
-            async with asyncio.timeout(budget):
+            async with self._clock.timeout_at(started + budget):
                 body_out, summary, spent = await self._answer(caller, parsed, body, started + budget, tokens)
         except TimeoutError:
             await reservation.settle(0)
@@ -173,6 +172,6 @@ def build_embedding_service(settings: Settings, *, pools: ProviderPools, host: S
     batcher = EmbeddingBatcher(backend, cache=cache, cache_version=emb.cache_version, window_s=emb.window_ms / 1000,
                                max_batch_size=emb.max_batch_size, max_batch_tokens=emb.max_batch_tokens,
                                count_tokens=count_text_tokens, dtype=emb.dtype, ttl_s=settings.cache.ttl_s,
-                               metrics=metrics)
+                               metrics=metrics, call_later=lambda delay, cb: clock.call_at(clock() + delay, cb))
     return EmbeddingService(settings, batcher=batcher, pools=pools, limiter=limiter, local_models=local_models,
                             clock=clock)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+HOP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1)
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128)
 FIDELITY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
 SHADOW_RESULTS = ("agree", "differ", "failed", "over_budget", "busy")
@@ -123,6 +124,9 @@ class Metrics:
         self.cluster_duplicates_dropped = Counter(p + "cluster_duplicates_dropped", "Replies a front-end dropped: "
                                                   "a later reply for a job already answered or no longer awaited.",
                                                   registry=r)
+        self.cluster_hop = Histogram(p + "cluster_hop_seconds", "What cluster mode adds to a request: a front-end's "
+                                     "round trip through Redis minus the worker's own time.",
+                                     buckets=HOP_BUCKETS, registry=r)
         self.cluster_fallback = Gauge(p + "cluster_fallback", "1 while a front-end merges in-process because Redis "
                                       "is unreachable.", registry=r)
         self.cluster_fallback_transitions = Counter(p + "cluster_fallback_transitions", "Front-end switches between "

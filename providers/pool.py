@@ -23,7 +23,7 @@ import structlog
 
 from mergebroker.breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError, BreakerState, CircuitBreaker
 from mergebroker.breaker.policy import all_open_retry_after
-from mergebroker.clock import Clock, Sleep, monotonic, sleep
+from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import (
     DeadlineExceeded,
     NotFound,
@@ -130,14 +130,16 @@ class ProviderPools:
     """All upstreams, grouped per model on demand; the only door to providers."""
 
     def __init__(self, upstreams: list[Upstream], *, strategy: Strategy = "least_in_flight",
-                 retry: RetryPolicy = RetryPolicy(), clock: Clock = monotonic, sleep: Sleep = sleep,
+                 retry: RetryPolicy = RetryPolicy(), clock: Clock = monotonic, sleep: Sleep | None = None,
                  observer: PoolObserver | None = None) -> None:
+        """`clock` measures deadlines and waits for slots and pacing; `sleep` (default `clock.sleep`) is the
+        retry backoff's wait."""
         self.upstreams = upstreams
         self._by_model: dict[str, list[Upstream]] = {}
         self._strategy = strategy
         self._retry = retry
         self._clock = clock
-        self._sleep = sleep
+        self._sleep = sleep or clock.sleep
         self._observer: PoolObserver = observer or NullObserver()
         for u in upstreams:
             if u.max_in_flight:
@@ -265,12 +267,11 @@ class ProviderPools:
 
     async def _try(self, u: Upstream, attempt: Attempt[T], spec: _CallSpec) -> T:
         """One attempt on one upstream: breaker check, rate and concurrency slot, the call, the settlement."""
-        wait_s = remaining(spec.deadline, self._clock)
-        if wait_s <= 0:
+        if remaining(spec.deadline, self._clock) <= 0:
             raise DeadlineExceeded("The request's deadline passed before an upstream answered.")
         if u.breaker is not None:
             u.breaker.before_call(spec.tenant)  # refuse before queueing for a slot or spending rate budget
-        taken = await self._acquire(u, spec, wait_s)
+        taken = await self._acquire(u, spec)
         sent = False
         try:
             left, read_timeout = remaining(spec.deadline, self._clock), spec.read_timeout(u)
@@ -314,8 +315,8 @@ class ProviderPools:
         elif isinstance(exc, UpstreamHTTPError) and exc.caller_fault:
             u.limiter.give_back(taken)
 
-    async def _acquire(self, u: Upstream, spec: _CallSpec, wait_s: float) -> int:
-        """Take `u`'s rate budget and a concurrency slot, waiting at most `wait_s` (the request's budget).
+    async def _acquire(self, u: Upstream, spec: _CallSpec) -> int:
+        """Take `u`'s rate budget and a concurrency slot, waiting at most until the request's deadline.
 
         Returns the tokens taken from the upstream's budget (the estimate, capped at one bucket).
         """
@@ -324,7 +325,7 @@ class ProviderPools:
             return 0
         taken: int | None = None
         try:
-            async with asyncio.timeout(wait_s):
+            async with self._clock.timeout_at(spec.deadline):
                 if u.limiter is not None:
                     taken = await u.limiter.acquire(spec.tokens, spec.priority)
                 if u._slots is not None:
@@ -378,7 +379,14 @@ class ProviderPools:
 
     async def _attempt(self, u: Upstream, attempt: Attempt[T], timeout: float, deadline: float | None) -> T:
         try:
-            return await attempt(u, timeout)
+            if deadline is None:
+                return await attempt(u, timeout)
+            # The provider's own timeout runs on real time; the deadline is also kept on the injected clock,
+            # which ends the call the moment the deadline passes there (a fake clock's `advance`, too).
+            async with self._clock.timeout_at(deadline):
+                return await attempt(u, timeout)
+        except TimeoutError:
+            raise DeadlineExceeded("The request's deadline passed before the upstream answered.") from None
         except UpstreamTimeout as exc:
             # Only when the deadline has really come: a connect timeout firing earlier is the upstream's.
             if deadline is not None and remaining(deadline, self._clock) <= DEADLINE_SLACK_S:

@@ -163,12 +163,24 @@ async def test_limits_purpose_and_creation_are_checked(simulator, start_broker, 
     assert caught.value.status_code == 413
     with pytest.raises(openai.BadRequestError):
         await b.openai.files.create(file=("f.jsonl", jsonl([line("a", "x")])), purpose="fine-tune")
+    broken = (b"not a form", b'--zzz\r\nContent-Disposition: form-data; name="file"\r\n\r\nabc',
+              b"--zzz\r\nbroken header\r\n\r\nabc\r\n--zzz--\r\n")
+    for body in broken:
+        async with b.http.post("/v1/files", data=body,
+                               headers={"Content-Type": "multipart/form-data; boundary=zzz"}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_multipart"
+    async with b.http.post("/v1/files", data=b"x", headers={"Content-Type": "text/plain"}) as resp:
+        assert resp.status == 415
     good = await b.openai.files.create(file=("f.jsonl", jsonl([line("a", "x")])), purpose="batch")
     with pytest.raises(openai.BadRequestError):
         await b.openai.batches.create(input_file_id=good.id, endpoint="/v1/embeddings", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
         await b.openai.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
                                       completion_window="24h")
+    for bad in ({"endpoint": "/v1/chat/completions", "completion_window": "24h"}, [1, 2], {
+            "input_file_id": good.id, "endpoint": "/v1/chat/completions", "completion_window": "1h"}):
+        async with b.http.post("/v1/batches", json=bad) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["message"]
     assert (await b.openai.files.retrieve(good.id)).bytes == len(jsonl([line("a", "x")]))
     assert (await b.openai.files.delete(good.id)).deleted
     with pytest.raises(openai.NotFoundError):

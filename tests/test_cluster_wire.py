@@ -74,3 +74,12 @@ def test_keys_live_under_one_prefix():
     keys = Keys("mb:c")
     assert {keys.jobs("batch", 3), keys.lease(3), keys.replies("f"), keys.workers} == {
         "mb:c:jobs:batch:3", "mb:c:lease:3", "mb:c:replies:f", "mb:c:workers"}
+
+
+def test_orphan_scans_run_after_a_change_of_hands_and_rarely_otherwise():
+    from mergebroker.broker.cluster.worker import SAFETY_SCAN_EVERY, claim_due
+
+    idle = 1.0
+    assert claim_due(now=101.5, orphans_at=100.0, last_scan_at=101.2, claim_idle_s=idle)  # partition just acquired
+    assert not claim_due(now=103.0, orphans_at=100.0, last_scan_at=102.9, claim_idle_s=idle)  # quiet: no scan
+    assert claim_due(now=103.0 + SAFETY_SCAN_EVERY, orphans_at=100.0, last_scan_at=103.0, claim_idle_s=idle)

@@ -136,9 +136,11 @@ async def test_a_call_waiting_for_a_slot_gives_up_at_its_deadline(fake_clock: Fa
     pools = pools_of(upstream, clock=fake_clock)
     held = asyncio.create_task(pools.chat("m", BODY, deadline=fake_clock() + 60))
     await settle()
+    waiting = asyncio.create_task(pools.chat("m", BODY, deadline=fake_clock() + 0.05))
+    await settle()
+    fake_clock.advance(0.05)
     with pytest.raises(DeadlineExceeded):
-        # The fake clock's budget bounds the real wait; wait_for only keeps a regression from hanging.
-        await asyncio.wait_for(pools.chat("m", BODY, deadline=fake_clock() + 0.05), 5)
+        await asyncio.wait_for(waiting, 5)  # wait_for only keeps a regression from hanging
     assert provider.calls == 1
     gate.set()
     await held
@@ -284,7 +286,6 @@ async def test_usage_beyond_the_estimate_is_charged_to_the_upstream_budget(fake_
     await settle()
     assert limiter.waiting == 1  # the reply used the whole bucket, not just the 10 estimated
     fake_clock.advance(1)
-    limiter.poke()
     assert (await waiting)[1] == "a"
     limiter.close()
 
@@ -363,8 +364,11 @@ async def test_a_call_that_timed_out_waiting_for_a_slot_returns_its_request_and_
     pools = pools_of(upstream, clock=fake_clock)
     held = asyncio.create_task(pools.chat("m", BODY, deadline=fake_clock() + 60, tokens=10))
     await settle()
+    waiting = asyncio.create_task(pools.chat("m", BODY, deadline=fake_clock() + 0.05, tokens=90))
+    await settle()
+    fake_clock.advance(0.05)
     with pytest.raises(DeadlineExceeded):
-        await asyncio.wait_for(pools.chat("m", BODY, deadline=fake_clock() + 0.05, tokens=90), 5)
+        await asyncio.wait_for(waiting, 5)
     gate.set()
     await held
     # One request and 90 tokens are left only if the timed-out call returned both.

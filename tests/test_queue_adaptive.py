@@ -41,7 +41,6 @@ async def test_a_sequential_client_waits_once_then_is_sent_at_once(fake_clock):
     q.submit(first)
     assert q.pick() is None  # no history yet: it waits like a fixed window
     fake_clock.advance(0.051)
-    q.release_due()
     assert q.pick().items == [first]
     fake_clock.advance(0.002)
     answer(first)
@@ -73,7 +72,6 @@ async def test_a_fixed_window_always_waits(fake_clock):
         q.submit(item)
         assert q.pick() is None
         fake_clock.advance(0.051)
-        q.release_due()
         assert q.pick().items == [item]
         answer(item)
         await settle()

@@ -19,8 +19,10 @@ from mergebroker.broker.queue import ReleasedGroup
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.shape import MergeShape
 from mergebroker.providers.fake import FakePool, completion
-from mergebroker.providers.simulator import answer_for
+from mergebroker.providers.simulator import answer_for, start_simulator
+from mergebroker.providers.simulator_faults import SimulatorConfig
 from tests.conftest import BrokerUnderTest, provider_for
+from tests.test_degradation import Gate
 from tests.test_tiers_api import SubmitSpy
 
 WINDOW = {"window_ms": 5000, "max_batch": 8, "similarity_threshold": 0.0}
@@ -69,18 +71,28 @@ async def test_a_follower_with_a_longer_timeout_is_not_cut_short_by_the_leaders_
     assert simulator.stats()["chat_calls"] == 1
 
 
-async def test_a_follower_of_a_call_cut_short_by_the_leaders_deadline_gets_its_own_call(simulator, start_broker):
-    broker = await start_broker(config(simulator, [{"name": "now", "window_ms": 0}]))
-    simulator.set_faults(latency_base_ms=1000)
-    joins = JoinSpy(broker)
-    leader = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 0.5}))
-    await joins.wait_for(1)
-    with capture_logs() as logs:
-        status, body, _ = await broker.chat("the same question", broker={"timeout_s": 20})
-    assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("the same question")
-    assert (await leader)[0] == 504
-    assert [e["reason"] for e in logs if e["event"] == "coalesced_retry"] == ["shared_job_deadline"]
-    assert simulator.stats()["chat_calls"] == 2
+async def test_a_follower_of_a_call_cut_short_by_the_leaders_deadline_gets_its_own_call(start_broker):
+    gate = Gate(expected=1)  # the upstream holds every call until released, and says when the first arrived
+    simulator = await start_simulator(SimulatorConfig(latency_base_ms=1), sleep=gate.sleep)
+    try:
+        clock = FakeClock()
+        broker = await start_broker(config(simulator, [{"name": "now", "window_ms": 0}]), clock=clock)
+        joins = JoinSpy(broker)
+        leader = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 0.5}))
+        await asyncio.wait_for(gate.all_arrived.wait(), 10)  # the leader's job is at the upstream
+        with capture_logs() as logs:
+            follower = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 20}))
+            await joins.wait_for(2)
+            clock.advance(0.5)  # the job's deadline (the leader's) passes; the follower has 19.5 s left
+            gate.release()
+            status, body, _ = await follower
+        assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("the same question")
+        assert (await leader)[0] == 504
+        assert [e["reason"] for e in logs if e["event"] == "coalesced_retry"] == ["shared_job_deadline"]
+        assert simulator.stats()["chat_calls"] == 2
+    finally:
+        gate.release()
+        await simulator.close()
 
 
 async def test_an_identical_request_in_another_tier_does_not_wait_in_the_first_ones_window(simulator, start_broker):

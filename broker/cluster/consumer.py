@@ -48,6 +48,7 @@ class _Held:
     stream: str
     entry_id: bytes
     job: WireJob
+    read_at: float = 0.0
 
 
 @dataclass(eq=False)
@@ -77,6 +78,9 @@ class StreamConsumer:
         self._held: dict[tuple[str, bytes], _Held] = {}
         self._flights: dict[str, _Flight] = {}
         self._grouped: set[str] = set()
+        self._backlogged = False  # the last read filled its count on some stream: more may be waiting
+        self._streams_of: frozenset[int] | None = None
+        self._streams: dict[str, list[str]] = {}
         self._outbox: list[tuple[_Held, WireReply]] = []
         self._wrote = asyncio.Event()  # a reply was written: room to read again
         self._outbox_ready = asyncio.Event()
@@ -97,22 +101,32 @@ class StreamConsumer:
         return len(self._held)
 
     def streams(self, tier: str | None = None) -> list[str]:
-        """The job streams of the partitions held now (of one tier, or all)."""
-        owned = sorted(self._leases.owned)
-        names = [tier] if tier else [t.name for t in self._tiers]
-        return [self._keys.jobs(name, p) for name in names for p in owned]
+        """The job streams of the partitions held now (of one tier, or all, highest priority first)."""
+        owned = self._leases.owned
+        if owned != self._streams_of:  # rebuilt only when the partitions change: reads call this often
+            self._streams_of = owned
+            self._streams = {t.name: [self._keys.jobs(t.name, p) for p in sorted(owned)] for t in self._tiers}
+            self._streams[""] = [s for t in self._tiers for s in self._streams[t.name]]
+        return self._streams[tier or ""]
 
     async def read_once(self, block_ms: int | None) -> int:
-        """One read by tier priority (blocking up to `block_ms` when every tier is empty); jobs taken."""
+        """One read; jobs taken. Blocks up to `block_ms` for new jobs (None: never).
+
+        While a stream has more than one read takes (a backlog), reads go tier by tier, realtime first,
+        so a saturated worker takes the highest priority work; otherwise one read over every stream
+        takes whatever arrived, in one round trip.
+        """
         room = self._settings.prefetch - len(self._held)
         if room <= 0 or not self.streams():
             return 0
         await self._ensure_groups(self.streams())
-        for tier in self._tiers:
-            taken = await self._read(self.streams(tier.name), room, None)
-            if taken:
-                return taken
-        return await self._read(self.streams(), room, block_ms) if block_ms else 0
+        if self._backlogged:
+            for tier in self._tiers:
+                taken = await self._read(self.streams(tier.name), room, None)
+                if taken:
+                    return taken
+            self._backlogged = False
+        return await self._read(self.streams(), room, block_ms)
 
     async def _read(self, streams: list[str], room: int, block_ms: int | None) -> int:
         if not streams:
@@ -126,11 +140,13 @@ class StreamConsumer:
                 raise
             self._grouped.clear()  # a stream was deleted (its group with it): create them again
             return 0
-        return self._accept_all(response or [])
+        pairs = _by_stream(response or [])
+        self._backlogged = self._backlogged or any(len(entries) >= count for _s, entries in pairs)
+        return self._accept_all(pairs)
 
-    def _accept_all(self, response: Any) -> int:
+    def _accept_all(self, pairs: list[tuple[str, Any]]) -> int:
         taken = 0
-        for stream, entries in _by_stream(response):
+        for stream, entries in pairs:
             for entry_id, fields in entries:
                 taken += self._accept(stream, entry_id, fields)
         return taken
@@ -147,7 +163,7 @@ class StreamConsumer:
             self._jobs["unreadable"].inc()
             self._finish(_Held(stream, entry_id, _placeholder()), None)
             return 0
-        held = _Held(stream, entry_id, wire)
+        held = _Held(stream, entry_id, wire, self._clock())
         if wire.deadline_ms <= self._server_clock.now_ms():
             self._jobs["expired"].inc()
             self._finish(held, None)
@@ -193,7 +209,8 @@ class StreamConsumer:
             outcome = None if exc is not None else future.result()
         for held in flight.entries:
             self._jobs["failed" if error else "answered"].inc()
-            self._finish(held, WireReply(held.job.correlation_id, outcome=outcome, error=error))
+            self._finish(held, WireReply(held.job.correlation_id, outcome=outcome, error=error,
+                                         worker_s=self._clock() - held.read_at))
 
     def _finish(self, held: _Held, reply: WireReply | None) -> None:
         """Queue the reply (None: none) and the acknowledgement for the writer."""

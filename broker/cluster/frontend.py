@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from functools import partial
 from typing import Any
 
 import structlog
@@ -35,6 +36,7 @@ from mergebroker.errors import Overloaded
 log = structlog.get_logger(__name__)
 
 REPLY_TTL_MS = 60_000  # a dead front-end's reply stream disappears after this; a live one renews it
+TRIM_EVERY = 256  # replies read between two trims of the reply stream (a trim costs a round trip)
 
 
 class ClusterQueue:
@@ -45,8 +47,9 @@ class ClusterQueue:
 
     def __init__(self, redis: Any, local: JobQueue, *, keys: Keys, settings: ClusterSettings, partitions: int,
                  server_clock: ServerClock, metrics: Metrics, sleep: Sleep = asyncio.sleep,
-                 frontend_id: str | None = None, owns_client: bool = False) -> None:
+                 frontend_id: str | None = None, owns_client: bool = False, clock: Clock = monotonic) -> None:
         self._redis = redis
+        self._clock = clock
         self._owns_client = owns_client
         self._local = local
         self._keys = keys
@@ -57,6 +60,7 @@ class ClusterQueue:
         self._sleep = sleep
         self._reply_stream = keys.replies(frontend_id or uuid.uuid4().hex[:16])
         self._waiting: dict[str, ChatJob] = {}  # correlation ID -> job, sent and not answered
+        self._sent_at: dict[str, float] = {}  # correlation ID -> when it was sent (for the hop metric)
         self._outbox: list[ChatJob] = []
         self._outbox_ready = asyncio.Event()
         self._fallback = False
@@ -140,7 +144,8 @@ class ClusterQueue:
             for job in jobs:
                 wire = self._wire(job)
                 self._waiting[wire.correlation_id] = job
-                job.future.add_done_callback(lambda _f, cid=wire.correlation_id: self._waiting.pop(cid, None))
+                self._sent_at[wire.correlation_id] = self._clock()
+                job.future.add_done_callback(partial(self._forget, wire.correlation_id))
                 pipe.xadd(self._keys.jobs(job.tier, partition_of(job.merge_key or wire.flight_key,
                                                                  self._partitions)), encode_job(wire))
                 sent.append((wire.correlation_id, job))
@@ -152,6 +157,10 @@ class ClusterQueue:
                 return jobs
             return [job for cid, job in sent if self._waiting.pop(cid, None) is not None]
 
+    def _forget(self, cid: str, _future: Any) -> None:
+        self._waiting.pop(cid, None)
+        self._sent_at.pop(cid, None)
+
     def _wire(self, job: ChatJob) -> WireJob:
         deadline = job.mark_sent()  # its deadline leaves with it
         return WireJob(correlation_id=uuid.uuid4().hex, reply_to=self._reply_stream, request_id=job.request_id,
@@ -161,7 +170,7 @@ class ClusterQueue:
                        deadline_ms=self._server_clock.to_server_ms(deadline))
 
     async def _reply_loop(self) -> None:
-        last_id = "0-0"
+        last_id, since_trim = "0-0", 0
         while not self._closed:
             if self._fallback:
                 await self._probe()
@@ -176,8 +185,10 @@ class ClusterQueue:
             for _stream, entries in _pairs(response):
                 for entry_id, fields in entries:
                     last_id = entry_id
+                    since_trim += 1
                     self._deliver(fields)
-            if response:
+            if since_trim >= TRIM_EVERY or (since_trim and not response):  # many read, or idle now
+                since_trim = 0
                 await self._trim(last_id)
 
     def _deliver(self, fields: dict[bytes, bytes]) -> None:
@@ -190,6 +201,9 @@ class ClusterQueue:
         if job is None or job.future.done():
             self._metrics.cluster_duplicates_dropped.inc()
             return
+        sent_at = self._sent_at.pop(reply.correlation_id, None)
+        if sent_at is not None:
+            self._metrics.cluster_hop.observe(max(0.0, self._clock() - sent_at - reply.worker_s))
         if reply.outcome is not None:
             job.resolve(reply.outcome)
         else:
@@ -214,6 +228,7 @@ class ClusterQueue:
             self._metrics.cluster_fallback_transitions.labels("local").inc()
         moved = unsent + list(self._waiting.values()) + self._outbox
         self._waiting.clear()
+        self._sent_at.clear()
         self._outbox = []
         for job in moved:
             if job.future.done():
@@ -243,7 +258,7 @@ def build_cluster_queue(settings: Settings, local: JobQueue, *, metrics: Metrics
     c = settings.cluster
     return ClusterQueue(make_stream_client(settings.redis.url or "", block_ms=c.block_ms), local,
                         keys=Keys(c.prefix), settings=c, partitions=c.partitions, server_clock=ServerClock(clock),
-                        metrics=metrics, sleep=sleep, owns_client=True)
+                        metrics=metrics, sleep=sleep, owns_client=True, clock=clock)
 
 
 async def stop_tasks(tasks: set[asyncio.Task[None]], block_ms: int) -> None:

@@ -24,7 +24,12 @@ from mergebroker.clock import Clock, Sleep, monotonic
 
 log = structlog.get_logger(__name__)
 
-_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+# Every lease held, extended in one call: 1 for each key still holding this worker's ID, else 0.
+_RENEW = """local kept = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('get', key) == ARGV[1] then kept[i] = redis.call('pexpire', key, ARGV[2]) else kept[i] = 0 end
+end
+return kept"""
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
 LeaseEvent = Callable[[int, str], None]
@@ -47,6 +52,9 @@ class PartitionLeases:
         self._order = preferred_order(worker_id, partitions)
         self._owned: set[int] = set()
         self._valid_until = 0.0
+        self._live: set[bytes] = set()
+        self.orphans_at = float("-inf")
+        """When (local clock) orphaned jobs last became possible: a partition acquired, a worker gone."""
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
 
@@ -74,18 +82,28 @@ class PartitionLeases:
         held = sorted(self._owned)
         pipe = self._redis.pipeline(transaction=False)
         pipe.zadd(self._keys.workers, {self._id: now_ms})
-        pipe.zremrangebyscore(self._keys.workers, 0, now_ms - 3 * self._lease_ms)
-        pipe.zcard(self._keys.workers)
-        for p in held:
-            _script(pipe, self._renew, self._keys.lease(p), self._id, self._lease_ms)
+        # A worker silent for a whole lease is gone (its leases lapse just as fast): the others' share
+        # grows at once, so they take its partitions as soon as its leases expire.
+        pipe.zremrangebyscore(self._keys.workers, 0, now_ms - self._lease_ms)
+        pipe.zrange(self._keys.workers, 0, -1)
+        if held:
+            _script(pipe, self._renew, [self._keys.lease(p) for p in held], self._id, self._lease_ms)
         results = await pipe.execute()
-        self._drop([p for p, ok in zip(held, results[3:]) if not ok], "lost")
+        self._drop([p for p, ok in zip(held, results[3] if held else []) if not ok], "lost")
         self._valid_until = started + self._lease_ms / 1000
-        acquire, release = lease_plan(self._owned, fair_share(self._partitions, int(results[2])), self._order)
+        self._see_workers(set(results[2]))
+        share = fair_share(self._partitions, len(results[2]))
+        acquire, release = lease_plan(self._owned, share, self._order)
         if release:
             await self.release(release)
         if acquire:
-            await self._acquire(acquire, fair_share(self._partitions, int(results[2])) - len(self._owned))
+            await self._acquire(acquire, share - len(self._owned))
+
+    def _see_workers(self, live: set[bytes]) -> None:
+        """A worker gone since the last round (dead, or stopped with jobs unanswered) may have left orphans."""
+        if self._live - live:
+            self.orphans_at = self._clock()
+        self._live = live
 
     async def _acquire(self, candidates: list[int], wanted: int) -> None:
         while wanted > 0 and candidates:
@@ -105,7 +123,7 @@ class PartitionLeases:
         self._drop(chosen, "released")
         pipe = self._redis.pipeline(transaction=False)
         for p in chosen:
-            _script(pipe, self._release, self._keys.lease(p), self._id)
+            _script(pipe, self._release, [self._keys.lease(p)], self._id)
         if partitions is None:
             pipe.zrem(self._keys.workers, self._id)
         await pipe.execute()
@@ -133,7 +151,7 @@ class PartitionLeases:
             await sleep(self.interval_s)
 
 
-def _script(pipe: Any, script: Any, key: str, *args: Any) -> None:
+def _script(pipe: Any, script: Any, keys: list[str], *args: Any) -> None:
     """Queue a registered script on a pipeline (the pipeline loads it first if Redis does not know it)."""
     pipe.scripts.add(script)
-    pipe.evalsha(script.sha, 1, key, *args)
+    pipe.evalsha(script.sha, len(keys), *keys, *args)

@@ -44,6 +44,7 @@ class WireReply:
     correlation_id: str
     outcome: ChatOutcome | None = None
     error: BrokerError | None = None
+    worker_s: float = 0.0  # from the worker's read to its reply: the rest of the round trip is the hop
 
 
 def encode_job(job: WireJob) -> dict[bytes, bytes]:
@@ -70,7 +71,7 @@ def decode_job(fields: dict[bytes, bytes]) -> WireJob:
 
 def encode_reply(reply: WireReply) -> dict[bytes, bytes]:
     """Stream-entry fields for `reply`."""
-    doc: dict[str, Any] = {"v": WIRE_VERSION, "cid": reply.correlation_id}
+    doc: dict[str, Any] = {"v": WIRE_VERSION, "cid": reply.correlation_id, "ws": round(reply.worker_s, 6)}
     if reply.outcome is not None:
         o = reply.outcome
         doc["ok"] = [o.body, o.provider, o.upstream_s, o.batch_size, o.batch_id, o.fallback]
@@ -88,8 +89,8 @@ def decode_reply(fields: dict[bytes, bytes]) -> WireReply:
         if "ok" in doc:
             body, provider, upstream_s, batch_size, batch_id, fallback = doc["ok"]
             return WireReply(cid, outcome=ChatOutcome(body, provider, float(upstream_s), int(batch_size),
-                                                      batch_id, fallback))
-        return WireReply(cid, error=_error(*doc["err"]))
+                                                      batch_id, fallback), worker_s=float(doc.get("ws", 0.0)))
+        return WireReply(cid, error=_error(*doc["err"]), worker_s=float(doc.get("ws", 0.0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"unreadable reply entry: {type(exc).__name__}") from exc
 

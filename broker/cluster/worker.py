@@ -1,7 +1,7 @@
 """`ClusterWorker`: the background loops of one worker process around its `StreamConsumer`.
 
-Five loops, each in its own task: lease renewal, reading, writing replies, heartbeats and claiming,
-plus a slow one exporting each held partition's backlog, pending count and lag. A Redis error in any
+Five loops, each in its own task: lease renewal, reading, writing replies, heartbeats and claiming
+(scans only while orphans can be expected, see `claim_due`), plus a slow one exporting each held partition's backlog, pending count and lag. A Redis error in any
 loop is logged and retried after a short pause; the worker never exits because Redis went away (its
 leases lapse, and it takes partitions again when Redis is back).
 """
@@ -19,19 +19,31 @@ from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.settings import ClusterSettings
-from mergebroker.clock import Sleep
+from mergebroker.clock import Clock, Sleep, monotonic
 
 log = structlog.get_logger(__name__)
 
-METRICS_INTERVAL_S = 2.0
+METRICS_INTERVAL_S = 5.0
 RETRY_PAUSE_S = 0.2
+SAFETY_SCAN_EVERY = 10  # claim_idle_ms periods between two orphan scans when none is expected
+
+
+def claim_due(now: float, orphans_at: float, last_scan_at: float, claim_idle_s: float) -> bool:
+    """Whether to scan the held streams for orphaned jobs now.
+
+    Orphans appear only when a partition changes hands or a worker disappears, and become claimable at
+    most `claim_idle_s` later: scanning for twice that after such an event finds them, and scanning
+    costs one command per stream, so in between a rare safety scan is enough.
+    """
+    return now - orphans_at <= 2 * claim_idle_s or now - last_scan_at >= SAFETY_SCAN_EVERY * claim_idle_s
 
 
 class ClusterWorker:
     """Runs a consumer's loops; `start()` and `stop()` from the worker's lifecycle."""
 
     def __init__(self, redis: Any, consumer: StreamConsumer, leases: PartitionLeases, *, keys: Keys,
-                 settings: ClusterSettings, metrics: Metrics, sleep: Sleep = asyncio.sleep) -> None:
+                 settings: ClusterSettings, metrics: Metrics, sleep: Sleep = asyncio.sleep,
+                 clock: Clock = monotonic) -> None:
         self._redis = redis
         self._consumer = consumer
         self._leases = leases
@@ -39,6 +51,8 @@ class ClusterWorker:
         self._settings = settings
         self._metrics = metrics
         self._sleep = sleep
+        self._clock = clock
+        self._last_scan_at = float("-inf")
         self._tasks: set[asyncio.Task[None]] = set()
         self._leases_changed = asyncio.Event()
         self._exported: set[tuple[str, str]] = set()
@@ -48,7 +62,8 @@ class ClusterWorker:
         loops: dict[str, Callable[[], Awaitable[Any]]] = {
             "read": self._read, "write": self._write,
             "heartbeat": lambda: self._every(idle_s / 3, self._consumer.heartbeat_once),
-            "claim": lambda: self._every(max(0.05, idle_s / 4), self._consumer.claim_once),
+            # Often, but only while orphans can be expected (claim_due): they are answered soon after claim_idle_ms.
+            "claim": lambda: self._every(max(0.05, idle_s / 10), self._claim_when_due),
             "backlog": lambda: self._every(METRICS_INTERVAL_S, self.export_backlog)}
         self._spawn("leases", self._leases.run(self._sleep, self._leases_changed))
         for name, loop in loops.items():
@@ -110,6 +125,12 @@ class ClusterWorker:
                 await step()
             except RedisError as exc:
                 log.warning("cluster_loop_failed", step=getattr(step, "__name__", "step"), error=type(exc).__name__)
+
+    async def _claim_when_due(self) -> None:
+        now = self._clock()
+        if claim_due(now, self._leases.orphans_at, self._last_scan_at, self._settings.claim_idle_ms / 1000):
+            self._last_scan_at = now
+            await self._consumer.claim_once()
 
     async def export_backlog(self) -> None:
         """Backlog (not yet read), pending (read, unanswered) and lag of each held partition's streams."""

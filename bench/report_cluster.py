@@ -1,0 +1,126 @@
+"""The cluster-mode part of the benchmark report, from `bench/results/cluster.json` (issue 13).
+
+Savings are measured against the passthrough run (every request sent alone): calls saved = 1 - calls
+per request / passthrough's, the same for prompt tokens. The cluster's share is its savings over the
+single replica's. The hop is what cluster mode adds to a request, measured at the front-ends: the round
+trip through Redis minus the worker's own time (`mergebroker_cluster_hop_seconds`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.markdown import num, pct, run_line, table, target_row
+
+ISSUE = "13 cluster"
+PASSTHROUGH = "passthrough, 1 replica"
+SINGLE = "1 replica (in-process)"
+CLUSTER = "cluster: 2 front-ends + 2 workers"
+KILL = "cluster, kill -9 of 1 of 2 workers"
+
+
+def smoke(result: dict[str, Any]) -> bool:
+    """Whether the result comes from a smoke-sized (`--quick`) run."""
+    return result["plan"]["duration_s"] < 5
+
+
+def savings(result: dict[str, Any], name: str, key: str) -> float:
+    """The share of `key` (calls or prompt tokens per request) a run saved against the passthrough run."""
+    base = result["runs"][PASSTHROUGH][key]
+    return 1 - result["runs"][name][key] / base if base else 0.0
+
+
+def kept(result: dict[str, Any], name: str, key: str) -> float:
+    """A run's savings as a share of the single replica's."""
+    single = savings(result, SINGLE, key)
+    return savings(result, name, key) / single if single else 0.0
+
+
+def orphan_limit_s(result: dict[str, Any]) -> float:
+    """claim_idle_ms plus one merge window and upstream call (the cluster run's p99 latency)."""
+    return result["cluster"]["claim_idle_ms"] / 1000 + result["runs"][CLUSTER]["p99_ms"] / 1000
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Savings kept, latency added, and nothing lost when a worker dies."""
+    runs = result["runs"]
+    single, cluster, kill = runs[SINGLE], runs[CLUSTER], runs[KILL]
+    return [
+        target_row(ISSUE, "cluster: share of the single replica's call savings kept", kept(result, CLUSTER,
+                                                                                           "calls_per_request"),
+                   ">=", 0.9),
+        target_row(ISSUE, "cluster: share of the single replica's token savings kept",
+                   kept(result, CLUSTER, "prompt_tokens_per_request"), ">=", 0.9),
+        target_row(ISSUE, "cluster hop at the front-ends, p50 (ms)", cluster["hop_p50_ms"], "<=", 2.0),
+        target_row(ISSUE, "cluster hop at the front-ends, p99 (ms)", cluster["hop_p99_ms"], "<=", 10.0),
+        target_row(ISSUE, "cluster p50 minus in-process p50, end to end (ms)", cluster["p50_ms"] - single["p50_ms"],
+                   "<=", 2.0),
+        target_row(ISSUE, "cluster p99 minus in-process p99, end to end (ms)", cluster["p99_ms"] - single["p99_ms"],
+                   "<=", 10.0),
+        target_row(ISSUE, "kill -9 of 1 of 2 workers: requests lost (non-200)", kill["errors"], "==", 0),
+        target_row(ISSUE, "kill -9 of 1 of 2 workers: wrong answers", kill["wrong_answers"], "==", 0),
+        target_row(ISSUE, "kill -9: orphans answered after the kill (s; claim_idle_ms + window + call)",
+                   kill["orphans_answered_after_kill_s"], "<=", round(orphan_limit_s(result), 2)),
+    ]
+
+
+def findings(result: dict[str, Any]) -> list[str]:
+    """What scaling out costs per replica, what the cluster keeps, and what a dead worker costs."""
+    runs = result["runs"]
+    per_replica = ", ".join(f"{name.split(' (')[0]} {pct(kept(result, name, 'calls_per_request'))}"
+                            for name in runs if "per-replica" in name)
+    cluster, kill = runs[CLUSTER], runs[KILL]
+    return [
+        f"- Cluster mode (issue 13): at {result['plan']['rate']:g} req/s on the batch tier, one replica saves "
+        f"{pct(savings(result, SINGLE, 'calls_per_request'))} of upstream calls and "
+        f"{pct(savings(result, SINGLE, 'prompt_tokens_per_request'))} of prompt tokens; per-replica mode keeps "
+        f"{per_replica} of the call savings; 2 front-ends + 2 workers keep "
+        f"{pct(kept(result, CLUSTER, 'calls_per_request'))} of the call and "
+        f"{pct(kept(result, CLUSTER, 'prompt_tokens_per_request'))} of the token savings. The hop through Redis "
+        f"measured at the front-ends: p50 {num(cluster['hop_p50_ms'], 1)} ms, p99 {num(cluster['hop_p99_ms'], 1)} ms "
+        f"(end to end, p50 {num(cluster['p50_ms'] - runs[SINGLE]['p50_ms'], 0)} ms and p99 "
+        f"{num(cluster['p99_ms'] - runs[SINGLE]['p99_ms'], 0)} ms against the single replica, whose one process "
+        "serves every request).",
+        f"- Cluster mode, kill -9 of one of two workers halfway: {kill['errors']} requests lost, "
+        f"{kill['wrong_answers']} wrong answers, {kill['claims']:g} jobs claimed by the survivor, the last "
+        f"orphan answered {num(kill['orphans_answered_after_kill_s'], 2)} s after the kill (claim_idle_ms "
+        f"{result['cluster']['claim_idle_ms']} ms), {kill['duplicates_dropped']:g} late duplicate replies dropped.",
+    ]
+
+
+def sections(result: dict[str, Any], images: dict[str, str]) -> list[str]:
+    """One row per configuration, side by side."""
+    rows = []
+    for name, r in result["runs"].items():
+        calls_saved = savings(result, name, "calls_per_request")
+        tokens_saved = savings(result, name, "prompt_tokens_per_request")
+        rows.append([name, r["requests"], r["errors"], r["wrong_answers"], num(r["calls_per_request"], 3),
+                     pct(calls_saved), num(r["prompt_tokens_per_request"], 0), pct(tokens_saved),
+                     num(r["p50_ms"], 0), num(r["p99_ms"], 0), num(r["hop_p50_ms"], 1), num(r["hop_p99_ms"], 1),
+                     f"{r['claims']:g}"])
+    c = result["cluster"]
+    floor = result.get("hop_floor")
+    floor_line = (f"The hop alone (a front-end queue and a worker consumer in one process, no HTTP, no upstream, jobs "
+                  f"answered as soon as they are read, Poisson {floor['rate']:g} jobs/s): p50 {num(floor['p50_ms'], 2)} "
+                  f"ms, p90 {num(floor['p90_ms'], 2)} ms, p99 {num(floor['p99_ms'], 2)} ms over {floor['jobs']} jobs."
+                  if floor else "")
+    return [
+        "## Cluster mode (issue 13)", "",
+        f"The merge benchmark's mixed workload on the {result['tier']} tier, Poisson {result['plan']['rate']:g} req/s "
+        f"for {result['plan']['duration_s']:g} s per configuration (the same arrivals in each), round-robin over the "
+        "front-ends (replicas), every process real and sharing one Redis (flushed between runs), against the "
+        f"simulator ({' '.join(result['simulator_options'])}). Cluster settings: {c['partitions']} partitions, "
+        f"claim_idle_ms {c['claim_idle_ms']}, lease_ms {c['lease_ms']}. Savings are against the passthrough run "
+        "(no merging, no cache). The hop is the front-ends' round trip through Redis minus the worker's own time. "
+        "Every process shares the machine's 2 cores (with other work on the host): the cluster runs six processes "
+        "where the single replica runs one, so its end-to-end latency differences carry that contention.", "",
+        run_line(result.get("meta"), "cluster benchmark"), "",
+        table(["configuration", "requests", "errors", "wrong", "calls/req", "calls saved", "prompt tok/req",
+               "tokens saved", "p50 ms", "p99 ms", "hop p50 ms", "hop p99 ms", "claims"], rows), "",
+        floor_line, "",
+    ]
+
+
+def figures(result: dict[str, Any]) -> dict[str, Any]:
+    """No charts: the table carries it."""
+    return {}
