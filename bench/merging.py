@@ -252,9 +252,11 @@ async def warm_up(broker_url: str, tier: str, count: int = 12) -> None:
         await asyncio.gather(*(send(session, i) for i in range(count)))
 
 
-async def measure(sim: Process, spec: RunSpec, items: Sequence[ChatItem], drive: Driver) -> dict[str, Any]:
-    """Run `items` through a fresh broker configured by `spec` with `drive`; return `summarize_run`'s figures."""
-    broker = await start_broker(broker_config(sim.url, spec))
+async def measure(sim: Process, spec: RunSpec, items: Sequence[ChatItem], drive: Driver,
+                  config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run `items` through a fresh broker configured by `spec` (or by `config`, when given) with `drive`;
+    return `summarize_run`'s figures."""
+    broker = await start_broker(config if config is not None else broker_config(sim.url, spec))
     try:
         await warm_up(broker.url, spec.tier)
         before, cpu_before, model_before = await scrape(broker.url), broker.cpu(), off_loop_seconds(broker.proc.pid)

@@ -1,11 +1,10 @@
 """`python -m bench.report [--quick] [--from-results]`: run every benchmark, write docs/benchmarks.md.
 
 Runs `bench.passthrough`, `bench.tiers`, `bench.chaos`, `bench.merging`, `bench.embeddings` and
-`bench.cluster` (or, with
-`--from-results`, reads their JSON from `bench/results/`), then writes `docs/benchmarks.md`: one targets
-table over all issues, findings built from the numbers, a section per benchmark, and PNG charts in
-`docs/img/`. A `--quick` run is smoke-sized; unless told otherwise it writes under `bench/results/quick/`
-so it never overwrites the real report. `main(argv)` is what `mergebroker bench` calls.
+`bench.provider_kinds`, `bench.bulk`, `bench.latency`, `bench.cluster` (or, with `--from-results`, reads their JSON from `bench/results/`), then writes
+`docs/benchmarks.md`: one targets table over all issues, findings built from the numbers, a section per
+benchmark, and PNG charts in `docs/img/`. A `--quick` run is smoke-sized; unless told otherwise it writes
+under `bench/results/quick/` so it never overwrites the real report. `main(argv)` is what `mergebroker bench` calls.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-from bench import charts, report_chaos, report_cluster, report_embeddings, report_merging, report_passthrough, report_tiers
+from bench import charts, report_chaos, report_embeddings, report_merging, report_passthrough, report_tiers
+from bench import report_bulk, report_cluster, report_latency, report_provider_kinds
 from bench.markdown import targets_table
 
 BENCH_DIR = Path(__file__).parent
@@ -28,7 +28,11 @@ QUICK_DIR = RESULTS_DIR / "quick"
 
 # Each part renders one result file; every module has smoke(), targets(), findings(), sections(), figures().
 PARTS: dict[str, ModuleType] = {"passthrough": report_passthrough, "tiers": report_tiers, "chaos": report_chaos,
-                                "merging": report_merging, "embeddings": report_embeddings, "cluster": report_cluster}
+                                "merging": report_merging, "embeddings": report_embeddings}
+PARTS["provider_kinds"] = report_provider_kinds
+PARTS["bulk"] = report_bulk
+PARTS["latency"] = report_latency
+PARTS["cluster"] = report_cluster
 
 Results = dict[str, dict[str, Any] | None]
 
@@ -85,29 +89,31 @@ def load_results(results_dir: Path) -> Results:
 
 
 def _plans(quick: bool) -> dict[str, Any]:
-    from bench import chaos, cluster, passthrough, tiers
+    from bench import bulk, chaos, cluster, latency, passthrough, provider_kinds, tiers
     from bench.embeddings import FULL_EMBEDDING_PLAN, QUICK_EMBEDDING_PLAN
     from bench.merging import FULL_PLAN, QUICK_PLAN
 
     if quick:
         return {"passthrough": passthrough.QUICK, "tiers": tiers.QUICK, "chaos": chaos.QUICK,
-                "merging": QUICK_PLAN, "embeddings": QUICK_EMBEDDING_PLAN, "cluster": cluster.QUICK_PLAN}
+                "merging": QUICK_PLAN, "embeddings": QUICK_EMBEDDING_PLAN, "provider_kinds": provider_kinds.QUICK,
+                "bulk": bulk.QUICK, "latency": latency.QUICK, "cluster": cluster.QUICK_PLAN}
     return {"passthrough": passthrough.FULL, "tiers": tiers.FULL, "chaos": chaos.FULL,
-            "merging": FULL_PLAN, "embeddings": FULL_EMBEDDING_PLAN, "cluster": cluster.FULL_PLAN}
+            "merging": FULL_PLAN, "embeddings": FULL_EMBEDDING_PLAN, "provider_kinds": provider_kinds.FULL,
+            "bulk": bulk.FULL, "latency": latency.FULL, "cluster": cluster.FULL_PLAN}
 
 
 def run_benchmarks(quick: bool, results_dir: Path) -> None:
     """Run every benchmark one after another with one progress bar; write their JSON into `results_dir`."""
     from tqdm import tqdm
 
-    from bench import chaos, passthrough, tiers
+    from bench import bulk, chaos, latency, passthrough, provider_kinds, tiers
     from bench.cluster import LAYOUTS, run_cluster
     from bench.embeddings import run_embeddings
     from bench.harness import write_results
     from bench.merging import run_merging
 
     plans = _plans(quick)
-    steps = 3 + plans["merging"].run_count() + plans["embeddings"].step_count() + len(LAYOUTS)
+    steps = 6 + plans["merging"].run_count() + plans["embeddings"].step_count() + len(LAYOUTS)
     with tqdm(total=steps, desc="bench", unit="run") as bar:
         def step(name: str) -> None:
             bar.set_postfix_str(name)
@@ -119,10 +125,13 @@ def run_benchmarks(quick: bool, results_dir: Path) -> None:
             "chaos": lambda: chaos.run(plans["chaos"]),
             "merging": lambda: run_merging(plans["merging"], on_run=step),
             "embeddings": lambda: run_embeddings(plans["embeddings"], on_step=step),
+            "provider_kinds": lambda: provider_kinds.run(plans["provider_kinds"]),
+            "bulk": lambda: bulk.run(plans["bulk"]),
+            "latency": lambda: latency.run(plans["latency"]),
             "cluster": lambda: run_cluster(plans["cluster"], on_run=step)}
         for name, runner in runners.items():
             write_results(results_dir / f"{name}.json", asyncio.run(runner()))
-            if name in ("passthrough", "tiers", "chaos"):
+            if name in ("passthrough", "tiers", "chaos", "provider_kinds", "bulk", "latency"):
                 step(name)
 
 

@@ -6,7 +6,10 @@ pybreaker's call path: it is synchronous (an `async def` looks like an instant s
 timeout with wall time, counts `CancelledError` as a failure and admits every caller while half-open.
 Instead `guard()` awaits the call itself, classifies the outcome, feeds a `SlidingWindow`, and trips on
 ratios over the window (`trip_reason`), with half-open probes limited here and open time judged by the
-injected clock.
+injected clock. A call is slow when it took longer than expected for its output: `slow_call_s` plus the
+allowance its caller sets on the guard (its output tokens at the provider's token rate). Each call is
+recorded for the tenant it was made for, and `breaker.blame` decides whether a window over its
+threshold opens the breaker for everyone or only refuses the one tenant whose calls fail.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, AsyncIterator, Callable
 import pybreaker
 import structlog
 
+from mergebroker.breaker.blame import judge
 from mergebroker.breaker.window import Outcome, SlidingWindow, WindowStats
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import UpstreamError, UpstreamTimeout
@@ -108,10 +112,18 @@ def next_open_s(current_s: float, settings: BreakerSettings) -> float:
 
 @dataclass(frozen=True)
 class _Ticket:
-    """An admitted call: the state epoch it was admitted in, and whether it holds a probe slot."""
+    """An admitted call: the state epoch it was admitted in, whether it holds a probe slot, its tenant."""
 
     epoch: int
     probe: bool
+    tenant: str | None = None
+
+
+@dataclass
+class GuardedCall:
+    """What `guard()` yields: the body sets `allowance_s` once it knows the output it got (slow threshold)."""
+
+    allowance_s: float = 0.0
 
 
 class _Relay(pybreaker.CircuitBreakerListener):
@@ -149,6 +161,7 @@ class CircuitBreaker:
         # Bumped on every transition: outcomes of calls admitted in an earlier state are ignored.
         self._epoch = 0
         self._transitions: list[tuple[str, str]] = []
+        self._isolated: dict[str | None, float] = {}  # tenant -> refused until (its own failures, see blame)
         # fail_max is unreachable and the call path unused: our window decides, pybreaker keeps the state.
         self._pb = pybreaker.CircuitBreaker(fail_max=sys.maxsize, reset_timeout=settings.open_s, name=name,
                                             listeners=[_Relay(self)], throw_new_error_on_trip=False)
@@ -199,8 +212,13 @@ class CircuitBreaker:
         """Also call `callback(provider, from_state, to_state, reason)` on every state change."""
         self._callbacks.append(callback)
 
-    def before_call(self) -> None:
-        """Raise `BreakerOpenError` if a call would be refused now; reserves nothing (`guard` does)."""
+    def before_call(self, tenant: str | None = None) -> None:
+        """Raise `BreakerOpenError` if a call for `tenant` would be refused now; reserves nothing (`guard` does)."""
+        until = self._isolated.get(tenant) if tenant is not None else None
+        if until is not None:
+            if self._clock() < until:
+                raise BreakerOpenError(until - self._clock(), self._name)
+            del self._isolated[tenant]
         state = self.state
         if state is BreakerState.OPEN:
             raise BreakerOpenError(self.seconds_until_probe(), self._name)
@@ -208,20 +226,27 @@ class CircuitBreaker:
             raise BreakerOpenError(PROBE_BUSY_RETRY_S, self._name)
 
     @contextlib.asynccontextmanager
-    async def guard(self) -> AsyncIterator[None]:
-        """Admit one call (or raise `BreakerOpenError`), then record how the awaited body ended.
+    async def guard(self, tenant: str | None = None) -> AsyncIterator[GuardedCall]:
+        """Admit one call for `tenant` (or raise `BreakerOpenError`), then record how the awaited body ended.
 
         Exceptions from the body are re-raised untouched; `CancelledError` and caller-fault errors
-        only free the probe slot, if any, and count as neither success nor failure.
+        only free the probe slot, if any, and count as neither success nor failure. A success is slow
+        past `slow_call_s` plus the `allowance_s` the body set on the yielded `GuardedCall`.
         """
-        ticket = self._admit()
+        ticket = self._admit(tenant)
+        call = GuardedCall()
         started = self._clock()
         try:
-            yield
+            yield call
         except BaseException as exc:
             self._settle(ticket, classify(exc, self._clock() - started, self._settings.slow_call_s))
             raise
-        self._settle(ticket, classify(None, self._clock() - started, self._settings.slow_call_s))
+        threshold = self._settings.slow_call_s + max(0.0, call.allowance_s)
+        self._settle(ticket, classify(None, self._clock() - started, threshold))
+
+    def record_failure(self, tenant: str | None = None) -> None:
+        """Count a failure seen after `guard()` settled (a stream whose upstream died mid-way)."""
+        self._settle(_Ticket(self._epoch, probe=False, tenant=tenant), Outcome.FAILURE)
 
     def force_open(self, until_s: float, reason: dict[str, Any]) -> None:
         """Open until `until_s` on this breaker's clock (e.g. because another replica saw the upstream fail).
@@ -237,12 +262,12 @@ class CircuitBreaker:
         self._open_until = until_s
         self._move(BreakerState.OPEN, {**reason, "open_s": round(until_s - now, 3)})
 
-    def _admit(self) -> _Ticket:
-        self.before_call()
+    def _admit(self, tenant: str | None) -> _Ticket:
+        self.before_call(tenant)
         if self._pb.current_state == pybreaker.STATE_HALF_OPEN:
             self._probes += 1
-            return _Ticket(self._epoch, probe=True)
-        return _Ticket(self._epoch, probe=False)
+            return _Ticket(self._epoch, probe=True, tenant=tenant)
+        return _Ticket(self._epoch, probe=False, tenant=tenant)
 
     def _settle(self, ticket: _Ticket, outcome: Outcome | None) -> None:
         if ticket.epoch != self._epoch:
@@ -258,10 +283,14 @@ class CircuitBreaker:
             return
         if outcome is None:
             return
-        self._window.record(outcome)
-        reason = trip_reason(self._window.stats(), self._settings)
-        if reason is not None:
-            self._open(self._open_s, reason)
+        self._window.record(outcome, ticket.tenant)
+        verdict = judge(self._window.stats(), self._window.by_tenant(), self._settings, trip_reason)
+        if verdict.reason is not None:
+            self._open(self._open_s, verdict.reason)
+        elif verdict.isolate is not None and verdict.isolate not in self._isolated:
+            self._isolated[verdict.isolate] = self._clock() + self._settings.open_s
+            log.warning("breaker_tenant_isolated", provider=self._name, tenant=verdict.isolate,
+                        open_s=self._settings.open_s)
 
     def _open(self, open_s: float, reason: dict[str, Any]) -> None:
         self._open_s = open_s
@@ -286,6 +315,7 @@ class CircuitBreaker:
         self._probes = 0
         if new == pybreaker.STATE_CLOSED:
             self._window.reset()
+            self._isolated.clear()
             self._open_s = self._settings.open_s
         self._transitions.append((old, new))
 

@@ -1,4 +1,5 @@
-"""A time-based sliding window of call outcomes: how many calls, failures and slow calls in the last N seconds."""
+"""A time-based sliding window of call outcomes: how many calls, failures and slow calls in the last N seconds,
+in all and per tenant (the caller each call was made for; see `breaker.blame`)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,16 @@ class WindowStats:
     error_ratio: float
     slow_ratio: float
 
+    @staticmethod
+    def of(calls: int, failures: int, slow: int) -> "WindowStats":
+        """Stats from counts; the ratios are 0.0 without calls."""
+        if calls <= 0:
+            return WindowStats(0, 0, 0, 0.0, 0.0)
+        return WindowStats(calls, failures, slow, failures / calls, slow / calls)
+
+    def __sub__(self, other: "WindowStats") -> "WindowStats":
+        return WindowStats.of(self.calls - other.calls, self.failures - other.failures, self.slow - other.slow)
+
 
 class SlidingWindow:
     """Outcomes recorded in the last `window_s` seconds of `clock`.
@@ -51,36 +62,48 @@ class SlidingWindow:
             raise ValueError("window_s must be positive")
         self._window_s = window_s
         self._clock = clock
-        self._entries: deque[tuple[float, Outcome]] = deque()
+        self._entries: deque[tuple[float, Outcome, str | None]] = deque()
         self._failures = 0
         self._slow = 0
+        self._tenants: dict[str | None, list[int]] = {}  # tenant -> [calls, failures, slow]
 
-    def record(self, outcome: Outcome) -> None:
-        """Add one call's outcome at the current time."""
+    def record(self, outcome: Outcome, tenant: str | None = None) -> None:
+        """Add one call's outcome at the current time, made for `tenant` (None: unknown or shared)."""
         now = self._clock()
         self._evict(now)
-        self._entries.append((now, outcome))
-        self._failures += outcome.is_failure
-        self._slow += outcome.is_slow
+        self._entries.append((now, outcome, tenant))
+        self._count(outcome, tenant, +1)
 
     def stats(self) -> WindowStats:
         """Counts and ratios of the outcomes recorded in the last `window_s` seconds."""
         self._evict(self._clock())
-        calls = len(self._entries)
-        if calls == 0:
-            return WindowStats(0, 0, 0, 0.0, 0.0)
-        return WindowStats(calls, self._failures, self._slow, self._failures / calls, self._slow / calls)
+        return WindowStats.of(len(self._entries), self._failures, self._slow)
+
+    def by_tenant(self) -> dict[str | None, WindowStats]:
+        """The same, for each tenant with calls in the window."""
+        self._evict(self._clock())
+        return {tenant: WindowStats.of(*counts) for tenant, counts in self._tenants.items()}
 
     def reset(self) -> None:
         """Forget every recorded outcome."""
         self._entries.clear()
         self._failures = 0
         self._slow = 0
+        self._tenants.clear()
+
+    def _count(self, outcome: Outcome, tenant: str | None, sign: int) -> None:
+        self._failures += sign * outcome.is_failure
+        self._slow += sign * outcome.is_slow
+        counts = self._tenants.setdefault(tenant, [0, 0, 0])
+        counts[0] += sign
+        counts[1] += sign * outcome.is_failure
+        counts[2] += sign * outcome.is_slow
+        if counts[0] == 0:
+            del self._tenants[tenant]
 
     def _evict(self, now: float) -> None:
         horizon = now - self._window_s
         entries = self._entries
         while entries and entries[0][0] <= horizon:
-            _, outcome = entries.popleft()
-            self._failures -= outcome.is_failure
-            self._slow -= outcome.is_slow
+            _, outcome, tenant = entries.popleft()
+            self._count(outcome, tenant, -1)

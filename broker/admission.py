@@ -87,13 +87,13 @@ class Authenticator:
         if self._mode == "keys":
             return self._by_key(headers, requested, body_user)
         tier = self._known_tier(requested or self._default_tier)
-        return Caller(tenant=self._default_tenant, tier=tier, user=headers.get(USER_HEADER) or body_user)
+        return Caller(tenant=self._default_tenant, tier=tier, user=_text(headers, USER_HEADER) or body_user)
 
     def _by_key(self, headers: Mapping[str, str], requested: str | None, user: str | None) -> Caller:
         token = _bearer(headers)
         if not token:
             raise Unauthorized("Missing API key. Send it as 'Authorization: Bearer <key>'.")
-        digest = hashlib.sha256(token.encode()).digest()
+        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()  # undecodable bytes: no match
         match = None
         for key in self._keys:  # compare against every key so timing does not reveal which one matched
             if hmac.compare_digest(key.digest, digest):
@@ -105,17 +105,17 @@ class Authenticator:
         if tier not in match.tiers:
             raise Forbidden(f"This API key may not use tier '{tier}'.", param="X-Broker-Tier")
         return Caller(tenant=match.tenant, tier=tier, key_id=digest.hex()[:12], key_rpm=match.rpm,
-                      key_tpm=match.tpm, user=headers.get(USER_HEADER) or user)
+                      key_tpm=match.tpm, user=_text(headers, USER_HEADER) or user)
 
     def _by_gateway(self, headers: Mapping[str, str]) -> Caller:
-        given = headers.get(GATEWAY_SECRET_HEADER, "").encode()
+        given = headers.get(GATEWAY_SECRET_HEADER, "").encode("utf-8", "surrogateescape")
         if not self._secret or not hmac.compare_digest(given, self._secret):
             raise Unauthorized("Missing or wrong gateway secret.", code="invalid_gateway_secret")
-        tenant = headers.get(TENANT_HEADER)
+        tenant = _text(headers, TENANT_HEADER)
         if not tenant:
             raise Unauthorized(f"The gateway must set {TENANT_HEADER}.", code="missing_tenant")
         tier = self._known_tier(headers.get(TIER_HEADER) or self._default_tier)
-        return Caller(tenant=tenant, tier=tier, user=headers.get(USER_HEADER))
+        return Caller(tenant=tenant, tier=tier, user=_text(headers, USER_HEADER))
 
     def _known_tier(self, tier: str) -> str:
         if tier not in self._tiers:
@@ -129,6 +129,19 @@ def _key(k: ApiKeySettings, fallback_tier: str) -> _Key:
     tiers = tuple(dict.fromkeys([*k.tiers, *([k.default_tier] if k.default_tier else [])]))
     default = k.default_tier or (k.tiers[0] if k.tiers else fallback_tier)
     return _Key(bytes.fromhex(k.sha256), k.tenant, tiers, default, k.rpm, k.tpm)
+
+
+def _text(headers: Mapping[str, str], name: str) -> str | None:
+    """A header naming who calls, which must be text: bytes that are not UTF-8 are refused (401), never
+    carried into keys, logs and metrics. (aiohttp hands such bytes over as lone surrogates.)"""
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Unauthorized(f"The {name} header is not valid UTF-8.", code="invalid_header") from None
+    return value
 
 
 def _bearer(headers: Mapping[str, str]) -> str | None:

@@ -19,18 +19,23 @@ from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.breaker.shared_state import SharedBreakerState
 from mergebroker.broker.admission import Authenticator
+from mergebroker.broker.background import spawn
+from mergebroker.broker.batch_runner import Limits
+from mergebroker.broker.batches import build_batch_service
 from mergebroker.broker.chat import ChatService
 from mergebroker.broker.cluster.frontend import build_cluster_queue
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.broker.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
+from mergebroker.broker.drain import DRAIN, Drain
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
 from mergebroker.broker.job_queue import JobQueue
 from mergebroker.broker.ledger import Ledger
+from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.ledger_store import open_store
 from mergebroker.broker.metrics import (Metrics, PoolMetrics, breaker_listener, connections_listener,
-                                        merging_listener)
+                                        guard_listener, merging_listener, preinitialise)
 from mergebroker.broker.middleware import error_middleware
 from mergebroker.broker.routes import add_routes
 from mergebroker.broker.server import CONNECTIONS
@@ -39,6 +44,7 @@ from mergebroker.broker.queue import MergeQueue, TierWindow
 from mergebroker.broker.ratelimit import RateLimiter
 from mergebroker.broker.ratelimit_redis import RedisRateLimiter
 from mergebroker.broker.settings import HTTP_PROVIDER_KINDS, ProviderSettings, Settings
+from mergebroker.broker.shadow import ShadowRunner
 from mergebroker.broker.tokens import count_text_tokens
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.broker.workers import LocalJobQueue
@@ -57,7 +63,7 @@ from mergebroker.providers.retry import RetryPolicy
 log = structlog.get_logger(__name__)
 
 
-def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> web.Application:
+def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None) -> web.Application:
     """The aiohttp application for `settings`; components are built when it starts."""
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware],
                           handler_args=HANDLER_ARGS)
@@ -65,6 +71,8 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = a
     app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
                                   settings.server.max_json_depth)
     app[CONNECTIONS] = guard = ConnectionGuard(connection_limits(settings), clock=clock)
+    app[DRAIN] = drain = Drain(settings.server.drain_timeout_s)
+    app.on_shutdown.append(drain.drain)
     add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -82,8 +90,13 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = a
     return app
 
 
-async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> Broker:
-    """Build and start every component; `clock` and `sleep` drive all time-based parts (tests inject fakes)."""
+async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None) -> Broker:
+    """Build and start every component; `clock` drives all time-based parts (tests inject a fake).
+
+    `sleep` (default `clock.sleep`) is what retry backoffs and background loops wait with, for tests that
+    let those waits pass at once.
+    """
+    sleep = sleep or clock.sleep
     metrics = Metrics()
     simulated = None
     providers = list(settings.providers)
@@ -101,6 +114,8 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
                 for p in providers if p.kind in HTTP_PROVIDER_KINDS}
     upstreams = [_upstream(p, breakers[p.name], clock, settings.merge.default_max_tokens)
                  for p in providers if p.kind in HTTP_PROVIDER_KINDS]
+    preinitialise(metrics, tiers=[t.name for t in settings.tiers], providers=list(breakers),
+                  models=sorted({m for p in providers for m in p.models if "*" not in m}))
     pools = ProviderPools(upstreams, strategy=settings.routing, retry=RetryPolicy(**settings.retry.model_dump()),
                           clock=clock, sleep=sleep, observer=PoolMetrics(metrics))
     routes: dict[str, list[str]] = {}
@@ -109,15 +124,20 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
             routes.setdefault(model, []).append(p.name)
     policy = DegradationPolicy(routes, breakers, merging_listener(metrics))
     host, embedder = _similarity_model(settings, providers)
-    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock)
-    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap)
+    ledger = _ledger(settings, clock)
+    guard = _guard(settings, clock, metrics)
+    shadow = ShadowRunner(pools, rate=settings.merge.shadow_rate, tpm=settings.merge.shadow_tpm, guard=guard,
+                          metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
+    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow)
+    tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap,
+                        adaptive=t.window_policy == "adaptive", min_partners=t.window_min_partners)
              for t in settings.tiers]
     windows = MergeQueue(tiers, aging_per_s=settings.server.aging_per_s, clock=clock, metrics=metrics,
                          on_partners=dispatcher.prefetch)
     queue: JobQueue = LocalJobQueue(windows, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
     if settings.cluster.enabled:  # jobs go to the workers; the local queue is the fallback while Redis is down
         queue = build_cluster_queue(settings, queue, metrics=metrics, clock=clock, sleep=sleep)
-    limiter: Any = RateLimiter(clock)
+    limiter: Limiter = RateLimiter(clock)
     if redis is not None and settings.redis.share_limits:
         limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
     chat = ChatService(settings, queue=queue, pools=pools, limiter=limiter, cache=_chat_cache(settings, redis, clock),
@@ -127,16 +147,15 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     auth = Authenticator(settings.auth, tiers=tuple(t.name for t in settings.tiers), default_tier=settings.default_tier)
     shared = None
     if redis is not None and settings.redis.share_breakers:
-        shared = SharedBreakerState(redis, clock=clock)
+        shared = SharedBreakerState(redis, clock=clock, sleep=clock.sleep)
         for b in breakers.values():
             shared.attach(b)
-    ledger = None
-    dsn = settings.ledger.postgres_dsn
-    target = dsn.get_secret_value() if dsn else settings.ledger.path
-    if target:
-        ledger = Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s)
+    batches = build_batch_service(settings, pools=pools, providers=providers, limits=Limits(limiter, chat.limit_specs),
+                                  embedder=embedder, merging_allowed=policy.merging_allowed, metrics=metrics,
+                                  clock=clock, sleep=sleep)
     broker = Broker(settings, metrics, auth, pools, queue, chat, embeddings, policy, breakers, host,
-                    simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger)
+                    simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger,
+                    batches=batches, shadow=shadow)
     await _start(broker, providers)
     return broker
 
@@ -144,7 +163,7 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
 def connection_limits(settings: Settings) -> ConnectionLimits:
     """The client-connection bounds; the default cap leaves descriptors for every provider's connections."""
     s = settings.server
-    upstream_fds = sum(p.max_connections for p in settings.providers if p.kind == "openai") or 100
+    upstream_fds = sum(p.max_connections for p in settings.providers if p.kind in HTTP_PROVIDER_KINDS) or 100
     cap = s.max_connections or auto_max_connections(s.reserved_fds + upstream_fds)
     return ConnectionLimits(cap, s.header_timeout_s, s.body_timeout_s, s.idle_timeout_s)
 
@@ -166,8 +185,25 @@ def _similarity_model(settings: Settings, providers: list[ProviderSettings]
     return host, embedder
 
 
+def _ledger(settings: Settings, clock: Clock) -> Ledger | None:
+    dsn = settings.ledger.postgres_dsn
+    target = dsn.get_secret_value() if dsn else settings.ledger.path
+    if not target:
+        return None
+    return Ledger(open_store(target), flush_interval_s=settings.ledger.flush_interval_s, sleep=clock.sleep)
+
+
+def _guard(settings: Settings, clock: Clock, metrics: Metrics) -> QualityGuard:
+    m = settings.merge
+    return QualityGuard(GuardSettings(m.quality_guard_ratio, m.quality_guard_min_batches, m.quality_guard_cooldown_s,
+                                      min_fidelity=m.quality_guard_min_fidelity,
+                                      fidelity_window=m.quality_guard_fidelity_window),
+                        clock=clock, on_pause=guard_listener(metrics))
+
+
 def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbedder | None,
-                policy: DegradationPolicy, metrics: Metrics, clock: Clock) -> Dispatcher:
+                policy: DegradationPolicy, metrics: Metrics, clock: Clock, guard: QualityGuard,
+                shadow: ShadowRunner) -> Dispatcher:
     tiers = {t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
                                      (t.similarity_budget_ms if t.similarity_budget_ms is not None
                                       else max(4 * t.window_ms, 200.0)) / 1000)
@@ -177,9 +213,8 @@ def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbed
         pools, tiers=tiers,
         options=MergeOptions(m.header, m.leak_min_words, m.context_tokens, m.default_context_tokens),
         embedder=embedder,
-        guard=QualityGuard(GuardSettings(m.quality_guard_ratio, m.quality_guard_min_batches,
-                                         m.quality_guard_cooldown_s), clock=clock),
-        merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock)
+        guard=guard, merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock,
+        on_merged_answer=shadow.offer if shadow.enabled else None)
 
 
 def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache | None:
@@ -209,6 +244,8 @@ async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
         log.warning("auth_open", message="Authentication is off (auth.mode=open): every caller is tenant "
                     f"'{broker.settings.auth.default_tenant}'. Use mode 'keys' or 'gateway' in production.")
     await broker.embeddings.start()
+    if broker.batches is not None:
+        await broker.batches.start()
     freeze_startup_objects()
     log.info("broker_started", providers=[u.name for u in broker.pools.upstreams],
              tiers=[t.name for t in broker.settings.tiers], auth=broker.auth.mode,
@@ -234,24 +271,20 @@ async def _load_model(host: SentenceModelHost) -> None:
 
 
 def _background(broker: Broker, coro: Any, name: str) -> None:
-    task = asyncio.get_running_loop().create_task(coro, name=name)
-    broker.background.add(task)
-
-    def done(t: asyncio.Task[Any]) -> None:
-        broker.background.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            log.error("background_task_failed", task=name, error=repr(t.exception()))
-
-    task.add_done_callback(done)
+    spawn(broker.background, coro, name)
 
 
 async def stop_broker(broker: Broker) -> None:
+    if broker.batches is not None:
+        await broker.batches.stop()
     await broker.queue.stop()
     if broker.shared_breakers is not None:
         await broker.shared_breakers.stop()
     for task in list(broker.background):
         task.cancel()
     await asyncio.gather(*broker.background, return_exceptions=True)
+    if broker.shadow is not None:
+        await broker.shadow.close()
     await broker.embeddings.stop()
     if broker.ledger is not None:
         await broker.ledger.stop()

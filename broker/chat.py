@@ -21,6 +21,7 @@ from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import DeadlineExceeded, UpstreamUnavailable
 from mergebroker.broker.job_queue import JobQueue
 from mergebroker.broker.jobs import ChatJob, ChatOutcome, aged_rank
+from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.ratelimit import LimitSpec, Reservation
 from mergebroker.broker.settings import Settings, TierSettings
@@ -29,7 +30,7 @@ from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.coalesce import SingleFlight
 from mergebroker.merge.fingerprint import chat_fingerprint
 from mergebroker.merge.shape import compatibility_key, merge_shape
-from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +64,7 @@ _READ_WRITE = CacheControl()
 class ChatService:
     """Admits, caches, coalesces and queues chat requests."""
 
-    def __init__(self, settings: Settings, *, queue: JobQueue, pools: ProviderPools, limiter: Any,
+    def __init__(self, settings: Settings, *, queue: JobQueue, pools: Pool, limiter: Limiter,
                  cache: TwoLevelCache | None, metrics: Metrics, clock: Clock = monotonic) -> None:
         self._settings = settings
         self._queue = queue
@@ -157,8 +158,8 @@ class ChatService:
             return future
 
         try:
-            # asyncio.timeout, not wait_for: no extra task per request.
-            async with asyncio.timeout(max(0.0, deadline - self._clock())):
+            # A timeout context, not wait_for: no extra task per request.
+            async with self._clock.timeout_at(deadline):
                 outcome, shared = await self._share(flight, submit, deadline)
         except TimeoutError:
             self._metrics.rejected.labels(caller.tier, "deadline").inc()
@@ -243,7 +244,7 @@ class ChatService:
             chunks, provider = await self._pools.stream_chat(body["model"], body, deadline=deadline,
                                                              priority=aged_rank(tier.priority, self._clock(),
                                                                                 self._settings.server.aging_per_s),
-                                                             tokens=prompt_tokens + max_tokens)
+                                                             tokens=prompt_tokens + max_tokens, tenant=caller.tenant)
         except BaseException:
             await reservation.settle(0)
             raise

@@ -1,9 +1,10 @@
-"""`mergebroker` command line: serve, worker, simulate, report, warm-cache, bench."""
+"""`mergebroker` command line: serve, worker, simulate, report, eval, warm-cache, mcp, bench."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib
 import os
 import sys
@@ -42,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Requests, merge rate, cache rates, tokens and calls saved, cost per tenant.")
     add_report_arguments(report)
 
+    from mergebroker.broker.eval_cli import add_eval_arguments
+
+    evaluate = sub.add_parser("eval", help="measure merged answers against alone answers on an upstream",
+                              description="Run a request set (or the built-in questions) alone and in merged "
+                                          "batches against one upstream model; write a report with a suggested "
+                                          "max_batch.")
+    add_eval_arguments(evaluate)
+
     warm = sub.add_parser("warm-cache", help="pre-fill the embedding caches from a file of texts",
                           description="Embed every line of FILE through the broker's own embedding path.")
     warm.add_argument("file", metavar="FILE", help="texts, one per line")
@@ -55,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--metrics-port", type=int, default=9100, help="port of /metrics, /healthz and /readyz "
                                                                         "(default: %(default)s; 0: any free port)")
     worker.add_argument("--host", help="listen address of that port (default from config: 127.0.0.1)")
+    from mergebroker.broker.mcp_cli import add_mcp_arguments
+
+    mcp = sub.add_parser("mcp", help="serve the broker to agents over MCP (stdio or streamable HTTP)",
+                         description="An MCP server with the tools chat, embed, count_tokens and broker_stats, "
+                                     "running the broker embedded or calling one with --broker URL. "
+                                     "Needs the extra: pip install 'mergebroker[mcp]'.")
+    add_mcp_arguments(mcp)
     bench = sub.add_parser("bench", help="run the benchmarks and write docs/benchmarks.md",
                            description="Run the standard workloads against the simulated upstream and write "
                                        "docs/benchmarks.md with tables and charts. Options after 'bench' go to "
@@ -104,6 +120,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mergebroker.broker.report import run_report
 
         return run_report(args)
+    if args.command == "mcp":
+        from mergebroker.broker.mcp_cli import run_mcp
+
+        return run_mcp(args)
+    if args.command == "eval":
+        from mergebroker.broker.eval_cli import run_eval
+
+        return run_eval(args)
     if args.command == "warm-cache":
         from mergebroker.broker.warm_cache import run_warm_cache
 
@@ -125,7 +149,10 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import structlog
+
     from mergebroker.broker.app import create_app
+    from mergebroker.broker.eventloop import loop_kind, new_event_loop
     from mergebroker.broker.logging import configure_logging
     from mergebroker.broker.server import serve
     from mergebroker.broker.settings import ConfigError, load_settings
@@ -136,7 +163,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mergebroker: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
-    asyncio.run(serve(create_app(settings), settings.server))
+    loop_factory = functools.partial(new_event_loop, settings.server.event_loop)
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        structlog.get_logger(__name__).info("event_loop", kind=loop_kind(runner.get_loop()))
+        runner.run(serve(create_app(settings), settings.server))
     return 0
 
 

@@ -26,11 +26,11 @@ from mergebroker.broker.queue import ReleasedGroup
 from mergebroker.broker.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
-from mergebroker.merge.prompt import MergeMember, build_combined_messages, merged_max_tokens, new_batch_ids
+from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.quality_guard import QualityGuard
 from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, Settlement,
-                                      every_member, settle, settle_call_error)
-from mergebroker.providers.pool import ProviderPools
+                                      every_member, member_request_text, settle, settle_call_error)
+from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
 
@@ -59,9 +59,10 @@ class MergeOptions:
 class Dispatcher:
     """Turns released groups into upstream calls and outcomes for every member."""
 
-    def __init__(self, pools: ProviderPools, *, tiers: dict[str, TierMergePolicy], options: MergeOptions,
+    def __init__(self, pools: Pool, *, tiers: dict[str, TierMergePolicy], options: MergeOptions,
                  embedder: Embedder | None, guard: QualityGuard, merging_allowed: Callable[[str], bool],
-                 metrics: Metrics | None = None, clock: Clock = monotonic) -> None:
+                 metrics: Metrics | None = None, clock: Clock = monotonic,
+                 on_merged_answer: Callable[[ChatJob, str, int], None] | None = None) -> None:
         self._pools = pools
         self._tiers = tiers
         self._options = options
@@ -72,6 +73,7 @@ class Dispatcher:
         self._clock = clock
         self._batch_metrics: dict[str, tuple[Any, Any]] = {}  # labelled children by tier, looked up once
         self._prefetching: set[asyncio.Future[Any]] = set()
+        self._on_merged_answer = on_merged_answer  # (job, answer, batch size): the shadow comparison's sampler
 
     def prefetch(self, tier: str, jobs: list[ChatJob]) -> None:
         """Start embedding prompts that have a merge partner while their window is still open.
@@ -109,9 +111,12 @@ class Dispatcher:
     async def _plan(self, tier: str, jobs: list[ChatJob]) -> list[list[ChatJob]]:
         policy = self._tiers[tier]
         model = jobs[0].model
-        if (len(jobs) == 1 or not policy.merge or jobs[0].shape is None
-                or not self._merging_allowed(model) or not self._guard.allows(model)):
+        if len(jobs) == 1 or not policy.merge or jobs[0].shape is None or not self._merging_allowed(model):
             return [[j] for j in jobs]
+        paused = [[j] for j in jobs if not self._guard.allows(j.caller.tenant, model)]  # only their own tenant's
+        if paused:
+            jobs = [j for j in jobs if self._guard.allows(j.caller.tenant, model)]
+            return paused + (await self._plan(tier, jobs) if jobs else [])
         vectors = None
         if needs_embedding(len(jobs), policy.threshold):
             if self._embedder is None or not self._embedder.ready:
@@ -132,11 +137,12 @@ class Dispatcher:
         Past the budget the group goes out unmerged (always correct), and the encode still finishes in the
         background, so the vectors are cached for the paraphrases that come next.
         """
-        started = time.perf_counter()
+        started = self._clock()
         encode = asyncio.ensure_future(self._embedder.embed([j.shape.user_text for j in jobs]))  # type: ignore
         try:
-            vectors = await asyncio.wait_for(asyncio.shield(encode), budget_s)
-        except asyncio.TimeoutError:
+            async with self._clock.timeout_at(started + budget_s):
+                vectors = await asyncio.shield(encode)
+        except TimeoutError:
             encode.add_done_callback(_retrieve)
             if self._metrics:
                 self._metrics.merge_skipped.labels("similarity_slow").inc(len(jobs))
@@ -147,7 +153,7 @@ class Dispatcher:
                 self._metrics.merge_skipped.labels("similarity_failed").inc(len(jobs))
             return None
         if self._metrics:
-            self._metrics.embedding_seconds.observe(time.perf_counter() - started)
+            self._metrics.embedding_seconds.observe(self._clock() - started)
         return vectors
 
     async def _run_batch(self, tier: str, jobs: list[ChatJob]) -> None:
@@ -169,7 +175,8 @@ class Dispatcher:
         deadline = job.mark_sent()  # from here on followers no longer extend it
         try:
             body, provider = await self._pools.chat(job.model, job.body, deadline=deadline,
-                                                    priority=job.priority, tokens=job.prompt_tokens + job.max_tokens)
+                                                    priority=job.priority, tokens=job.prompt_tokens + job.max_tokens,
+                                                    tenant=job.caller.tenant)
             job.resolve(ChatOutcome(body, provider, self._clock() - started, fallback=fallback))
         except BrokerError as exc:
             job.fail(exc)
@@ -188,8 +195,11 @@ class Dispatcher:
         started = self._clock()
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
-            reply, provider = await self._pools.chat(first.model, body, deadline=deadline, priority=first.priority,
-                                                     tokens=estimate_prompt_tokens(body["messages"]) + body["max_tokens"])
+            tenants = {j.caller.tenant for j in jobs}  # blame goes to one tenant only (breaker.blame)
+            reply, provider = await self._pools.chat(first.model, body, deadline=merged_call_deadline(started, deadline),
+                                                     priority=first.priority,
+                                                     tokens=estimate_prompt_tokens(body["messages"]) + body["max_tokens"],
+                                                     tenant=tenants.pop() if len(tenants) == 1 else None)
         except BrokerError as exc:
             settlement = settle_call_error(exc, members)
             if settlement.fallbacks:
@@ -213,13 +223,8 @@ class Dispatcher:
         first = next(iter(by_id.values()))
         members = [MergeMember(i, j.shape.user_text, j.max_tokens, j.shape.system_prompt)  # type: ignore[union-attr]
                    for i, j in by_id.items()]
-        # A stop sequence met in one member's answer would cut every later block: apply it per member instead.
-        body = {k: v for k, v in first.body.items()
-                if k not in ("max_tokens", "max_completion_tokens", "user", "stop")}
-        body["messages"] = build_combined_messages(members, system_prompt=first.shape.system_prompt,  # type: ignore
-                                                   header=self._options.header, tagged_system=tagged)
-        body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=12)
-        return body
+        return merged_request_body(first.body, members, system_prompt=first.shape.system_prompt,  # type: ignore
+                                   header=self._options.header, tagged_system=tagged)
 
     def _tier_metrics(self, tier: str) -> tuple[Any, Any]:
         # `labels()` costs more than the increment itself, so each tier's children are looked up once.
@@ -233,10 +238,12 @@ class Dispatcher:
                  settlement: Settlement) -> list[tuple[ChatJob, str]]:
         """Carry out a settlement: answer, fail, count; return the members (with the reason) to re-send alone."""
         if settlement.needed_fallback is not None:
-            self._guard.record(next(iter(by_id.values())).model, settlement.needed_fallback)
+            self._record_guard(by_id, settlement)
         for member_id, answer in settlement.answers.items():
-            body = member_completion(reply, answer.text, answer.usage)
+            body = member_completion(reply, answer.text, answer.usage, model=by_id[member_id].model)
             by_id[member_id].resolve(replace(shared, body=body))
+            if self._on_merged_answer is not None:
+                self._on_merged_answer(by_id[member_id], answer.text, len(by_id))
         for member_id, exc in settlement.errors.items():
             by_id[member_id].fail(exc)
         if self._metrics and settlement.answers:
@@ -249,6 +256,13 @@ class Dispatcher:
                 log.info("split_fallback", batch_id=shared.batch_id, reason=reason,
                          request_id=by_id[member_id].request_id)
         return [(by_id[i], reason) for i, reason in settlement.fallbacks.items()]
+
+    def _record_guard(self, by_id: dict[str, ChatJob], settlement: Settlement) -> None:
+        """One merged call's outcome, per tenant with members in it: did any of its members need a fallback."""
+        model = next(iter(by_id.values())).model
+        failed = {by_id[i].caller.tenant for i in settlement.fallbacks}
+        for tenant in {j.caller.tenant for j in by_id.values()}:
+            self._guard.record(tenant, model, bool(settlement.needed_fallback) and tenant in failed)
 
     def _count_fallback(self, reason: str, n: int) -> None:
         if self._metrics:
@@ -289,21 +303,33 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 def _settle_member(member_id: str, job: ChatJob, tagged_system: bool) -> SettleMember:
     shape = job.shape
-    text = shape.user_text  # type: ignore[union-attr]
-    # With tagged system prompts each member's own system prompt is in the call too: quoting it is a leak.
-    request = shape.system_prompt + "\n" + text if tagged_system and shape.system_prompt else text  # type: ignore
-    return SettleMember(member_id, request, count_text_tokens(text), job.prompt_tokens, job.body.get("stop"))
+    request = member_request_text(shape.system_prompt, shape.user_text, tagged_system)  # type: ignore[union-attr]
+    return SettleMember(member_id, request, count_text_tokens(shape.user_text), job.prompt_tokens,  # type: ignore
+                        job.body.get("stop"))
 
 
-def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int]) -> dict[str, Any]:
-    """A complete `chat.completion` of a member's own, cut out of a merged reply."""
-    return {
+MERGED_CALL_SHARE = 0.5
+"""The share of its members' remaining time a merged call may take: a hung one leaves the rest for each
+member to be re-sent alone (its read timeout, which grows with the sum of the members' budgets, never does)."""
+
+
+def merged_call_deadline(now: float, members_deadline: float) -> float:
+    """When a merged call sent at `now` must have answered, for its members to still be re-sent alone in time."""
+    return now + max(0.0, members_deadline - now) * MERGED_CALL_SHARE
+
+
+def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int], *, model: str = "") -> dict[str, Any]:
+    """A complete `chat.completion` of a member's own, cut out of a merged reply: every field an unmerged
+    answer has (the spec's required `refusal` too); `model` stands in when the reply names none."""
+    body = {
         "id": "chatcmpl-" + uuid.uuid4().hex[:24],
         "object": "chat.completion",
-        "created": reply.get("created", int(time.time())),
-        "model": reply.get("model"),
-        "system_fingerprint": reply.get("system_fingerprint"),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": "stop"}],
+        "created": reply.get("created") if isinstance(reply.get("created"), int) else int(time.time()),
+        "model": reply.get("model") if isinstance(reply.get("model"), str) else model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": None, "finish_reason": "stop"}],
         "usage": usage,
     }
+    if isinstance(reply.get("system_fingerprint"), str):
+        body["system_fingerprint"] = reply["system_fingerprint"]
+    return body

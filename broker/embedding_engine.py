@@ -23,6 +23,7 @@ text reports `count_tokens(text)`.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Awaitable, Callable, Iterable, Protocol, Sequence
@@ -32,9 +33,10 @@ import structlog
 
 from mergebroker.errors import (BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamHTTPError,
                            UpstreamTimeout)
+from mergebroker.broker.embedding_stats import CoalescerStats
 from mergebroker.broker.metrics import Metrics
 from mergebroker.merge.cache import MetricsHook, TwoLevelCache
-from mergebroker.providers.base import EmbedResult
+from mergebroker.providers.base import EmbedResult, still_wanted
 from mergebroker.merge.fingerprint import embedding_fingerprint
 from mergebroker.merge.vector_codec import VectorDtype, decode_vector, encode_vector
 
@@ -142,6 +144,7 @@ class EmbeddingBatcher:
         self._inflight: dict[str, _Pending] = {}
         self._windows: dict[tuple[str, int | None], _Window] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._counts: Counter[str] = Counter()  # the `CoalescerStats` counts
 
     @property
     def pending(self) -> int:
@@ -152,6 +155,11 @@ class EmbeddingBatcher:
     def waiting(self) -> int:
         """Caller-text pairs waiting on those pending texts (a text two callers wait for counts twice)."""
         return sum(pending.waiters for pending in self._inflight.values())
+
+    def stats(self) -> CoalescerStats:
+        """Counts since start and what waits now (see `CoalescerStats`)."""
+        in_windows = sum(len(window.items) for window in self._windows.values())
+        return CoalescerStats(**self._counts, pending_window=in_windows, in_flight=self.pending, waiting=self.waiting)
 
     async def embed(self, model: str, texts: Sequence[str], *, dimensions: int | None = None,
                     scope: str | None = None) -> EmbedResult:
@@ -282,12 +290,18 @@ class EmbeddingBatcher:
         if not items:
             return
         model, dimensions = group
+        self._counts.update(batches=1, batched_texts=len(items))
         if self._metrics is not None:
             self._metrics.embedding_batch_size.observe(len(items))
+        # A backend that queues its work (the local model) skips a call nobody waits for any more.
+        still_wanted.set(lambda: any(item.waiters > 0 for item in items))
         try:
             result = await self._call_backend(model, [item.text for item in items], dimensions)
         except asyncio.CancelledError:
-            self._fail(items, Overloaded("the embedding service is shutting down"))
+            if all(item.waiters == 0 for item in items):
+                self._drop(items)  # abandoned by every caller (`_release`): nobody to tell
+            else:
+                self._fail(items, Overloaded("the embedding service is shutting down"))
             raise
         except BrokerError as exc:
             log.warning("embedding_batch_failed", model=model, size=len(items), error_type=type(exc).__name__)
@@ -349,6 +363,7 @@ class EmbeddingBatcher:
                 self._remove_from_window(pending)
                 self._drop([pending])
 
+
     def _remove_from_window(self, pending: _Pending) -> None:
         window = self._windows.get(pending.group)
         if window is None or pending not in window.items:
@@ -400,6 +415,7 @@ class EmbeddingBatcher:
                 if key in joined or key in seen:
                     n_coalesced += 1
             seen.add(key)
+        self._counts.update(texts=len(texts), cached=n_cached, coalesced=n_coalesced)
         if self._metrics is not None and n_coalesced:
             self._metrics.embedding_coalesced.inc(n_coalesced)
         return EmbedResult(vectors, round(tokens), cached=n_cached, coalesced=n_coalesced)

@@ -9,7 +9,6 @@ cache and in-flight coalescing are per tenant instead of shared by everyone.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +18,13 @@ from mergebroker.broker.admission import Caller
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import DeadlineExceeded, InvalidRequest
 from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.ratelimit import LimitSpec
 from mergebroker.broker.schemas import EmbeddingRequest
-from mergebroker.broker.settings import ProviderSettings, Settings
+from mergebroker.broker.settings import EmbeddingSettings, ProviderSettings, Settings
 from mergebroker.broker.tokens import count_text_tokens, estimate_embedding_tokens
 from mergebroker.merge.cache import TwoLevelCache
+from mergebroker.broker.embedding_stats import CoalescerStats
 from mergebroker.broker.embedding_engine import EmbeddingBatcher, cache_metrics_hook
 from mergebroker.providers.base import EmbedResult
 from mergebroker.providers.local_model import SentenceModelHost
@@ -32,6 +33,19 @@ from mergebroker.merge.redis_cache import RedisCache
 from mergebroker.merge.vector_codec import to_base64
 from mergebroker.providers.local_embeddings import LocalEmbeddingBackend
 from mergebroker.providers.pool import ProviderPools
+
+
+def check_input_size(inputs: Any, tokens: int, limits: EmbeddingSettings) -> None:
+    """400 for a request over the per-request input limits (`embeddings.max_inputs`, `max_input_tokens`):
+    one caller's huge request would otherwise hold the model for a minute past its own deadline."""
+    count = len(inputs) if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int) else 1
+    if count > limits.max_inputs:
+        raise InvalidRequest(f"Invalid value for 'input': at most {limits.max_inputs} inputs per request.",
+                             param="input", code="too_many_inputs")
+    if tokens > limits.max_input_tokens:
+        raise InvalidRequest(f"Invalid value for 'input': about {tokens} tokens, over the {limits.max_input_tokens} "
+                             "allowed per request; split it into several requests.", param="input",
+                             code="too_many_tokens")
 
 
 @dataclass(frozen=True)
@@ -45,7 +59,7 @@ class EmbeddingResponse:
 class EmbeddingService:
     """Admits embedding requests and answers them through the batcher."""
 
-    def __init__(self, settings: Settings, *, batcher: EmbeddingBatcher, pools: ProviderPools, limiter: Any,
+    def __init__(self, settings: Settings, *, batcher: EmbeddingBatcher, pools: ProviderPools, limiter: Limiter,
                  local_models: list[str], clock: Clock = monotonic) -> None:
         self._settings = settings
         self._batcher = batcher
@@ -62,6 +76,10 @@ class EmbeddingService:
 
     async def start(self) -> None:
         return None
+
+    def stats(self) -> CoalescerStats:
+        """The coalescer's counts and figures (cache-hit rate, coalesced ratio, mean batch size, pending window)."""
+        return self._batcher.stats()
 
     async def stop(self) -> None:
         """Send what waits in open windows, then fail anything left (shutdown never strands a caller)."""
@@ -81,11 +99,12 @@ class EmbeddingService:
         tier = self._settings.tier(caller.tier)
         budget = tier.timeout_for(parsed.broker.timeout_s if parsed.broker else None)
         tokens = estimate_embedding_tokens(parsed.input)
+        check_input_size(parsed.input, tokens, self._settings.embeddings)
         reservation = await self._limiter.reserve(caller.limits(LimitSpec(f"tier:{tier.name}", tier.rpm, tier.tpm)),
                                                   tokens)
         started = self._clock()
         try:
-            async with asyncio.timeout(budget):
+            async with self._clock.timeout_at(started + budget):
                 body_out, summary, spent = await self._answer(caller, parsed, body, started + budget, tokens)
         except TimeoutError:
             await reservation.settle(0)
@@ -103,7 +122,8 @@ class EmbeddingService:
         if not all(isinstance(t, str) for t in texts):
             if parsed.model in self._local:
                 raise InvalidRequest("Token-array input is not supported by local embedding models.", param="input")
-            reply, _ = await self._pools.embeddings(parsed.model, body, deadline=deadline, tokens=tokens)
+            reply, _ = await self._pools.embeddings(parsed.model, body, deadline=deadline, tokens=tokens,
+                                                    tenant=caller.tenant)
             return reply, "miss", int((reply.get("usage") or {}).get("prompt_tokens", tokens))
         # The embeddings cache is shared by every tenant unless the operator scopes it (README, /v1/embeddings).
         scope = f"tenant:{caller.tenant}" if self._settings.embeddings.cache_scope == "tenant" else None
@@ -123,7 +143,7 @@ def _response_body(parsed: EmbeddingRequest, result: EmbedResult) -> dict[str, A
 
 
 def build_embedding_service(settings: Settings, *, pools: ProviderPools, host: SentenceModelHost | None, redis: Any,
-                            limiter: Any, metrics: Metrics, providers: list[ProviderSettings],
+                            limiter: Limiter, metrics: Metrics, providers: list[ProviderSettings],
                             clock: Clock = monotonic) -> EmbeddingService:
     """Wire the batcher with its cache levels and its backends (local model or provider pools)."""
     emb = settings.embeddings
@@ -152,6 +172,6 @@ def build_embedding_service(settings: Settings, *, pools: ProviderPools, host: S
     batcher = EmbeddingBatcher(backend, cache=cache, cache_version=emb.cache_version, window_s=emb.window_ms / 1000,
                                max_batch_size=emb.max_batch_size, max_batch_tokens=emb.max_batch_tokens,
                                count_tokens=count_text_tokens, dtype=emb.dtype, ttl_s=settings.cache.ttl_s,
-                               metrics=metrics)
+                               metrics=metrics, call_later=lambda delay, cb: clock.call_at(clock() + delay, cb))
     return EmbeddingService(settings, batcher=batcher, pools=pools, limiter=limiter, local_models=local_models,
                             clock=clock)

@@ -43,7 +43,7 @@ from mergebroker import clock
 log = structlog.get_logger(__name__)
 
 CacheOutcome = Literal["hit", "coalesced", "miss"]
-Endpoint = Literal["chat", "embeddings"]
+Endpoint = Literal["chat", "embeddings", "shadow"]  # shadow: a merge-quality check call (broker.shadow)
 
 
 @dataclass(frozen=True)

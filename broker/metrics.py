@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 HOP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1)
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128)
+FIDELITY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
+SHADOW_RESULTS = ("agree", "differ", "failed", "over_budget", "busy")
 MAX_MODEL_LABELS = 200
 OTHER_MODEL = "other"
 """The `model` label of every model name past the first `MAX_MODEL_LABELS`."""
@@ -68,6 +70,18 @@ class Metrics:
                                      ["reason"], registry=r)
         self.embedding_seconds = Histogram(p + "embedding_seconds", "Similarity-embedding time per window batch.",
                                            buckets=LATENCY_BUCKETS, registry=r)
+        # Merge quality (broker.shadow): merged answers scored against the same request sent alone.
+        self.merge_fidelity = Histogram(p + "merge_fidelity", "Shadow comparisons: how close a merged answer was "
+                                        "to the same request answered alone (0..1), by tier, model and batch size.",
+                                        ["tier", "model", "batch_size"], buckets=FIDELITY_BUCKETS, registry=r)
+        self.shadow = Counter(p + "shadow", "Merged members sampled for a shadow call, by result "
+                              "(agree, differ, failed, over_budget, busy).", ["result"], registry=r)
+        for result in SHADOW_RESULTS:
+            self.shadow.labels(result)
+        self.merge_guard_pauses = Counter(p + "merge_guard_pauses", "Merging paused for a tenant and model by the "
+                                          "quality guard, by reason (fallbacks, fidelity).", ["reason"], registry=r)
+        for reason in ("fallbacks", "fidelity"):
+            self.merge_guard_pauses.labels(reason)
         # Breakers and degradation.
         self.breaker_state = Gauge(p + "breaker_state", "Breaker state per provider: 0 closed, 1 half-open, 2 open.",
                                    ["provider"], registry=r)
@@ -117,6 +131,19 @@ class Metrics:
                                       "is unreachable.", registry=r)
         self.cluster_fallback_transitions = Counter(p + "cluster_fallback_transitions", "Front-end switches between "
                                                     "cluster mode and in-process fallback.", ["to"], registry=r)
+        # Batch API (bulk jobs).
+        self.bulk_lines = Counter(p + "bulk_lines", "Batch API lines answered, by outcome (completed, failed).",
+                                  ["outcome"], registry=r)
+        self.bulk_upstream_requests = Counter(p + "bulk_upstream_requests", "Compacted upstream requests of bulk "
+                                              "jobs, by mode (pool, batch_api) and kind (merged, single).",
+                                              ["mode", "kind"], registry=r)
+        self.bulk_duplicate_lines = Counter(p + "bulk_duplicate_lines", "Bulk lines answered by an identical "
+                                            "line's request.", registry=r)
+        self.bulk_batches = Counter(p + "bulk_batches", "Bulk jobs ended, by final status.", ["status"], registry=r)
+        self.bulk_active = Gauge(p + "bulk_active", "Bulk jobs running.", registry=r)
+        self.window_decisions = Counter(p + "window_decisions", "Requests that opened a merge window (wait) or were "
+                                        "sent at once because no partner was likely (skip), by tier.",
+                                        ["tier", "decision"], registry=r)
 
     def model_label(self, model: str) -> str:
         """The `model` label value for `model`: the name itself for the first `max_model_labels` distinct
@@ -163,6 +190,58 @@ def merging_listener(metrics: Metrics) -> Callable[[str, bool], None]:
         metrics.degraded.labels(model=metrics.model_label(model)).set(0 if allowed else 1)
 
     return on_merging
+
+
+def guard_listener(metrics: Metrics) -> Callable[[str, str, str], None]:
+    """A quality-guard callback that counts pauses by reason (tenants are not a label: clients choose them)."""
+
+    def on_pause(_tenant: str, _model: str, reason: str) -> None:
+        metrics.merge_guard_pauses.labels(reason).inc()
+
+    return on_pause
+
+
+UPSTREAM_OUTCOMES = ("success", "5xx", "429", "auth", "timeout", "connection", "bad_response", "other",
+                     "client_error", "breaker_open", "deadline", "cancelled", "stream_broken")
+RETRY_REASONS = ("429", "5xx", "auth", "timeout", "connection", "bad_response", "other")
+REJECT_REASONS = ("rate_limited", "queue_full", "deadline", "unauthorized", "forbidden")
+FALLBACK_REASONS = ("missing", "empty", "duplicated", "malformed", "truncated", "foreign_id", "leak",
+                    "merged_call_failed", "bad_reply")
+
+
+def preinitialise(metrics: Metrics, *, tiers: list[str], providers: list[str], models: list[str]) -> None:
+    """Create every series whose label values are known at start-up, at zero.
+
+    A labelled series exists only once it has been touched; without this, a healthy broker's /metrics
+    lacks whole families until their first event, and dashboards and alerts show "No data" instead of 0.
+    """
+    m = metrics
+    for tier in [*tiers, "unknown"]:
+        for endpoint in ("chat", "embeddings"):
+            m.requests.labels(endpoint, tier, "200")
+            m.request_latency.labels(endpoint, tier)
+        for family in (m.queue_depth, m.queue_wait, m.forced_flush, m.merged_requests, m.batches, m.batch_size):
+            family.labels(tier)
+        for reason in REJECT_REASONS:
+            m.rejected.labels(tier, reason)
+    for provider in providers:
+        m.upstream_latency.labels(provider)
+        for outcome in UPSTREAM_OUTCOMES:
+            m.upstream_calls.labels(provider, outcome)
+        for reason in RETRY_REASONS:
+            m.retries.labels(provider, reason)
+        for to in BREAKER_STATE_LEVEL:
+            m.breaker_transitions.labels(provider, to)
+    for model in models:
+        m.degraded.labels(m.model_label(model))
+        m.fast_fail.labels(m.model_label(model))
+    for family, values in ((m.cache_events, ("hit", "miss", "coalesced")), (m.split_fallback, FALLBACK_REASONS),
+                           (m.merge_skipped, ("similarity_slow", "similarity_failed"))):
+        for value in values:
+            family.labels(value)
+    for level in ("l1", "l2"):
+        for result in ("hit", "miss"):
+            m.embedding_cache_events.labels(level=level, result=result)
 
 
 CONNECTION_CLOSE_REASONS = ("header_timeout", "body_timeout", "idle_timeout", "evicted", "refused")

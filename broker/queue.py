@@ -8,8 +8,10 @@ effective priority = tier priority + `aging_per_s` x seconds the oldest released
 released batch-tier group overtakes fresh realtime traffic after at most
 (priority_realtime - priority_batch) / aging_per_s seconds: the starvation bound.
 
-Windows are timers (`loop.call_later`), never polling; `release_due()` releases them against the injected
-clock instead. Requests whose future is already done (deadline, client gone) are dropped when their group
+With `adaptive` windows (`window_policy`), a request that opens a group waits only when a partner is likely
+to arrive within the window; otherwise it is released at once. Windows are timers on the injected clock
+(`clock.call_at`), never polling, so a fake clock's `advance` closes them. Requests whose future is already
+done (deadline, client gone) are dropped when their group
 is taken, the others of the group stay. Past the tier's hard cap (everything not yet taken by a worker),
 `submit` refuses at once with `Overloaded` (503 + Retry-After).
 """
@@ -24,9 +26,10 @@ from typing import Callable, Generic, Protocol, TypeVar
 
 import structlog
 
-from mergebroker.clock import Clock, monotonic
+from mergebroker.clock import Clock, Timer, monotonic
 from mergebroker.errors import Overloaded
 from mergebroker.broker.metrics import Metrics
+from mergebroker.merge.window_policy import DEFAULT_MIN_PARTNERS, WindowEstimator
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +55,8 @@ class TierWindow:
     max_batch: int
     max_queue: int
     hard_cap: int
+    adaptive: bool = False  # window_policy adaptive: a request with no likely partner skips the window
+    min_partners: float = DEFAULT_MIN_PARTNERS
 
 
 @dataclass
@@ -59,7 +64,7 @@ class _Group(Generic[T]):
     key: str | None
     opened_at: float
     items: list[T] = field(default_factory=list)
-    timer: asyncio.TimerHandle | None = None
+    timer: Timer | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class MergeQueue(Generic[T]):
         self._ready: dict[str, collections.deque[ReleasedGroup[T]]] = {t.name: collections.deque() for t in tiers}
         self._ready_count = dict.fromkeys(self._tiers, 0)
         self._idle_workers: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._estimator = WindowEstimator()
         self._closed = False
         if metrics is not None:
             # Read when scraped rather than set on every submit and take: no per-request work.
@@ -110,16 +116,37 @@ class MergeQueue(Generic[T]):
             raise Overloaded(f"Tier '{tier.name}' queue is full; retry later.", retry_after=1, code="queue_full")
         if item.merge_key is None or tier.window_s <= 0 or tier.max_batch <= 1:
             self._make_ready(tier.name, None, [item])
+        elif tier.adaptive and not self._worth_waiting(tier, item):
+            self._make_ready(tier.name, item.merge_key, [item])
         else:
             self._add_to_window(tier, item)
+
+    def _worth_waiting(self, tier: TierWindow, item: T) -> bool:
+        """Adaptive windows: whether `item` should wait for partners (see `merge.window_policy`).
+
+        Every arrival feeds its group's estimate, and its answer (or departure) ends its pending time.
+        """
+        group = (tier.name, item.merge_key)
+        wait = self._estimator.arrive(group, self._clock(), window_s=tier.window_s, min_partners=tier.min_partners)
+        item.future.add_done_callback(functools.partial(self._departed, group))
+        if item.merge_key in self._open[tier.name]:
+            decision, wait = "join", True  # an open window costs nothing more to join
+        else:
+            decision = "wait" if wait else "skip"
+        if self._metrics is not None:
+            self._metrics.window_decisions.labels(tier.name, decision).inc()
+        return wait
+
+    def _departed(self, group: tuple[str, str | None], _future: asyncio.Future) -> None:
+        self._estimator.depart(group, self._clock())
 
     def _add_to_window(self, tier: TierWindow, item: T) -> None:
         groups = self._open[tier.name]
         group = groups.get(item.merge_key)
         if group is None:
             group = groups[item.merge_key] = _Group(item.merge_key, self._clock())
-            loop = asyncio.get_running_loop()
-            group.timer = loop.call_later(tier.window_s, self._release, tier.name, item.merge_key)
+            group.timer = self._clock.call_at(group.opened_at + tier.window_s, self._release, tier.name,
+                                              item.merge_key)
         group.items.append(item)
         self._open_count[tier.name] += 1
         if self._on_partners is not None and len(group.items) > 1:
@@ -130,14 +157,6 @@ class MergeQueue(Generic[T]):
             # Counting only what waits in windows keeps merging alive while workers lag behind: a long
             # ready line is no reason to stop merging, a window holding max_queue requests is.
             self._forced_flush(tier.name)
-
-    def release_due(self) -> None:
-        """Release every open group whose window has passed on the injected clock (for tests and timers)."""
-        now = self._clock()
-        for name, tier in self._tiers.items():
-            for key, group in list(self._open[name].items()):
-                if now - group.opened_at >= tier.window_s:
-                    self._release(name, key)
 
     def _forced_flush(self, tier: str) -> None:
         if self._metrics:

@@ -12,6 +12,8 @@ Definitions (all over the records in the window and tenant filter):
 - cost: prompt and completion tokens at the model's price per 1M tokens; cost saved prices each record's
   `prompt_tokens_saved` and `completion_tokens_saved` the same way. Models without a price cost 0 and
   are listed in `unpriced_models`.
+- shadow calls (`endpoint == "shadow"`, merge-quality checks by `broker.shadow`) are no requests: they are
+  left out of every figure above and reported on their own (`shadow_calls`, `shadow_tokens`, `shadow_cost_usd`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ class Report:
     cost_saved_usd: float
     tenants: tuple[TenantTotals, ...]
     unpriced_models: tuple[str, ...]
+    shadow_calls: int = 0  # merge-quality checks (broker.shadow): not requests, billed on their own
+    shadow_tokens: int = 0
+    shadow_cost_usd: float = 0.0
 
 
 def parse_duration(text: str) -> float:
@@ -122,8 +127,10 @@ def build_report(records: Iterable[LedgerRecord], *, since_s: float | None = Non
     """Aggregate `records` from the last `since_s` seconds before `now` (None: wall clock) for `tenant`."""
     until = time.time() if now is None else now
     since_ts = None if since_s is None else until - since_s
-    chosen = [r for r in records
+    window = [r for r in records
               if (since_ts is None or r.ts >= since_ts) and (tenant is None or r.tenant == tenant)]
+    chosen = [r for r in window if r.endpoint != "shadow"]
+    shadow = [r for r in window if r.endpoint == "shadow"]
     by_tenant: dict[str, list[LedgerRecord]] = defaultdict(list)
     for rec in chosen:
         by_tenant[rec.tenant].append(rec)
@@ -143,7 +150,9 @@ def build_report(records: Iterable[LedgerRecord], *, since_s: float | None = Non
         tokens_saved=sum(t.tokens_saved for t in tenants),
         upstream_calls=calls, upstream_calls_saved=served - calls,
         cost_usd=sum(t.cost_usd for t in tenants), cost_saved_usd=sum(t.cost_saved_usd for t in tenants),
-        tenants=tenants, unpriced_models=tuple(sorted({r.model for r in chosen if r.model not in prices})),
+        tenants=tenants, unpriced_models=tuple(sorted({r.model for r in window if r.model not in prices})),
+        shadow_calls=len(shadow), shadow_tokens=sum(r.prompt_tokens + r.completion_tokens for r in shadow),
+        shadow_cost_usd=_totals("shadow", shadow, prices).cost_usd,
     )
 
 
@@ -194,6 +203,9 @@ def render_table(report: Report) -> str:
         f"  cost saved            {_usd(report.cost_saved_usd):>12}",
         "",
     ]
+    if report.shadow_calls:
+        lines[-1:-1] = [f"  shadow calls          {report.shadow_calls:>12,}   ({report.shadow_tokens:,} tokens, "
+                        f"{_usd(report.shadow_cost_usd)}; merge-quality checks, not in the figures above)"]
     header = ("tenant", "requests", "merged", "hits", "coalesced", "prompt", "completion", "saved", "cost",
               "cost saved")
     rows = [(t.tenant, f"{t.requests:,}", f"{t.merged:,}", f"{t.cache_hits:,}", f"{t.coalesced:,}",

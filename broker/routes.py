@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -10,12 +11,16 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from mergebroker.broker.admission import TIER_HEADER, Caller
+from mergebroker.broker.admission import Caller
+from mergebroker.broker.batch_routes import add_batch_routes
 from mergebroker.broker.body import BODY_LIMITS, read_json
 from mergebroker.broker.state import BROKER, Broker
 from mergebroker.broker.chat import CacheControl
+from mergebroker import jsonio
 from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import BrokerError, NotFound
+from mergebroker.broker.handling import (authenticate, chat_headers, check_chat_model, complete_chat, with_body_options,
+                                          create_embeddings, embedding_headers)
+from mergebroker.errors import BrokerError, Unauthorized
 from mergebroker.broker.middleware import INFO
 from mergebroker.broker.schemas import parse_chat, parse_embeddings
 
@@ -58,68 +63,25 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    add_batch_routes(app)
 
 
 async def _json_body(request: web.Request) -> Any:
     return await read_json(request, request.app[BODY_LIMITS])
 
 
-def _authenticate(request: web.Request, broker: Broker, options: Any, user: str | None) -> Caller:
-    try:
-        caller = broker.auth.authenticate(request.headers, body_tier=options.tier if options else None,
-                                          body_user=user)
-    except Exception as exc:
-        reason = "unauthorized" if getattr(exc, "status", 0) == 401 else "forbidden"
-        broker.metrics.rejected.labels(_tier_label(broker, request.headers.get(TIER_HEADER)), reason).inc()
-        raise
-    request[INFO].tenant, request[INFO].tier = caller.tenant, caller.tier
-    return caller
-
-
-def _tier_label(broker: Broker, requested: str | None) -> str:
-    """A metric label for a tier named by an unauthenticated request: only configured names, never junk."""
-    return requested if any(t.name == requested for t in broker.settings.tiers) else "unknown"
-
-
-def _model_not_found(model: str) -> NotFound:
-    return NotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model",
-                    code="model_not_found")
-
-
-def _check_model(broker: Broker, model: str) -> None:
-    if not broker.pools.serves(model) and not broker.embeddings.serves(model):
-        raise _model_not_found(model)
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    broker = request.app[BROKER]
+    broker, info = request.app[BROKER], request[INFO]
+    known = authenticate(broker, info, request.headers, None, None)  # from the headers, before the body costs anything
     parsed, body = parse_chat(await _json_body(request), max_messages=broker.settings.server.max_messages)
-    caller = _authenticate(request, broker, parsed.broker, parsed.user)
-    request[INFO].model = parsed.model
-    if not broker.pools.serves(parsed.model):  # a local embedding model cannot chat
-        raise _model_not_found(parsed.model)
-    options = parsed.broker
-    timeout_s = options.timeout_s if options else None
+    caller = with_body_options(broker, info, request.headers, known, parsed)
+    check_chat_model(broker, info, parsed)
     if parsed.stream:
-        return await _stream(request, broker, caller, body, timeout_s)
-    result = await broker.chat.complete(
-        caller, request[INFO].request_id, body, timeout_s=timeout_s,
-        merge_opt_out=bool(options and options.merge is False),
-        cache_control=CacheControl.from_header(request.headers.get("Cache-Control")))
-    outcome = result.outcome
-    info = request[INFO]
-    info.upstream_s, info.batch_size, info.batch_id, info.cache = (outcome.upstream_s, outcome.batch_size,
-                                                                   outcome.batch_id, result.cache)
-    usage = outcome.body.get("usage") or {}
-    info.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    info.completion_tokens = int(usage.get("completion_tokens") or 0)
-    info.alone_prompt_tokens = result.prompt_estimate
-    headers = {"X-Broker-Batch-Size": str(outcome.batch_size), "X-Broker-Cache": result.cache, **result.limit_headers}
-    if outcome.batch_id:
-        headers["X-Broker-Batch-Id"] = outcome.batch_id
-    if outcome.fallback:
-        headers["X-Broker-Fallback"] = outcome.fallback
-    return web.json_response(outcome.body, headers=headers)
+        return await _stream(request, broker, caller, body, parsed.broker.timeout_s if parsed.broker else None)
+    result = await complete_chat(broker, info, caller, parsed, body,
+                                 CacheControl.from_header(request.headers.get("Cache-Control")))
+    return web.Response(body=jsonio.dumps(result.outcome.body), content_type="application/json",
+                        headers=chat_headers(result))
 
 
 async def _stream(request: web.Request, broker: Broker, caller: Caller, body: dict[str, Any],
@@ -175,22 +137,17 @@ def _stream_usage(chunk: bytes, *, default: int) -> int:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    broker = request.app[BROKER]
+    broker, info = request.app[BROKER], request[INFO]
+    known = authenticate(broker, info, request.headers, None, None)  # from the headers, before the body costs anything
     parsed, body = parse_embeddings(await _json_body(request))
-    caller = _authenticate(request, broker, parsed.broker, parsed.user)
-    request[INFO].model = parsed.model
-    _check_model(broker, parsed.model)
-    result = await broker.embeddings.create(caller, parsed, body)
-    info = request[INFO]
-    info.cache, info.batch_size, info.upstream_s = result.cache_summary, 1, result.upstream_s
-    info.prompt_tokens = info.alone_prompt_tokens = int(result.body["usage"]["prompt_tokens"])
-    return web.json_response(result.body, headers={"X-Broker-Cache": result.cache_summary,
-                                                   "X-Broker-Batch-Size": "1", **result.limit_headers})
+    caller = with_body_options(broker, info, request.headers, known, parsed)
+    result = await create_embeddings(broker, info, caller, parsed, body)
+    return web.json_response(result.body, headers=embedding_headers(result))
 
 
 async def list_models(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    _authenticate(request, broker, None, None)
+    authenticate(broker, request[INFO], request.headers, None, None)
     names = broker.pools.explicit_models()
     if broker.pools.has_wildcard():
         names += await request.app[UPSTREAM_MODELS].get(broker.pools.upstream_models)
@@ -213,11 +170,24 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ready else 503)
 
 
+def _operator_only(request: web.Request, broker: Broker) -> None:
+    """With `server.metrics_token_env` set, the operator's endpoints need `Authorization: Bearer <token>`."""
+    token = broker.settings.server.metrics_token
+    if token is None:
+        return
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(given, b"Bearer " + token.get_secret_value().encode()):
+        raise Unauthorized("This endpoint needs the metrics token: 'Authorization: Bearer <token>'.",
+                           code="invalid_metrics_token")
+
+
 async def metrics(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
+    _operator_only(request, broker)
     return web.Response(body=broker.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
 async def broker_stats(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
+    _operator_only(request, broker)
     return web.json_response(broker.stats())

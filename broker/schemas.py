@@ -1,7 +1,8 @@
 """Request bodies at the HTTP edge: pydantic validation, OpenAI-style 400s, broker-only fields stripped.
 
 Validation only decides whether a body is acceptable; the body that travels on is the caller's own dict,
-so unknown fields reach the upstream untouched. The optional `broker` object (`{"tier", "timeout_s",
+so unknown fields reach the upstream untouched. Known fields are validated strictly (no coercion: `"stream":
+"false"` or a text part whose `text` is 123 is a 400), so what is forwarded is exactly what was validated. The optional `broker` object (`{"tier", "timeout_s",
 "merge"}`) is ours and never forwarded.
 """
 
@@ -9,37 +10,46 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
+                      model_validator)
 
 from mergebroker.errors import InvalidRequest
 
 BROKER_FIELD = "broker"
+MAX_TOKENS = 10_000_000
+"""No model generates more; a larger budget (1e300) is a mistake that would overflow time arithmetic."""
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
 class BrokerOptions(BaseModel):
     """Per-request broker options; everything optional."""
 
     model_config = ConfigDict(extra="forbid")
-    tier: str | None = None
-    timeout_s: float | None = Field(None, gt=0)
-    merge: bool | None = None
+    tier: StrictStr | None = None
+    timeout_s: float | None = Field(None, gt=0, strict=True)
+    merge: StrictBool | None = None
 
 
 class _TextPart(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: StrictStr
+    text: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_needs_text(self) -> "_TextPart":
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs a string 'text'")
+        return self
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[_TextPart] | None = None
+    content: StrictStr | list[_TextPart] | None = None  # "" is allowed (the spec does; replayed tool turns)
 
     @field_validator("content")
     @classmethod
     def _not_empty(cls, value: Any) -> Any:
-        if isinstance(value, str) and not value.strip():
-            raise ValueError("content must not be empty")
         if isinstance(value, list) and not value:
             raise ValueError("content must not be an empty list")
         return value
@@ -47,16 +57,16 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1)
+    model: StrictStr = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-    user: str | None = None
+    stream: StrictBool | None = None  # null is allowed and means false
+    n: StrictInt | None = Field(None, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2, strict=True)
+    top_p: float | None = Field(None, ge=0, le=1, strict=True)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS)
+    stop: StrictStr | list[StrictStr] | None = None
+    user: StrictStr | None = None
     broker: BrokerOptions | None = None
 
     @field_validator("messages")
@@ -77,11 +87,11 @@ class ChatRequest(BaseModel):
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    model: str = Field(min_length=1)
-    input: str | list[str] | list[int] | list[list[int]]
-    dimensions: int | None = Field(None, ge=1)
+    model: StrictStr = Field(min_length=1)
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    dimensions: StrictInt | None = Field(None, ge=1)
     encoding_format: Literal["float", "base64"] = "float"
-    user: str | None = None
+    user: StrictStr | None = None
     broker: BrokerOptions | None = None
 
     @field_validator("input")
@@ -127,7 +137,8 @@ def _parse(model: type[BaseModel], body: Any) -> tuple[Any, dict[str, Any]]:
 
 def _as_invalid(exc: ValidationError) -> InvalidRequest:
     err = exc.errors()[0]
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("str", "list[", "int", "float"))]
+    # pydantic names the union member it tried ("str", "list[_TextPart]"): not part of the field's path.
+    loc = [str(p) for p in err["loc"] if str(p) not in _TYPE_TAGS and "[" not in str(p)]
     param = ".".join(loc) or None
     kind = err["type"]
     if kind == "missing":

@@ -14,10 +14,12 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from mergebroker.broker.connections import ConnectionGuard
 from mergebroker.broker.settings import ServerSettings
 from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import error_body
 
 log = structlog.get_logger(__name__)
 
@@ -52,9 +54,31 @@ class GuardedSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None
-        self._server = await asyncio.get_running_loop().create_server(
-            self._guard.protocol_factory(server), self._host, self._port, backlog=self._backlog,
-            reuse_address=True)
+        loop = asyncio.get_running_loop()
+        # aiohttp's Server builds a plain RequestHandler; ours differs only in how it answers what the
+        # HTTP parser rejects, so it is built with the same arguments (aiohttp keeps them in `_kwargs`).
+        kwargs = getattr(server, "_kwargs", {})
+        self._server = await loop.create_server(
+            self._guard.protocol_factory(lambda: EnvelopeRequestHandler(server, loop=loop, **kwargs)),
+            self._host, self._port, backlog=self._backlog, reuse_address=True)
+
+
+class EnvelopeRequestHandler(RequestHandler):
+    """aiohttp's request handler, except that requests its HTTP parser rejects (a header over 8,190 bytes,
+    invalid characters, a duplicated Content-Type...) are answered in the OpenAI error envelope and logged
+    as one line, not a traceback."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # part of a response is out: nothing valid can follow
+            raise ConnectionError("Response is sent already, cannot send an error response")
+        detail = (message or getattr(exc, "message", None) or "").strip().splitlines()
+        text = f"The request could not be read: {detail[-1][:200] if detail else 'malformed HTTP'}."
+        log.info("http_rejected", status=status, error=type(exc).__name__ if exc else None)
+        error_type = "invalid_request_error" if status < 500 else "server_error"
+        response = web.json_response(error_body(text, error_type, None, "malformed_request"), status=status)
+        response.force_close()
+        return response
 
 
 class AcceptErrorLog:
@@ -84,7 +108,8 @@ class AcceptErrorLog:
 def runner_for(app: web.Application, settings: ServerSettings) -> web.AppRunner:
     """The app runner `serve` uses; aiohttp's own keep-alive timer doubles the guard's idle timeout."""
     return web.AppRunner(app, access_log=None, handler_cancellation=True,  # a gone client leaves its window
-                         keepalive_timeout=settings.idle_timeout_s)
+                         keepalive_timeout=settings.idle_timeout_s,
+                         shutdown_timeout=settings.drain_timeout_s + 5)  # the drain (broker.drain) answers first
 
 
 async def serve(app: web.Application, settings: ServerSettings, *, stop: asyncio.Event | None = None) -> None:

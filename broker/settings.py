@@ -29,7 +29,8 @@ class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Requests over this size get 413.")
-    workers: int = Field(64, gt=0, description="Concurrent dispatches taken from the tier queues.")
+    workers: int = Field(64, gt=0, description="Tasks taking released groups by priority; each group is dispatched "
+                                               "in its own task, so a hung upstream holds no worker.")
     aging_per_s: float = Field(10.0, ge=0, description="Priority points a released group gains per second waited.")
     header_timeout_s: float = Field(10.0, gt=0, description="Longest a client may take to send a request's headers.")
     body_timeout_s: float = Field(30.0, gt=0, description="Longest a client may take to send a request's body (408).")
@@ -42,6 +43,12 @@ class ServerSettings(_Strict):
     max_json_depth: int = Field(64, ge=2, description="Deepest nesting a request body may have (400 above).")
     max_messages: int = Field(2048, gt=0, description="Most messages one chat request may hold (400 above).")
     accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="The serving event loop: uvloop when installed (auto), or the standard asyncio loop.")
+    drain_timeout_s: float = Field(15.0, ge=0, description="At shutdown, requests in flight get this long, then 503.")
+    metrics_token_env: str | None = Field(
+        None, description="Environment variable holding a bearer token that /metrics and /v1/broker/stats require.")
+    metrics_token: SecretStr | None = Field(None, exclude=True)
 
 
 class BreakerConfig(_Strict):
@@ -49,7 +56,7 @@ class BreakerConfig(_Strict):
     min_calls: int = Field(10, gt=0)
     error_ratio: float = Field(0.10, gt=0, le=1)
     slow_ratio: float = Field(0.30, gt=0, le=1)
-    slow_call_s: float = Field(10.0, gt=0)
+    slow_call_s: float = Field(10.0, gt=0, description="A call is slow past this plus its output tokens / token_rate.")
     open_s: float = Field(10.0, gt=0)
     open_backoff: float = Field(2.0, ge=1)
     open_max_s: float = Field(120.0, gt=0)
@@ -79,6 +86,8 @@ class ProviderSettings(_Strict):
     api_version: str = Field("2024-10-21", min_length=1, description="kind azure: the api-version query parameter.")
     deployments: dict[str, str] = Field(default_factory=dict,
                                         description="kind azure: callers' model name -> deployment name.")
+    batch_api: bool = Field(False, description="Send bulk jobs through this provider's own Batch API "
+                                               "(/v1/files + /v1/batches) instead of call by call.")
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "ProviderSettings":
@@ -117,6 +126,10 @@ class TierSettings(_Strict):
                                 "(default: the window, at least 50 ms).")
     omitted_temperature_is_zero: bool = False
     system_prompts: Literal["exact", "tagged"] = "exact"
+    window_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive", description="adaptive: a request that likely gets no partner within the window is sent at once.")
+    window_min_partners: float = Field(
+        0.1, ge=0, description="adaptive: wait only when at least this many partners are expected in the window.")
 
     @property
     def queue_hard_cap(self) -> int:
@@ -176,6 +189,13 @@ class MergeSettings(_Strict):
     quality_guard_ratio: float = Field(0.10, ge=0, le=1)
     quality_guard_min_batches: int = Field(20, gt=0)
     quality_guard_cooldown_s: float = Field(300.0, ge=0)
+    quality_guard_min_fidelity: float = Field(
+        0.8, ge=0, le=1, description="Pause merging for a tenant and model when the mean of its recent shadow "
+                                     "comparisons falls below this (0: never; needs shadow_rate > 0).")
+    quality_guard_fidelity_window: int = Field(20, gt=0, description="Shadow comparisons that mean is taken over.")
+    shadow_rate: float = Field(0.0, ge=0, le=1, description="Share of merged members also sent alone, in the "
+                                                            "background at the lowest priority, to score the merge.")
+    shadow_tpm: int = Field(20_000, ge=0, description="Tokens per minute shadow calls may spend (0: none).")
     embedder: Literal["local-int8", "local", "none"] = Field(
         "local-int8", description="Similarity model: int8-quantised all-MiniLM-L6-v2 (default, ~3x cheaper), "
                                   "the float model, or none (no similarity merging).")
@@ -220,6 +240,8 @@ class EmbeddingSettings(_Strict):
         "global", description="global: one cache for everyone (a hit can tell that anyone embedded the text before); "
                               "tenant: each tenant its own entries.")
     local_models: list[str] = Field(default_factory=lambda: ["all-MiniLM-L6-v2", "local-minilm"])
+    max_inputs: int = Field(2048, gt=0, description="Most inputs one /v1/embeddings request may hold (400 above).")
+    max_input_tokens: int = Field(100_000, gt=0, description="Most tokens one /v1/embeddings request may hold (400 above).")
 
 
 class LoggingSettings(_Strict):
@@ -232,6 +254,34 @@ class LedgerSettings(_Strict):
     postgres_dsn_env: str | None = Field(None, description="Environment variable holding a PostgreSQL DSN.")
     postgres_dsn: SecretStr | None = Field(None, exclude=True)
     flush_interval_s: float = Field(1.0, gt=0)
+
+
+class McpSettings(_Strict):
+    """`mergebroker mcp`: how the MCP server listens and where its tools send their calls."""
+
+    transport: Literal["stdio", "http"] = Field("stdio", description="stdio, or streamable HTTP on host:port.")
+    host: str = "127.0.0.1"
+    port: int = Field(8090, ge=0, le=65535)
+    broker_url: str | None = Field(None, description="A running broker to call; unset: the broker runs embedded.")
+    api_key_env: str = Field("MERGEBROKER_API_KEY", description="Environment variable with the key the tools use.")
+    embedding_model: str = Field("all-MiniLM-L6-v2", description="The embed tool's model when a call names none.")
+    max_inline_values: int = Field(16_384, gt=0, description="embed: past this many floats, a handle instead.")
+    max_handles: int = Field(32, gt=0, description="embed: how many large results stay readable by handle.")
+
+
+class BatchSettings(_Strict):
+    enabled: bool = True
+    dir: str | None = Field(None, description="Files and batch state (SQLite); default: 'batches' beside "
+                                              "ledger.path, else a temporary directory (not durable).")
+    tier: str | None = Field(None, description="Tier whose merge rules and admission bulk jobs follow; "
+                                               "default: 'batch' when configured, else default_tier.")
+    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
+    max_lines: int = Field(50_000, gt=0)
+    file_ttl_s: float = Field(30 * 86400.0, gt=0, description="Uploaded and output files expire after this.")
+    concurrency: int = Field(8, gt=0, description="Bulk calls in flight through the pools, all jobs together.")
+    call_timeout_s: float = Field(600.0, gt=0)
+    poll_interval_s: float = Field(30.0, gt=0, description="How often a provider's Batch API is polled.")
+    cleanup_interval_s: float = Field(3600.0, gt=0)
 
 
 class Settings(BaseSettings):
@@ -252,7 +302,9 @@ class Settings(BaseSettings):
     embeddings: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     ledger: LedgerSettings = Field(default_factory=LedgerSettings)
+    batches: BatchSettings = Field(default_factory=BatchSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    mcp: McpSettings = Field(default_factory=McpSettings)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -278,11 +330,18 @@ class Settings(BaseSettings):
         for p in self.providers:
             if p.kind in HTTP_PROVIDER_KINDS and not p.base_url.startswith(("http://", "https://")):
                 raise ValueError(f"providers.{p.name}.base_url: must be an http(s) URL, got {p.base_url!r}")
+        if self.batches.tier is not None and self.batches.tier not in names:
+            raise ValueError(f"batches.tier: {self.batches.tier!r} is not a configured tier")
         if self.cluster.enabled and not self.redis.url:
             raise ValueError("cluster.enabled: cluster mode needs redis.url")
         if self.auth.mode == "keys" and not self.auth.keys:
             raise ValueError("auth.keys: mode 'keys' needs at least one key")
         return self
+
+    def batch_tier(self) -> str:
+        """The tier bulk jobs run in: `batches.tier`, else 'batch' when configured, else the default tier."""
+        names = [t.name for t in self.tiers]
+        return self.batches.tier or ("batch" if "batch" in names else self.default_tier)
 
     def tier(self, name: str) -> TierSettings:
         return next(t for t in self.tiers if t.name == name)
@@ -292,7 +351,7 @@ class ConfigError(Exception):
     """Invalid configuration; the message names the field and the problem."""
 
 
-SECRET_FIELDS = ("api_key", "gateway_secret", "postgres_dsn")
+SECRET_FIELDS = ("api_key", "gateway_secret", "postgres_dsn", "metrics_token")
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, *, environ: dict[str, str] | None = None,
@@ -348,6 +407,9 @@ def _refuse_secrets_in_file(data: dict[str, Any]) -> None:
     if isinstance(data.get("auth"), dict) and "gateway_secret" in data["auth"]:
         raise ConfigError("auth.gateway_secret: secrets may only come from the environment; "
                           "set auth.gateway_secret_env instead")
+    if isinstance(data.get("server"), dict) and "metrics_token" in data["server"]:
+        raise ConfigError("server.metrics_token: secrets may only come from the environment; "
+                          "set server.metrics_token_env instead")
     if isinstance(data.get("ledger"), dict) and "postgres_dsn" in data["ledger"]:
         raise ConfigError("ledger.postgres_dsn: secrets may only come from the environment (a DSN holds a "
                           "password); set ledger.postgres_dsn_env instead")
@@ -359,6 +421,11 @@ def _resolve_secrets(settings: Settings, env: dict[str, str] | os._Environ[str])
             provider.api_key = SecretStr(env[provider.api_key_env])
     if settings.ledger.postgres_dsn_env and env.get(settings.ledger.postgres_dsn_env):
         settings.ledger.postgres_dsn = SecretStr(env[settings.ledger.postgres_dsn_env])
+    token_env = settings.server.metrics_token_env
+    if token_env:
+        if not env.get(token_env):
+            raise ConfigError(f"server.metrics_token_env: ${token_env} is not set")
+        settings.server.metrics_token = SecretStr(env[token_env])
     secret = env.get(settings.auth.gateway_secret_env)
     if secret:
         settings.auth.gateway_secret = SecretStr(secret)

@@ -15,12 +15,14 @@ from aiohttp import web
 from mergebroker.breaker.circuit import CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.broker.admission import Authenticator
+from mergebroker.broker.batches import BatchService
 from mergebroker.broker.chat import ChatService
 from mergebroker.broker.embeddings import EmbeddingService
 from mergebroker.broker.job_queue import JobQueue
 from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.settings import Settings
+from mergebroker.broker.shadow import ShadowRunner
 from mergebroker.providers.local_model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
 
@@ -43,6 +45,8 @@ class Broker:
     redis: Any = None
     shared_breakers: Any = None
     ledger: Ledger | None = None
+    batches: BatchService | None = None
+    shadow: ShadowRunner | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
@@ -71,7 +75,16 @@ class Broker:
         providers = {u.name: {"in_flight": u.in_flight,
                               **(u.breaker.snapshot() if u.breaker else {"state": "closed"})}
                      for u in self.pools.upstreams}
-        return {"tiers": tiers, "providers": providers}
+        return {"tiers": tiers, "providers": providers, "chat_cache": self._chat_cache_stats(),
+                "embeddings": self.embeddings.stats().as_dict()}
+
+    def _chat_cache_stats(self) -> dict[str, Any]:
+        """Chat answers by how the cache took part: from cache (hit), shared with an identical one in flight."""
+        counts = {r: int(_sample(self.metrics, "mergebroker_cache_events_total", result=r))
+                  for r in ("hit", "coalesced", "miss")}
+        total = sum(counts.values())
+        return {**counts, "hit_rate": counts["hit"] / total if total else 0.0,
+                "coalesced_ratio": counts["coalesced"] / total if total else 0.0}
 
 
 def _sample(metrics: Metrics, name: str, **labels: str) -> float:

@@ -13,7 +13,7 @@ import random
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from mergebroker.confusables import fold, folded_with_positions
 
@@ -114,6 +114,25 @@ def build_combined_messages(
     intro = header.replace("{n}", str(len(members)))
     messages.append({"role": "user", "content": "\n\n".join([intro, *blocks])})
     return messages
+
+
+# Left out of a merged call's body: the members' own budgets and `user` (the merged call has its own), and
+# `stop`, which is applied to each member's answer after the split: met in one answer it would cut every
+# later block.
+_PER_MEMBER_BODY_FIELDS = ("max_tokens", "max_completion_tokens", "user", "stop")
+BLOCK_OVERHEAD_TOKENS = 12
+"""Output tokens a response block's tags cost beyond its answer."""
+
+
+def merged_request_body(template: Mapping[str, Any], members: Sequence[MergeMember], *, system_prompt: str | None,
+                        header: str | None = None, tagged_system: bool = False) -> dict[str, Any]:
+    """The body of a merged call: `template` (the first member's body: model, sampling, every shared field)
+    with the combined messages and the summed token budget in place of the member's own."""
+    body = {k: v for k, v in template.items() if k not in _PER_MEMBER_BODY_FIELDS}
+    body["messages"] = build_combined_messages(members, system_prompt=system_prompt, header=header,
+                                               tagged_system=tagged_system)
+    body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=BLOCK_OVERHEAD_TOKENS)
+    return body
 
 
 def merged_max_tokens(

@@ -75,6 +75,12 @@ class Settlement:
     needed_fallback: bool | None = None  # what the quality guard learns; None: nothing about merging
 
 
+def member_request_text(system_prompt: str | None, user_text: str, tagged_system: bool) -> str:
+    """A member's request as a merged call carries it, which its leak check protects: the user text and, with
+    tagged system prompts (each member's own system prompt travels in the call too), the system prompt."""
+    return system_prompt + "\n" + user_text if tagged_system and system_prompt else user_text
+
+
 def settle(reply: Any, members: Sequence[SettleMember], options: SettleOptions) -> Settlement:
     """Settle a merged reply: split it by ID, judge each block, apportion usage over the answers."""
     read = reply_text(reply)

@@ -46,7 +46,7 @@ class AnthropicProvider(OpenAICompatProvider):
     def _request_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return to_messages(body, default_max_tokens=self._default_max_tokens, model_map=self._model_map)
 
-    def _http_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
+    def _upstream_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
         return to_error(status, _decode_json(raw), retry_after=parse_retry_after(headers.get("Retry-After")))
 
     async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:

@@ -39,7 +39,8 @@ _STREAM_ERROR_STATUS = {"overloaded_error": OVERLOADED_STATUS, "rate_limit_error
 
 _PASS_THROUGH = ("temperature", "top_p", "top_k")
 _CONSUMED = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "stop", "stream",
-                       "stream_options", "user", *_PASS_THROUGH})
+                       "stream_options", "user", "safety_identifier", "prompt_cache_key", *_PASS_THROUGH})
+"""Fields translated, or (`prompt_cache_key`, a hint for OpenAI's own prompt cache) safe to leave behind."""
 _NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
                             "store": False, "parallel_tool_calls": True}
 """Fields accepted only at the value that asks for nothing (SDKs sometimes send these defaults)."""
@@ -130,9 +131,9 @@ def to_messages(body: Mapping[str, Any], *, default_max_tokens: int,
 
     System and developer messages become `system` (joined by blank lines, in order); `max_tokens`
     (or `max_completion_tokens`, the smaller of both) defaults to `default_max_tokens`, because the
-    Messages API requires one; `stop` becomes `stop_sequences`; `user` becomes `metadata.user_id`;
-    temperature, top_p and top_k pass through when set (never added: models from Opus 4.7 on refuse
-    any sampling field, and their 400 names it). `model_map` renames the model. Raises
+    Messages API requires one; `stop` becomes `stop_sequences`; `user` (or `safety_identifier`) becomes
+    `metadata.user_id`; temperature, top_p and top_k pass through when set (never added: models from
+    Opus 4.7 on refuse any sampling field, and their 400 names it). `model_map` renames the model. Raises
     `UpstreamUnsupported` naming the first field that cannot be carried.
     """
     _check_fields(body)
@@ -149,8 +150,9 @@ def to_messages(body: Mapping[str, Any], *, default_max_tokens: int,
     for name in _PASS_THROUGH:
         if body.get(name) is not None:
             out[name] = body[name]
-    if body.get("user"):
-        out["metadata"] = {"user_id": str(body["user"])}
+    user = body.get("user") or body.get("safety_identifier")
+    if user:
+        out["metadata"] = {"user_id": str(user)}
     return out
 
 
@@ -230,6 +232,7 @@ def sse(payload: Mapping[str, Any]) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+_SLOT = "\x00text\x00"  # stands for a chunk's text while its frame is rendered; JSON escapes it, no text holds it
 
 
 @dataclass
@@ -248,6 +251,7 @@ class StreamTranslator:
     _meta: dict[str, Any] = field(default_factory=dict)
     _usage: dict[str, Any] = field(default_factory=dict)
     _stop_reason: Any = None
+    _text_frame: tuple[bytes, bytes] = (b"", b"")
 
     def feed(self, raw: bytes) -> list[bytes]:
         """The OpenAI events for one raw Anthropic SSE event (often none: pings, block starts and stops)."""
@@ -274,17 +278,24 @@ class StreamTranslator:
         message = event.get("message") if isinstance(event.get("message"), dict) else {}
         self._meta = {"id": str(message.get("id") or ""), "model": str(message.get("model") or "")}
         self._usage.update(message.get("usage") or {})
+        # Text chunks differ only in their text: render the rest once (a third of the cost per chunk).
+        head, _, tail = self._delta({"content": _SLOT}).rpartition(json.dumps(_SLOT).encode())
+        self._text_frame = (head, tail)
         return [self._delta({"role": "assistant", "content": ""})]
+
+    def _text(self, text: Any) -> list[bytes]:
+        if not isinstance(text, str) or not text:
+            return []
+        head, tail = self._text_frame
+        return [head + json.dumps(text).encode() + tail] if head else [self._delta({"content": text})]
 
     def _on_content_block_start(self, event: dict[str, Any]) -> list[bytes]:
         block = event.get("content_block") or {}
-        text = block.get("text") if block.get("type") == "text" else None
-        return [self._delta({"content": text})] if isinstance(text, str) and text else []
+        return self._text(block.get("text") if block.get("type") == "text" else None)
 
     def _on_content_block_delta(self, event: dict[str, Any]) -> list[bytes]:
         delta = event.get("delta") or {}
-        text = delta.get("text") if delta.get("type") == "text_delta" else None
-        return [self._delta({"content": text})] if isinstance(text, str) and text else []
+        return self._text(delta.get("text") if delta.get("type") == "text_delta" else None)
 
     def _on_message_delta(self, event: dict[str, Any]) -> list[bytes]:
         self._stop_reason = (event.get("delta") or {}).get("stop_reason", self._stop_reason)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
@@ -16,6 +15,7 @@ import aiohttp
 import structlog
 from yarl import URL
 
+from mergebroker import jsonio
 from mergebroker.errors import (
     UpstreamBadResponse,
     UpstreamConnectionError,
@@ -26,6 +26,9 @@ from mergebroker.errors import (
 from mergebroker.providers.retry import parse_retry_after
 
 log = structlog.get_logger(__name__)
+
+_JSON_CONTENT = {"Content-Type": "application/json"}
+_SSE_REQUEST = {**_JSON_CONTENT, "Accept": "text/event-stream"}
 
 DEFAULT_TOKEN_RATE = 50.0
 """Generation speed (tokens/s) assumed when sizing a read timeout: slow enough for a loaded hosted model."""
@@ -81,8 +84,8 @@ def _translated(provider: str, endpoint: str) -> Iterator[None]:
 
 def _decode_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+        return jsonio.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
 
 
@@ -156,7 +159,7 @@ class OpenAICompatProvider:
         """Where a call to `endpoint` with `body` goes; a provider with per-model paths overrides this."""
         return self._url(endpoint)
 
-    def _http_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
+    def _upstream_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
         """The error for a non-2xx answer; a provider with another error envelope overrides this."""
         return _http_error(status, headers, raw)
 
@@ -167,12 +170,13 @@ class OpenAICompatProvider:
                             timeout: float) -> dict[str, Any]:
         """One request; the parsed JSON object of a 2xx answer, or an `UpstreamError`."""
         with _translated(self.name, endpoint):
-            async with self._client().request(method, self._endpoint_url(endpoint, body), json=body,
+            data, headers = (None, None) if body is None else (jsonio.dumps(body), _JSON_CONTENT)
+            async with self._client().request(method, self._endpoint_url(endpoint, body), data=data, headers=headers,
                                               timeout=self._call_timeout(timeout)) as resp:
                 raw = await resp.read()
                 if not 200 <= resp.status < 300:
                     log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=resp.status)
-                    raise self._http_error(resp.status, resp.headers, raw)
+                    raise self._upstream_error(resp.status, resp.headers, raw)
         data = _decode_json(raw)
         if not isinstance(data, dict):
             raise UpstreamBadResponse(f"upstream {endpoint} answered 2xx without a JSON object")
@@ -216,11 +220,11 @@ class OpenAICompatProvider:
         client_timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout,
                                                connect=min(timeout, self._settings.connect_timeout_s))
         with _translated(self.name, endpoint):
-            async with self._client().post(self._endpoint_url(endpoint, body), json=body,
-                                           headers={"Accept": "text/event-stream"},
+            async with self._client().post(self._endpoint_url(endpoint, body), data=jsonio.dumps(body),
+                                           headers=_SSE_REQUEST,
                                            timeout=client_timeout) as resp:
                 if not 200 <= resp.status < 300:
-                    raise self._http_error(resp.status, resp.headers, await resp.read())
+                    raise self._upstream_error(resp.status, resp.headers, await resp.read())
                 if resp.content_type == "application/json":
                     raise UpstreamBadResponse("upstream answered JSON to a streaming request")
                 buffer = b""

@@ -2,18 +2,14 @@
 
 Waiters sit in a private heap of (-priority, seq, future, tokens): higher priority first, FIFO within a
 priority. Only the head may take, so a big high-priority call is not starved by small low-priority ones.
-When the head cannot go yet, one `loop.call_later` timer is armed for the moment its buckets will hold
-enough (computed from the injected clock); nothing polls.
+When the head cannot go yet, one timer is armed on the injected clock (`clock.call_at`) for the moment
+its buckets will hold enough; nothing polls, and a fake clock's `advance` serves the waiters that fall due.
 
 Providers enforce per-minute limits over shorter windows (OpenAI quantizes 600 RPM to 10 per second),
 so the buckets hold `burst_s` seconds' worth rather than a whole minute. A call estimated at more tokens
 than a bucket holds waits for a full bucket and takes just that: an estimate is only a guess (one
 `max_tokens=1e12` must not leave the upstream in debt for years), and the caller settles with the real
 usage afterwards, which charges what was really used beyond it.
-
-With a fake clock, time moves only when the test says so: after `fake_clock.advance(...)` the test calls
-`poke()` to re-check the head. (The real timer, armed in real seconds, may fire too; it re-checks
-against the same clock, so it can only do what `poke()` would.)
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import asyncio
 import heapq
 import itertools
 
-from mergebroker.clock import Clock
+from mergebroker.clock import Clock, Timer
 from mergebroker.providers.token_bucket import TokenBucket
 
 
@@ -35,7 +31,7 @@ class UpstreamLimiter:
         self._tokens = self._bucket(tpm, burst_s)
         self._waiters: list[tuple[int, int, asyncio.Future[None], int]] = []
         self._seq = itertools.count()
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Timer | None = None
 
     def _bucket(self, per_minute: int | None, burst_s: float) -> TokenBucket | None:
         if per_minute is None:
@@ -87,10 +83,6 @@ class UpstreamLimiter:
             self._tokens.give_back(max(0, tokens))
         self._wake()
 
-    def poke(self) -> None:
-        """Re-check the queue now (tests call this after advancing a fake clock)."""
-        self._wake()
-
     def close(self) -> None:
         """Disarm the timer; waiters still queued stay queued."""
         if self._timer is not None:
@@ -114,7 +106,7 @@ class UpstreamLimiter:
                 continue
             wait = self._wait_s(tokens)
             if wait > 0:
-                self._timer = asyncio.get_running_loop().call_later(wait, self._wake)
+                self._timer = self._clock.call_at(self._clock() + wait, self._wake)
                 return
             heapq.heappop(self._waiters)
             if self._requests is not None:

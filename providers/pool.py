@@ -23,7 +23,7 @@ import structlog
 
 from mergebroker.breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError, BreakerState, CircuitBreaker
 from mergebroker.breaker.policy import all_open_retry_after
-from mergebroker.clock import Clock, Sleep, monotonic, sleep
+from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import (
     DeadlineExceeded,
     NotFound,
@@ -109,6 +109,7 @@ class _CallSpec:
     tokens: int
     read_timeout: Callable[[Upstream], float]
     holds_slot: bool = False  # streams keep their upstream slot until the last chunk
+    tenant: str | None = None  # whom the call is for: the breaker's blame rule (breaker.blame)
 
 
 def order_upstreams(upstreams: list[Upstream], strategy: Strategy) -> list[Upstream]:
@@ -129,14 +130,16 @@ class ProviderPools:
     """All upstreams, grouped per model on demand; the only door to providers."""
 
     def __init__(self, upstreams: list[Upstream], *, strategy: Strategy = "least_in_flight",
-                 retry: RetryPolicy = RetryPolicy(), clock: Clock = monotonic, sleep: Sleep = sleep,
+                 retry: RetryPolicy = RetryPolicy(), clock: Clock = monotonic, sleep: Sleep | None = None,
                  observer: PoolObserver | None = None) -> None:
+        """`clock` measures deadlines and waits for slots and pacing; `sleep` (default `clock.sleep`) is the
+        retry backoff's wait."""
         self.upstreams = upstreams
         self._by_model: dict[str, list[Upstream]] = {}
         self._strategy = strategy
         self._retry = retry
         self._clock = clock
-        self._sleep = sleep
+        self._sleep = sleep or clock.sleep
         self._observer: PoolObserver = observer or NullObserver()
         for u in upstreams:
             if u.max_in_flight:
@@ -179,34 +182,36 @@ class ProviderPools:
         return all_open_retry_after([u.breaker for u in self.for_model(model)])
 
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
-                   tokens: int = 0) -> tuple[dict[str, Any], str]:
+                   tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
         """One chat completion through the pool; returns (body, provider name).
 
         `tokens` is the estimate taken from the upstream's token budget; the real usage settles it.
+        `tenant` is whom the call is for (None: several or unknown), for the breakers' blame rule.
         """
         async def attempt(u: Upstream, timeout: float) -> dict[str, Any]:
             return await u.provider.chat(body, timeout=timeout)
 
         return await self._call(model, attempt, _CallSpec(deadline, priority, tokens,
-                                                          lambda u: _read_timeout(body, u.token_rate)))
+                                                          lambda u: _read_timeout(body, u.token_rate), tenant=tenant))
 
     async def embeddings(self, model: str, body: dict[str, Any], *, deadline: float,
-                         tokens: int = 0) -> tuple[dict[str, Any], str]:
+                         tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
         """One embeddings call through the pool; returns (body, provider name)."""
         async def attempt(u: Upstream, timeout: float) -> dict[str, Any]:
             return await u.provider.embeddings(body, timeout=timeout)
 
-        return await self._call(model, attempt, _CallSpec(deadline, 0, tokens, lambda u: EMBEDDINGS_TIMEOUT_S))
+        return await self._call(model, attempt, _CallSpec(deadline, 0, tokens, lambda u: EMBEDDINGS_TIMEOUT_S,
+                                                          tenant=tenant))
 
-    async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float,
-                          priority: float = 0, tokens: int = 0) -> tuple[AsyncIterator[bytes], str]:
+    async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
+                          tokens: int = 0, tenant: str | None = None) -> tuple[AsyncIterator[bytes], str]:
         """Open a stream on the first healthy upstream that answers; failover happens before the first byte.
 
         The stream keeps its upstream's concurrency slot until it ends or is closed.
         """
         return await self._call(model, _first_chunk_opener(body),
                                 _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
-                                          holds_slot=True))
+                                          holds_slot=True, tenant=tenant))
 
     async def close(self) -> None:
         """Close every provider's connections."""
@@ -262,12 +267,11 @@ class ProviderPools:
 
     async def _try(self, u: Upstream, attempt: Attempt[T], spec: _CallSpec) -> T:
         """One attempt on one upstream: breaker check, rate and concurrency slot, the call, the settlement."""
-        wait_s = remaining(spec.deadline, self._clock)
-        if wait_s <= 0:
+        if remaining(spec.deadline, self._clock) <= 0:
             raise DeadlineExceeded("The request's deadline passed before an upstream answered.")
         if u.breaker is not None:
-            u.breaker.before_call()  # refuse before queueing for a slot or spending rate budget
-        taken = await self._acquire(u, spec, wait_s)
+            u.breaker.before_call(spec.tenant)  # refuse before queueing for a slot or spending rate budget
+        taken = await self._acquire(u, spec)
         sent = False
         try:
             left, read_timeout = remaining(spec.deadline, self._clock), spec.read_timeout(u)
@@ -275,7 +279,7 @@ class ProviderPools:
                 raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.")
             sent = True
             result = await self._guarded(u, attempt, min(left, read_timeout),
-                                         deadline=spec.deadline if left < read_timeout else None)
+                                         deadline=spec.deadline if left < read_timeout else None, tenant=spec.tenant)
         except BaseException as exc:
             self._release(u)
             self._give_back_unspent(u, exc, sent, taken)
@@ -285,9 +289,16 @@ class ProviderPools:
             if used is not None:
                 u.limiter.give_back(taken - used)
         if spec.holds_slot:
-            return _HeldStream(result, lambda: self._release(u))  # type: ignore[arg-type, return-value]
+            return _HeldStream(result, lambda: self._release(u),  # type: ignore[arg-type, return-value]
+                               on_broken=lambda exc: self._stream_broke(u, exc, spec.tenant))
         self._release(u)
         return result
+
+    def _stream_broke(self, u: Upstream, exc: BaseException, tenant: str | None) -> None:
+        """A stream whose upstream failed after its first chunk: the call did not succeed after all."""
+        self._observer.called(u.name, "stream_broken", None)
+        if u.breaker is not None and isinstance(exc, UpstreamError) and exc.retryable:
+            u.breaker.record_failure(tenant)
 
     @staticmethod
     def _give_back_unspent(u: Upstream, exc: BaseException, sent: bool, taken: int) -> None:
@@ -304,8 +315,8 @@ class ProviderPools:
         elif isinstance(exc, UpstreamHTTPError) and exc.caller_fault:
             u.limiter.give_back(taken)
 
-    async def _acquire(self, u: Upstream, spec: _CallSpec, wait_s: float) -> int:
-        """Take `u`'s rate budget and a concurrency slot, waiting at most `wait_s` (the request's budget).
+    async def _acquire(self, u: Upstream, spec: _CallSpec) -> int:
+        """Take `u`'s rate budget and a concurrency slot, waiting at most until the request's deadline.
 
         Returns the tokens taken from the upstream's budget (the estimate, capped at one bucket).
         """
@@ -314,7 +325,7 @@ class ProviderPools:
             return 0
         taken: int | None = None
         try:
-            async with asyncio.timeout(wait_s):
+            async with self._clock.timeout_at(spec.deadline):
                 if u.limiter is not None:
                     taken = await u.limiter.acquire(spec.tokens, spec.priority)
                 if u._slots is not None:
@@ -333,18 +344,21 @@ class ProviderPools:
         if u._slots is not None:
             u._slots.release()
 
-    async def _guarded(self, u: Upstream, attempt: Attempt[T], timeout: float, *, deadline: float | None) -> T:
+    async def _guarded(self, u: Upstream, attempt: Attempt[T], timeout: float, *, deadline: float | None,
+                       tenant: str | None = None) -> T:
         """The call inside `u`'s breaker. `deadline` is set when the request's deadline, not the read
         timeout, bounds it: a timeout then is the caller's budget running out, and says nothing about
-        the upstream's health, so it leaves as `DeadlineExceeded` (neither success nor failure)."""
+        the upstream's health, so it leaves as `DeadlineExceeded` (neither success nor failure).
+        A reply's output tokens at `u.token_rate` are time it was expected to take (not slow)."""
         started = self._clock()
         outcome = "error"
         try:
             if u.breaker is None:
                 result = await self._attempt(u, attempt, timeout, deadline)
             else:
-                async with u.breaker.guard():
+                async with u.breaker.guard(tenant) as call:
                     result = await self._attempt(u, attempt, timeout, deadline)
+                    call.allowance_s = completion_tokens(result) / u.token_rate
             outcome = "success"
             return result
         except BreakerOpenError:
@@ -365,7 +379,14 @@ class ProviderPools:
 
     async def _attempt(self, u: Upstream, attempt: Attempt[T], timeout: float, deadline: float | None) -> T:
         try:
-            return await attempt(u, timeout)
+            if deadline is None:
+                return await attempt(u, timeout)
+            # The provider's own timeout runs on real time; the deadline is also kept on the injected clock,
+            # which ends the call the moment the deadline passes there (a fake clock's `advance`, too).
+            async with self._clock.timeout_at(deadline):
+                return await attempt(u, timeout)
+        except TimeoutError:
+            raise DeadlineExceeded("The request's deadline passed before the upstream answered.") from None
         except UpstreamTimeout as exc:
             # Only when the deadline has really come: a connect timeout firing earlier is the upstream's.
             if deadline is not None and remaining(deadline, self._clock) <= DEADLINE_SLACK_S:
@@ -376,9 +397,11 @@ class ProviderPools:
 class _HeldStream:
     """A stream that holds its upstream slot until it ends, fails, is closed or is dropped; releases once."""
 
-    def __init__(self, stream: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+    def __init__(self, stream: AsyncIterator[bytes], release: Callable[[], None], *,
+                 on_broken: Callable[[BaseException], None] | None = None) -> None:
         self._stream = stream
         self._release: Callable[[], None] | None = release
+        self._on_broken = on_broken
 
     def __aiter__(self) -> _HeldStream:
         return self
@@ -386,8 +409,13 @@ class _HeldStream:
     async def __anext__(self) -> bytes:
         try:
             return await self._stream.__anext__()
-        except BaseException:
+        except (StopAsyncIteration, asyncio.CancelledError, GeneratorExit):
             self._done()
+            raise
+        except BaseException as exc:
+            self._done()
+            if self._on_broken is not None:
+                self._on_broken(exc)
             raise
 
     async def aclose(self) -> None:
@@ -442,6 +470,13 @@ def usage_tokens(reply: Any) -> int | None:
         return total
     parts = [usage.get("prompt_tokens"), usage.get("completion_tokens", 0)]
     return sum(parts) if all(_is_count(p) for p in parts) else None
+
+
+def completion_tokens(reply: Any) -> int:
+    """The output tokens a reply reports (0 when it reports none, or is not a reply body)."""
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    count = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return count if _is_count(count) else 0
 
 
 def _is_count(value: Any) -> bool:

@@ -29,6 +29,7 @@ from mergebroker.providers.simulator_content import (INJECTION_MARKER, Reply, an
                                          question_text, stream_pieces)
 from mergebroker.providers.simulator_anthropic import anthropic_routes
 from mergebroker.providers.simulator_azure import azure_routes
+from mergebroker.providers.simulator_batches import add_batch_routes
 from mergebroker.providers.simulator_faults import MAX_EMBEDDING_DIM, FaultInjector, SimulatorConfig, error_response, is_int
 
 log = structlog.get_logger(__name__)
@@ -291,6 +292,7 @@ def create_simulator_app(config: SimulatorConfig, *, sleep: Sleep = asyncio.slee
     app = web.Application(middlewares=[_error_envelope])
     app[SIMULATOR_KEY] = simulator
     app.add_routes(simulator.routes())
+    add_batch_routes(app)  # /files and /batches (providers.simulator_batches)
 
     async def end_hangs(_: web.Application) -> None:
         simulator.close()

@@ -39,6 +39,8 @@ _CLI_OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("down", bool, "answer every call with 503"),
     ("status_override", int, "answer every call with this HTTP status"),
     ("fail_first_n", int, "fail the first N chat calls with 503"),
+    ("quiz", bool, "answer the built-in question set of `mergebroker eval` correctly"),
+    ("merge_degrade", float, "merged calls: each answer is wrong with probability this x (batch size - 1)"),
 )
 
 

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import bpe_openai
 import numpy as np
 
+from mergebroker.providers.simulator_quiz import merged_answers, quiz_answer
 from mergebroker.providers.simulator_faults import DEFAULT_ANSWER_WORDS, SimulatorConfig, decide_truncate, render_blocks
 from mergebroker.providers.simulator_injection import (INJECTION_MARKER, canonical_tags, injected_form, obey, read,
                                                        request_blocks)
@@ -142,9 +143,13 @@ def compose_reply(messages: Sequence[Mapping[str, Any]], *, max_tokens: int | No
     blocks = parse_request_blocks(question_text(messages))
     faults: list[str] = []
     if blocks:
-        content, faults = render_blocks(block_answers(blocks, config.answer_words), config, rng)
+        answers = block_answers(blocks, config.answer_words)
+        if config.quiz or config.merge_degrade:
+            answers = merged_answers(blocks, answers, quiz=config.quiz, degrade=config.merge_degrade)
+        content, faults = render_blocks(answers, config, rng)
     else:
         content = answer_for(question_text(messages), config.answer_words)
+        content = quiz_answer(question_text(messages), content) if config.quiz else content
     finish_reason = "stop"
     if decide_truncate(config, rng):
         content, finish_reason = content[: len(content) // 2], "length"

@@ -29,9 +29,9 @@ log = structlog.get_logger(__name__)
 DEFAULT_ANSWER_WORDS = 12
 MAX_EMBEDDING_DIM = 8192
 RATE_FIELDS = ("error_rate", "rate_429", "timeout_rate", "truncate_rate", "malformed_rate",
-               "drop_block_rate", "duplicate_block_rate", "garble_block_rate")
+               "drop_block_rate", "duplicate_block_rate", "garble_block_rate", "merge_degrade")
 RUNTIME_FIELDS = (*RATE_FIELDS, "latency_base_ms", "latency_per_token_ms", "retry_after_s", "hang_s",
-                  "reorder_blocks", "chatter", "down", "status_override", "fail_first_n")
+                  "reorder_blocks", "chatter", "down", "status_override", "fail_first_n", "quiz")
 CHATTER_BEFORE = "Sure! Here are the answers:"
 CHATTER_AFTER = "Let me know if you need anything else."
 MALFORMED_BODY = '{"id": "chatcmpl-sim-broken", "object": "chat.completion", "choices": [{"index"'
@@ -75,6 +75,8 @@ class SimulatorConfig:
     down: bool = False
     status_override: int | None = None
     fail_first_n: int = 0
+    quiz: bool = False  # answer the built-in question set correctly (providers.simulator_quiz)
+    merge_degrade: float = 0.0  # merged calls: wrong answers grow with batch size (providers.simulator_quiz)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -83,7 +85,7 @@ class SimulatorConfig:
         problems += [f"{n} must be a number >= 0" for n in ("latency_base_ms", "latency_per_token_ms",
                                                              "retry_after_s", "hang_s")
                      if not (_is_number(getattr(self, n)) and getattr(self, n) >= 0)]
-        problems += [f"{n} must be true or false" for n in ("reorder_blocks", "chatter", "down")
+        problems += [f"{n} must be true or false" for n in ("reorder_blocks", "chatter", "down", "quiz")
                      if not isinstance(getattr(self, n), bool)]
         if not (is_int(self.fail_first_n) and self.fail_first_n >= 0):
             problems.append("fail_first_n must be an integer >= 0")

@@ -22,7 +22,7 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   # torch first and pinned: an unpinned torch would pull a multi-GB GPU build.
   .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e ".[dev,bench]"
+  .venv/bin/pip install -q -e ".[dev,bench,mcp]"
   rm -f .venv/.mergebroker-*
   touch "$stamp"
 fi

@@ -39,6 +39,8 @@ def test_sampling_stop_and_user_fields_are_carried():
     assert out["max_tokens"] == 40  # the smaller of both limits, as OpenAI applies them
     assert "stream" not in out and "stream_options" not in out and "user" not in out
     assert translate(stop=["a", "b"])["stop_sequences"] == ["a", "b"]
+    hinted = translate(safety_identifier="hashed-user", prompt_cache_key="k")
+    assert hinted["metadata"] == {"user_id": "hashed-user"} and "prompt_cache_key" not in hinted
 
 
 def test_fields_at_their_neutral_values_are_accepted():
@@ -210,3 +212,13 @@ def test_server_errors_and_unreadable_bodies_are_retryable_502s():
     assert to_error(500, envelope("api_error"), retry_after=None).status == 502
     exc = to_error(502, None, retry_after=None)
     assert exc.status == 502 and exc.retryable and exc.message == "upstream answered HTTP 502"
+
+
+def test_streamed_text_is_escaped_like_any_json_string_whatever_the_message_id():
+    odd_id = "msg_\x00text\x00\"quoted\""
+    translator = StreamTranslator(created=0, include_usage=True)
+    translator.feed(event("message_start", message={"id": odd_id, "model": "m", "usage": {}}))
+    text = 'say "hi" \u2603\nand \\ more </script>'
+    [chunk] = translator.feed(event("content_block_delta", index=0, delta={"type": "text_delta", "text": text}))
+    data = decoded([chunk])[0]
+    assert data["id"] == odd_id and data["choices"][0]["delta"] == {"content": text} and data["usage"] is None

@@ -105,7 +105,7 @@ BAD_INPUTS = [
     ("not json", "application/json", 400, None),
     ('{"model": "sim-small"}', "application/json", 400, "messages"),
     ('{"model": "sim-small", "messages": "hi"}', "application/json", 400, "messages"),
-    ('{"model": "sim-small", "messages": [{"role": "user", "content": "  "}]}', "application/json", 400,
+    ('{"model": "sim-small", "messages": [{"role": "user", "content": []}]}', "application/json", 400,
      "messages.0.content"),
     ('{"model": "sim-small", "messages": [{"role": "wizard", "content": "hi"}]}', "application/json", 400,
      "messages.0.role"),

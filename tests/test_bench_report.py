@@ -1,4 +1,4 @@
-"""The benchmark report turns small fixtures of all five result files into markdown tables, targets and charts."""
+"""The benchmark report turns small fixtures of all six result files into markdown tables, targets and charts."""
 
 from __future__ import annotations
 
@@ -150,8 +150,27 @@ def chaos_fixture() -> dict[str, Any]:
     return {"plan": asdict(chaos.FULL), **chaos.analyse(samples, len(samples), timeline), "meta": META}
 
 
+def latency_fixture() -> dict[str, Any]:
+    """latency.json: adaptive adds 0.4 ms (fixed 50.1), keeps 97% and 90% of savings, early release cuts 40%."""
+    seq = {"passthrough": {"rps": 900.0, "p50_ms": 1.0, "p99_ms": 2.0},
+           "adaptive": {"rps": 700.0, "p50_ms": 1.4, "p99_ms": 2.5, "added_p50_ms": 0.4},
+           "fixed": {"rps": 19.0, "p50_ms": 51.1, "p99_ms": 53.0, "added_p50_ms": 50.1}}
+    run = {"requests": 100, "errors": 0, "wrong_answers": 0, "upstream_calls": 20, "merged_calls": 10,
+           "mean_batch_size": 4.0, "p50_ms": 600.0, "p99_ms": 900.0, "mean_ms": 620.0, "queue_wait_ms_mean": 200.0,
+           "cache_hit_rate": 0.1, "coalesced_rate": 0.0}
+    savings = {"batch mix": {"tier": "batch", "requests": 100, "runs": {"fixed": run, "adaptive": run},
+                             "savings": {"fixed": 0.8, "adaptive": 0.776}, "savings_kept": 0.97},
+               "standard bursts": {"tier": "standard", "requests": 100, "runs": {"fixed": run, "adaptive": run},
+                                   "savings": {"fixed": 0.8, "adaptive": 0.72}, "savings_kept": 0.9}}
+    early = {"description": "Steady stream.", "direct_mean_ms": 400.0, "cut": 0.4,
+             "whole": {"mean_ms": 900.0, "added_ms": 500.0, "p99_ms": 1000.0, "errors": 0},
+             "early": {"mean_ms": 700.0, "added_ms": 300.0, "p99_ms": 990.0, "errors": 0}}
+    return {"plan": {"sequential_requests": 300, "rounds": 3}, "sequential": {"summary": seq, "runs": [], "errors": 0},
+            "savings": savings, "early_release": early, "meta": META}
+
+
 FIXTURES = {"passthrough": passthrough_fixture, "tiers": tiers_fixture, "chaos": chaos_fixture,
-            "merging": merging_fixture, "embeddings": embeddings_fixture}
+            "merging": merging_fixture, "embeddings": embeddings_fixture, "latency": latency_fixture}
 IMAGES = {name: f"img/{name}.png" for name in ("latency_cdf", "threshold_sweep", "window_sweep", "rate_sweep",
                                                "embedding_throughput")}
 
@@ -306,3 +325,11 @@ def test_workloads_mix_kinds_in_the_requested_shares_and_bursts_never_repeat_a_w
     assert len(set(versions)) == 30
     stream = with_repeats(100, repeat_share=0.4)
     assert len(stream) - len(set(stream)) == 40
+
+
+def test_latency_targets_put_old_beside_new() -> None:
+    text = render({"latency": latency_fixture()}, {})
+    assert "| 12 | sequential client, default config: p50 added over passthrough (ms) | <= 2 | 0.40 | met |" in text
+    assert "| 12 | standard bursts: adaptive windows' call savings / fixed windows' | >= 0.95 | 0.90 | **missed** |" in text
+    assert "| 12 | merged members' mean added latency over direct: cut by early release | >= 0.3 | 0.40 | met |" in text
+    assert "0.40 ms added instead of 50.10 ms" in text

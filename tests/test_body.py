@@ -71,3 +71,26 @@ async def test_hostile_bodies_get_the_envelope_over_http(start_broker, simulator
     async with broker.http.post("/v1/chat/completions", data=gzip.compress(BODY),
                                 headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as resp:
         assert resp.status == 200
+
+
+async def test_a_caller_without_credentials_is_refused_before_its_body_is_read(start_broker, simulator):
+    """In keys mode a huge body without a key gets 401 without being parsed: even invalid JSON gets 401."""
+    import hashlib
+
+    broker = await start_broker({"providers": [provider_for(simulator)], **NO_MERGE_MODEL, "auth": {
+        "mode": "keys", "keys": [{"sha256": hashlib.sha256(b"k").hexdigest(), "tenant": "t"}]}})
+    huge = b'{"model": "sim-small", "messages": [' + b'{"role": "user", "content": "x"},' * 50_000 + b'{]'
+    async with broker.http.post("/v1/chat/completions", data=huge,
+                                headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+    async with broker.http.post("/v1/chat/completions", data=b"{not json",
+                                headers={"Content-Type": "application/json", "Authorization": "Bearer k"}) as resp:
+        assert resp.status == 400  # with a key, the body is read and judged
+
+
+async def test_too_many_messages_are_refused_before_validation(start_broker, simulator):
+    broker = await start_broker({"providers": [provider_for(simulator)], **NO_MERGE_MODEL,
+                                 "server": {"max_messages": 10}})
+    messages = [{"role": "user", "content": "x"}] * 11
+    async with broker.http.post("/v1/chat/completions", json={"model": "sim-small", "messages": messages}) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "messages"

@@ -12,27 +12,22 @@ from mergebroker.broker.chat import CacheControl, ChatService
 from mergebroker.broker.job_queue import FakeJobQueue
 from mergebroker.broker.jobs import ChatOutcome
 from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.ratelimit import RateLimiter
+from mergebroker.broker.limiter import FakeLimiter
 from mergebroker.broker.settings import load_settings
 from mergebroker.clock import FakeClock
-from mergebroker.errors import Overloaded
+from mergebroker.errors import Overloaded, RateLimited, UpstreamUnavailable
+from mergebroker.providers.fake import FakePool
 
 CALLER = Caller("acme", "standard")
 BODY = {"model": "sim-small", "messages": [{"role": "user", "content": "the same question"}]}
 
 
-class NoFastFail:
-    """The pools as the chat path sees them when every provider is up."""
-
-    def fast_fail_after(self, model: str) -> float | None:
-        return None
-
-
-def service(queue: FakeJobQueue, clock: FakeClock) -> ChatService:
+def service(queue: FakeJobQueue, clock: FakeClock, limiter: FakeLimiter | None = None,
+            pool: FakePool | None = None) -> ChatService:
     settings = load_settings(None, environ={}, overrides={
         "merge": {"embedder": "none"}, "cache": {"enabled": False},
         "tiers": [{"name": "standard", "window_ms": 50}], "default_tier": "standard"})
-    return ChatService(settings, queue=queue, pools=NoFastFail(), limiter=RateLimiter(clock),  # type: ignore[arg-type]
+    return ChatService(settings, queue=queue, pools=pool or FakePool(), limiter=limiter or FakeLimiter(),
                        cache=None, metrics=Metrics(), clock=clock)
 
 
@@ -84,12 +79,34 @@ async def test_a_job_already_sent_keeps_its_deadline():
     await leader
 
 
-async def test_a_full_queue_refuses_the_caller_at_once():
-    queue, clock = FakeJobQueue(capacity=0), FakeClock()
-    chat = service(queue, clock)
+async def test_a_full_queue_refuses_the_caller_and_gives_back_its_reserved_budget():
+    queue, clock, limiter = FakeJobQueue(capacity=0), FakeClock(), FakeLimiter()
+    chat = service(queue, clock, limiter)
     with pytest.raises(Overloaded) as refused:
         await ask(chat, "r1")
     assert refused.value.code == "queue_full" and queue.jobs == []
+    ((_, reserved),) = limiter.reserved
+    assert limiter.returned == [reserved]
+
+
+async def test_the_reservation_settles_with_the_answers_real_usage():
+    queue, clock, limiter = FakeJobQueue(), FakeClock(), FakeLimiter()
+    chat = service(queue, clock, limiter)
+    caller = ask(chat, "r1")
+    (job,) = await queue.wait_for(1)
+    queue.answer(job, outcome("seven tokens in all"))
+    await caller
+    ((_, reserved),) = limiter.reserved
+    assert limiter.returned == [reserved - 7]
+
+
+async def test_a_rate_limited_or_fast_failed_caller_never_reaches_the_queue():
+    queue, clock = FakeJobQueue(), FakeClock()
+    with pytest.raises(RateLimited):
+        await ask(service(queue, clock, FakeLimiter(refuse=RateLimited("slow down", retry_after=1))), "r1")
+    with pytest.raises(UpstreamUnavailable):
+        await ask(service(queue, clock, pool=FakePool(fast_fail=5.0)), "r2")
+    assert queue.jobs == []
 
 
 async def test_when_every_caller_leaves_the_job_is_cancelled_for_the_queue_to_drop():

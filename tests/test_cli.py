@@ -45,3 +45,4 @@ def test_serve_without_config_answers_from_the_simulated_upstream_and_logs_it(tm
     events = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
     assert any(e.get("event") == "simulated_upstream" and e.get("level") == "warning" for e in events)
     assert any(e.get("event") == "request" and e.get("status") == 200 for e in events)
+    assert any(e.get("event") == "event_loop" and e.get("kind") == "uvloop" for e in events)  # installed: taken

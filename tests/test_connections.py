@@ -73,10 +73,10 @@ async def guarded(simulator):
     """Factory: a broker served through a `GuardedSite` on a fake clock; returns (url, app, clock)."""
     runners: list[web.AppRunner] = []
 
-    async def start(server: dict) -> tuple[str, web.Application, FakeClock]:
+    async def start(server: dict, **config: Any) -> tuple[str, web.Application, FakeClock]:
         clock = FakeClock()
-        settings = load_settings(None, environ={}, overrides={
-            "providers": [provider_for(simulator)], "merge": {"embedder": "none"}, "server": server})
+        settings = load_settings(None, environ=config.pop("environ", {}), overrides={
+            "providers": [provider_for(simulator)], "merge": {"embedder": "none"}, "server": server, **config})
         app = create_app(settings, clock=clock)
         runner = runner_for(app, settings.server)
         await runner.setup()
@@ -134,13 +134,16 @@ async def test_a_slow_body_gets_408_in_the_envelope(guarded):
 
 
 async def test_at_the_cap_stalled_connections_are_closed_first_and_clients_are_served(guarded):
-    url, app, clock = await guarded({"max_connections": 4})
+    # No merge window: on the fake clock a window would stay open until the test moved the clock.
+    url, app, clock = await guarded({"max_connections": 4}, tiers=[{"name": "standard", "window_ms": 0}],
+                                    default_tier="standard")
     stalled = [await _open(url, PARTIAL) for _ in range(4)]
     await _settled(app, 4)
     async with aiohttp.ClientSession() as http:
         for i in range(3):
             async with http.post(url + "/v1/chat/completions", json={
-                    "model": "sim-small", "messages": [{"role": "user", "content": f"hi {i}"}]}) as resp:
+                    "model": "sim-small", "messages": [{"role": "user", "content": f"hi {i}"}],
+                    "broker": {"merge": False}}) as resp:  # no merge window: the fake clock never closes one
                 assert resp.status == 200
     closed = [await asyncio.wait_for(r.read(), 5) == b"" for r, _ in stalled[:1]]
     assert closed == [True]  # the oldest stalled one made room (the session reused one connection)
@@ -204,3 +207,53 @@ async def _good_clients(port: int, n: int) -> list[int]:
             return 0
 
     return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def _raw_exchange(url: str, request: bytes) -> tuple[int, dict]:
+    reader, writer = await _open(url, request)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    body = json.loads(await reader.readexactly(length))
+    writer.close()
+    return int(head.split()[1]), body
+
+
+CHAT = b'{"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def _post(*headers: bytes, body: bytes = CHAT) -> bytes:
+    lines = [b"POST /v1/chat/completions HTTP/1.1", b"Host: x", b"Content-Length: " + str(len(body)).encode(), *headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("request_bytes", [
+    _post(b"X-Big: " + b"a" * 9000),
+    _post(b"Content-Type: application/json", b"Content-Type: text/plain"),
+    _post(b"X-Bad\x01Name: v"),
+    _post(b"X-Ctl: a\x00b"),
+])
+async def test_what_the_http_parser_rejects_is_answered_in_the_envelope(guarded, request_bytes):
+    url, app, clock = await guarded({})
+    status, body = await _raw_exchange(url, request_bytes)
+    assert 400 <= status < 500 and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+KEY = "sk-test-key"
+
+
+@pytest.mark.parametrize("header", [b"Authorization: Bearer \xff\xfe\xfd", b"Authorization: \xc3\x28 key"])
+async def test_non_utf8_credentials_get_401_not_500(guarded, header):
+    import hashlib
+
+    url, app, clock = await guarded({}, auth={"mode": "keys", "keys": [
+        {"sha256": hashlib.sha256(KEY.encode()).hexdigest(), "tenant": "t"}]})
+    status, body = await _raw_exchange(url, _post(b"Content-Type: application/json", header))
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("header", [b"X-Broker-Gateway-Secret: \xff\xfe", b"X-Broker-Tenant: \xff\xfe"])
+async def test_non_utf8_gateway_headers_get_401_not_500(guarded, header):
+    url, app, clock = await guarded({}, auth={"mode": "gateway"}, environ={"MERGEBROKER_GATEWAY_SECRET": "s3cret"})
+    extra = [] if header.startswith(b"X-Broker-Gateway") else [b"X-Broker-Gateway-Secret: s3cret"]
+    status, body = await _raw_exchange(url, _post(b"Content-Type: application/json", header, *extra))
+    assert status == 401

@@ -10,7 +10,9 @@ import numpy as np
 
 from mergebroker.providers.simulator import start_simulator
 from mergebroker.providers.simulator_faults import SimulatorConfig
+from mergebroker.clock import FakeClock
 from tests.conftest import provider_for
+from tests.test_degradation import eventually
 
 
 def emb_config(sim, **extra) -> dict:
@@ -87,9 +89,15 @@ async def test_bad_embedding_input_gets_a_400_envelope(simulator, start_broker):
 
 async def test_a_caller_past_its_deadline_gets_504_while_its_batch_still_answers_the_others(start_broker):
     async with await start_simulator(SimulatorConfig(latency_base_ms=600)) as sim:
-        broker = await start_broker(emb_config(sim, embeddings={"window_ms": 50}))
-        (late, late_body, _), (patient, _, _) = await asyncio.gather(
-            embed(broker, "impatient text", broker={"timeout_s": 0.2}), embed(broker, "patient text"))
+        clock = FakeClock()
+        broker = await start_broker(emb_config(sim, embeddings={"window_ms": 50}), clock=clock)
+        both = asyncio.gather(embed(broker, "impatient text", broker={"timeout_s": 0.2}),
+                              embed(broker, "patient text"))
+        registry = broker.broker.metrics.registry
+        # Both texts wait in one window (nothing sends the test an event across the HTTP boundary).
+        await eventually(lambda: registry.get_sample_value("mergebroker_embedding_window_pending") == 2)
+        clock.advance(0.2)  # the window closes (50 ms), then the impatient caller's deadline passes
+        (late, late_body, _), (patient, _, _) = await both
         assert late == 504 and late_body["error"]["code"] == "deadline_exceeded"
         assert patient == 200
         assert sim.stats()["embedding_calls"] == 1  # one shared batch, not cancelled by the impatient caller

@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 
+from mergebroker.clock import FakeClock
 from tests.conftest import provider_for
 
 
 async def test_merged_cached_and_coalesced_requests_are_accounted(simulator, start_broker, tmp_path):
     path = tmp_path / "ledger.sqlite3"
+    # On a fake clock the window stays open until the fourth request fills the batch, however slow the machine.
     broker = await start_broker({
         "providers": [provider_for(simulator)], "merge": {"embedder": "none"},
         "ledger": {"path": str(path), "flush_interval_s": 0.05},
-        "tiers": [{"name": "standard", "window_ms": 100, "max_batch": 4, "similarity_threshold": 0.0}]})
+        "tiers": [{"name": "standard", "window_ms": 100, "max_batch": 4, "similarity_threshold": 0.0}]},
+        clock=FakeClock())
     questions = [f"ledger question {i}" for i in range(4)]
     await asyncio.gather(*(broker.chat(q, temperature=0) for q in questions))
     _, _, hit = await broker.chat("ledger question 0", temperature=0)

@@ -5,29 +5,41 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+from mergebroker.clock import FakeClock
 from mergebroker.providers.simulator import answer_for
 from tests.conftest import provider_for
+from tests.test_tiers_api import SubmitSpy
 
 BATCH = {"X-Broker-Tier": "batch"}
+WINDOW_S = 0.2
 
 
 def config(sim, **extra) -> dict:
     base = {"providers": [provider_for(sim)],
-            "tiers": [{"name": "standard", "priority": 50, "window_ms": 200, "max_batch": 4,
+            "tiers": [{"name": "standard", "priority": 50, "window_ms": WINDOW_S * 1000, "max_batch": 4,
                        "similarity_budget_ms": 30_000},  # a loaded test machine must not skip merging
-                      {"name": "batch", "priority": 0, "window_ms": 200, "max_batch": 8, "similarity_threshold": 0.0}]}
+                      {"name": "batch", "priority": 0, "window_ms": WINDOW_S * 1000, "max_batch": 8, "similarity_threshold": 0.0}]}
     base.update(extra)
     return base
 
 
-async def ask_all(broker, questions, headers=None, **extra):
-    return await asyncio.gather(*(broker.chat(q, headers=headers, **extra) for q in questions))
+async def ask_all(broker, questions, headers=None, *, clock: FakeClock | None = None, **extra):
+    """Ask every question at once. With a fake clock, the windows close only once every request has reached
+    the queue, so how requests are batched does not depend on how fast the machine is."""
+    if clock is None:
+        return await asyncio.gather(*(broker.chat(q, headers=headers, **extra) for q in questions))
+    spy = SubmitSpy(broker)
+    asked = asyncio.gather(*(broker.chat(q, headers=headers, **extra) for q in questions))
+    await spy.wait_for(len(set(questions)))
+    clock.advance(WINDOW_S)
+    return await asked
 
 
 async def test_every_caller_gets_its_own_answer_from_one_merged_call(simulator, start_broker):
-    broker = await start_broker(config(simulator, merge={"embedder": "none"}))
+    clock = FakeClock()
+    broker = await start_broker(config(simulator, merge={"embedder": "none"}), clock=clock)
     questions = [f"Summarise chapter {i} of the handbook" for i in range(8)]
-    results = await ask_all(broker, questions, headers=BATCH)
+    results = await ask_all(broker, questions, headers=BATCH, clock=clock)
     for q, (status, body, headers) in zip(questions, results):
         assert status == 200
         assert body["choices"][0]["message"]["content"] == answer_for(q)
@@ -78,10 +90,15 @@ def _key(token: str) -> str:
 async def test_tenants_are_never_merged_together(simulator, start_broker):
     auth = {"mode": "keys", "keys": [{"sha256": _key("key-a"), "tenant": "a", "tiers": ["batch"]},
                                      {"sha256": _key("key-b"), "tenant": "b", "tiers": ["batch"]}]}
-    broker = await start_broker(config(simulator, auth=auth, merge={"embedder": "none"}))
+    clock = FakeClock()
+    broker = await start_broker(config(simulator, auth=auth, merge={"embedder": "none"}), clock=clock)
+    spy = SubmitSpy(broker)
     a = [broker.chat(f"tenant a question {i}", headers={"Authorization": "Bearer key-a"}) for i in range(4)]
     b = [broker.chat(f"tenant b question {i}", headers={"Authorization": "Bearer key-b"}) for i in range(4)]
-    results = await asyncio.gather(*a, *b)
+    asked = asyncio.gather(*a, *b)
+    await spy.wait_for(8)
+    clock.advance(WINDOW_S)
+    results = await asked
     batches = {}
     for status, body, headers in results:
         assert status == 200
@@ -128,12 +145,13 @@ async def test_non_mergeable_requests_pass_through_alone(simulator, start_broker
 
 
 async def test_similarity_threshold_keeps_unrelated_questions_apart(simulator, start_broker):
-    broker = await start_broker(config(simulator))
+    clock = FakeClock()
+    broker = await start_broker(config(simulator), clock=clock)
     await _until_ready(broker)
     paraphrases = ["How do I reset my password?", "How can I reset my password?",
                    "What is the way to reset my password?"]
     unrelated = ["Which planet is the largest in the solar system?"]
-    results = await ask_all(broker, paraphrases + unrelated)
+    results = await ask_all(broker, paraphrases + unrelated, clock=clock)
     for q, (status, body, _) in zip(paraphrases + unrelated, results):
         assert status == 200 and body["choices"][0]["message"]["content"] == answer_for(q)
     sizes = [h["X-Broker-Batch-Size"] for _, _, h in results]
@@ -150,11 +168,17 @@ async def _until_ready(broker) -> None:
 
 
 async def test_tagged_system_prompts_let_different_system_prompts_share_a_call(simulator, start_broker):
-    tiers = [{"name": "standard", "window_ms": 200, "max_batch": 4, "similarity_threshold": 0.0,
+    tiers = [{"name": "standard", "window_ms": WINDOW_S * 1000, "max_batch": 4, "similarity_threshold": 0.0,
               "system_prompts": "tagged"}]
-    broker = await start_broker({"providers": [provider_for(simulator)], "tiers": tiers, "merge": {"embedder": "none"}})
-    results = await asyncio.gather(broker.chat("Translate cat", system="You translate to French."),
-                                   broker.chat("Translate dog", system="You translate to German."))
+    clock = FakeClock()
+    broker = await start_broker({"providers": [provider_for(simulator)], "tiers": tiers, "merge": {"embedder": "none"}},
+                                clock=clock)
+    spy = SubmitSpy(broker)
+    asked = asyncio.gather(broker.chat("Translate cat", system="You translate to French."),
+                           broker.chat("Translate dog", system="You translate to German."))
+    await spy.wait_for(2)
+    clock.advance(WINDOW_S)
+    results = await asked
     for q, (status, body, headers) in zip(["Translate cat", "Translate dog"], results):
         assert status == 200 and body["choices"][0]["message"]["content"] == answer_for(q)
         assert headers["X-Broker-Batch-Size"] == "2"
@@ -180,8 +204,9 @@ async def test_omitted_temperature_counts_as_zero_when_the_tier_says_so(simulato
 
 
 async def test_stats_endpoint_reports_tiers_and_providers(simulator, start_broker):
-    broker = await start_broker(config(simulator, merge={"embedder": "none"}))
-    await ask_all(broker, ["stats one", "stats two"], headers=BATCH)
+    clock = FakeClock()
+    broker = await start_broker(config(simulator, merge={"embedder": "none"}), clock=clock)
+    await ask_all(broker, ["stats one", "stats two"], headers=BATCH, clock=clock)
     async with broker.http.get("/v1/broker/stats") as resp:
         stats = await resp.json()
     assert stats["tiers"]["batch"]["merge_rate"] == 1.0

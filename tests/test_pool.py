@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -12,6 +12,7 @@ from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBr
 from mergebroker.clock import FakeClock
 from mergebroker.errors import DeadlineExceeded, UpstreamError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
 from mergebroker.broker.metrics import Metrics, PoolMetrics
+from mergebroker.providers.fake import FakeProvider
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.providers.openai_compat import read_timeout_for
 from mergebroker.providers.pool import ProviderPools, Upstream, order_upstreams
@@ -19,64 +20,6 @@ from mergebroker.providers.retry import RetryPolicy
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 NO_WAIT = RetryPolicy(attempts=3, backoff_base_s=0, backoff_max_s=0)
-
-
-class FakeProvider:
-    """A Provider answering from a script: each call takes the next item (an exception is raised, None answers).
-
-    With a `gate`, calls wait for it before answering; `active`/`max_active` record concurrency.
-    """
-
-    def __init__(self, name: str, script: list[BaseException | None] | None = None, *,
-                 gate: asyncio.Event | None = None, usage_tokens: int | None = None) -> None:
-        self.name = name
-        self.calls = 0
-        self.active = 0
-        self.max_active = 0
-        self._script = list(script or [])
-        self._gate = gate
-        self._usage_tokens = usage_tokens
-        self.timeouts: list[float] = []
-
-    async def _enter(self) -> None:
-        self.calls += 1
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-        try:
-            if self._gate is not None:
-                await self._gate.wait()
-            action = self._script.pop(0) if self._script else None
-            if action is not None:
-                raise action
-        finally:
-            self.active -= 1
-
-    async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
-        self.timeouts.append(timeout)
-        await self._enter()
-        reply: dict[str, Any] = {"choices": [{"message": {"content": f"from {self.name}"}}]}
-        if self._usage_tokens is not None:
-            reply["usage"] = {"prompt_tokens": 1, "completion_tokens": self._usage_tokens - 1,
-                              "total_tokens": self._usage_tokens}
-        return reply
-
-    async def stream_chat(self, body: dict[str, Any], *, timeout: float) -> AsyncIterator[bytes]:
-        await self._enter()
-        yield f"data: {self.name}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    async def embeddings(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
-        await self._enter()
-        return {"data": []}
-
-    async def list_models(self, *, timeout: float) -> list[str]:
-        return ["m"]
-
-    async def warm_up(self, connections: int) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
 
 
 class TimingOutProvider(FakeProvider):
@@ -95,7 +38,7 @@ class TimingOutProvider(FakeProvider):
 
 
 def pools_of(*upstreams: Upstream, clock: FakeClock, metrics: Metrics | None = None, **options: Any) -> ProviderPools:
-    return ProviderPools(list(upstreams), retry=options.pop("retry", NO_WAIT), clock=clock, sleep=clock.sleep,
+    return ProviderPools(list(upstreams), retry=options.pop("retry", NO_WAIT), clock=clock, sleep=clock.skip,
                          observer=PoolMetrics(metrics) if metrics else None, **options)
 
 
@@ -193,9 +136,11 @@ async def test_a_call_waiting_for_a_slot_gives_up_at_its_deadline(fake_clock: Fa
     pools = pools_of(upstream, clock=fake_clock)
     held = asyncio.create_task(pools.chat("m", BODY, deadline=fake_clock() + 60))
     await settle()
+    waiting = asyncio.create_task(pools.chat("m", BODY, deadline=fake_clock() + 0.05))
+    await settle()
+    fake_clock.advance(0.05)
     with pytest.raises(DeadlineExceeded):
-        # The fake clock's budget bounds the real wait; wait_for only keeps a regression from hanging.
-        await asyncio.wait_for(pools.chat("m", BODY, deadline=fake_clock() + 0.05), 5)
+        await asyncio.wait_for(waiting, 5)  # wait_for only keeps a regression from hanging
     assert provider.calls == 1
     gate.set()
     await held
@@ -341,7 +286,6 @@ async def test_usage_beyond_the_estimate_is_charged_to_the_upstream_budget(fake_
     await settle()
     assert limiter.waiting == 1  # the reply used the whole bucket, not just the 10 estimated
     fake_clock.advance(1)
-    limiter.poke()
     assert (await waiting)[1] == "a"
     limiter.close()
 
@@ -420,8 +364,11 @@ async def test_a_call_that_timed_out_waiting_for_a_slot_returns_its_request_and_
     pools = pools_of(upstream, clock=fake_clock)
     held = asyncio.create_task(pools.chat("m", BODY, deadline=fake_clock() + 60, tokens=10))
     await settle()
+    waiting = asyncio.create_task(pools.chat("m", BODY, deadline=fake_clock() + 0.05, tokens=90))
+    await settle()
+    fake_clock.advance(0.05)
     with pytest.raises(DeadlineExceeded):
-        await asyncio.wait_for(pools.chat("m", BODY, deadline=fake_clock() + 0.05, tokens=90), 5)
+        await asyncio.wait_for(waiting, 5)
     gate.set()
     await held
     # One request and 90 tokens are left only if the timed-out call returned both.

@@ -13,6 +13,7 @@ from mergebroker.merge.prompt import (
     MergeMember,
     build_combined_messages,
     merged_max_tokens,
+    merged_request_body,
     neutralize_tags,
     new_batch_ids,
 )
@@ -123,3 +124,13 @@ def test_merged_max_tokens_sums_budgets_capped_by_model_limit():
     assert merged_max_tokens(members, model_limit=None) == 350
     assert merged_max_tokens(members, model_limit=300) == 300
     assert merged_max_tokens(members, model_limit=None, per_member_overhead=10) == 370
+
+
+def test_a_merged_body_keeps_the_shared_fields_and_sums_the_members_budgets():
+    members = [MergeMember("aaaaaa", "first", 10), MergeMember("bbbbbb", "second", 20)]
+    template = {"model": "m", "temperature": 0, "max_tokens": 10, "stop": ["\n"], "user": "u1", "messages": []}
+    body = merged_request_body(template, members, system_prompt="be brief")
+    assert {k: body[k] for k in ("model", "temperature", "max_tokens")} == {"model": "m", "temperature": 0,
+                                                                            "max_tokens": 10 + 20 + 2 * 12}
+    assert "stop" not in body and "user" not in body
+    assert body["messages"][0] == {"role": "system", "content": "be brief"}

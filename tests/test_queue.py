@@ -40,20 +40,22 @@ async def test_group_is_released_when_its_window_passes_on_the_clock(fake_clock)
     q.submit(a)
     q.submit(b)
     fake_clock.advance(0.49)
-    q.release_due()
     assert q.pick() is None
     fake_clock.advance(0.01)
-    q.release_due()
     group = q.pick()
     assert group is not None and group.items == [a, b] and group.key == "k"
     assert q.depth("std") == 0
 
 
-async def test_window_timer_releases_the_group_without_release_due(fake_clock):
+async def test_a_waiting_worker_is_woken_by_the_window_closing_on_the_clock(fake_clock):
     q = queue(tier(window_s=0.01), clock=fake_clock)
     item = Item("std")
     q.submit(item)
-    group = await asyncio.wait_for(q.take(), timeout=2)
+    taker = asyncio.ensure_future(q.take())
+    await asyncio.sleep(0)
+    assert not taker.done()
+    fake_clock.advance(0.01)
+    group = await asyncio.wait_for(taker, timeout=10)
     assert group.items == [item]
 
 
@@ -74,7 +76,6 @@ async def test_different_merge_keys_wait_in_separate_groups(fake_clock):
     q.submit(a)
     q.submit(b)
     fake_clock.advance(1)
-    q.release_due()
     assert [q.pick().items, q.pick().items] == [[a], [b]]
 
 
@@ -152,7 +153,6 @@ async def test_done_members_are_dropped_when_taken_and_the_others_stay(fake_cloc
     timed_out.future.set_exception(TimeoutError())
     timed_out.future.exception()  # retrieved, so the loop does not warn about it
     fake_clock.advance(1)
-    q.release_due()
     group = await asyncio.wait_for(q.take(), timeout=2)
     assert group.items == [live]
 

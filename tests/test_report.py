@@ -151,3 +151,14 @@ def test_bad_prices_and_durations_are_argument_errors() -> None:
             parse(argv)
         assert info.value.code == 2
 
+
+
+def test_shadow_calls_are_reported_apart_with_their_cost() -> None:
+    records = fixture_ledger() + [rec("shadow-1", "acme", endpoint="shadow", prompt_tokens=100, completion_tokens=50),
+                                  rec("shadow-2", "beta", endpoint="shadow", prompt_tokens=10, completion_tokens=5)]
+    report = build_report(records, since_s=3600, tenant=None, prices=PRICES, now=NOW)
+    assert report.requests == 7 and report.upstream_calls == 3  # the request figures are unchanged
+    assert (report.shadow_calls, report.shadow_tokens) == (2, 165)
+    assert report.shadow_cost_usd == pytest.approx((110 * 2 + 55 * 8) / 1e6)
+    assert "shadow calls" in render_table(report)
+    assert "shadow calls" not in render_table(build_report(fixture_ledger(), prices=PRICES, now=NOW))

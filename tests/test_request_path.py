@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import json
-import re
 from typing import Any
 
 from aiohttp import web
 from structlog.testing import capture_logs
 
+from mergebroker.broker.admission import Caller
 from mergebroker.clock import FakeClock
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
-from mergebroker.errors import BrokerError, NotFound
+from mergebroker.errors import BrokerError, DeadlineExceeded, NotFound
 from mergebroker.broker.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.queue import ReleasedGroup
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.shape import MergeShape
-from mergebroker.providers.simulator import answer_for
+from mergebroker.providers.fake import FakePool, completion
+from mergebroker.providers.simulator import answer_for, start_simulator
+from mergebroker.providers.simulator_faults import SimulatorConfig
 from tests.conftest import BrokerUnderTest, provider_for
+from tests.test_degradation import Gate
 from tests.test_tiers_api import SubmitSpy
 
 WINDOW = {"window_ms": 5000, "max_batch": 8, "similarity_threshold": 0.0}
@@ -59,7 +63,6 @@ async def test_a_follower_with_a_longer_timeout_is_not_cut_short_by_the_leaders_
     follower = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 20}))
     await joins.wait_for(2)
     clock.advance(5)  # the window closes after the leader's own deadline, well within the follower's
-    broker.broker.queue.merge_queue.release_due()
     status, body, headers = await follower
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == answer_for("the same question")
@@ -68,18 +71,28 @@ async def test_a_follower_with_a_longer_timeout_is_not_cut_short_by_the_leaders_
     assert simulator.stats()["chat_calls"] == 1
 
 
-async def test_a_follower_of_a_call_cut_short_by_the_leaders_deadline_gets_its_own_call(simulator, start_broker):
-    broker = await start_broker(config(simulator, [{"name": "now", "window_ms": 0}]))
-    simulator.set_faults(latency_base_ms=1000)
-    joins = JoinSpy(broker)
-    leader = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 0.5}))
-    await joins.wait_for(1)
-    with capture_logs() as logs:
-        status, body, _ = await broker.chat("the same question", broker={"timeout_s": 20})
-    assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("the same question")
-    assert (await leader)[0] == 504
-    assert [e["reason"] for e in logs if e["event"] == "coalesced_retry"] == ["shared_job_deadline"]
-    assert simulator.stats()["chat_calls"] == 2
+async def test_a_follower_of_a_call_cut_short_by_the_leaders_deadline_gets_its_own_call(start_broker):
+    gate = Gate(expected=1)  # the upstream holds every call until released, and says when the first arrived
+    simulator = await start_simulator(SimulatorConfig(latency_base_ms=1), sleep=gate.sleep)
+    try:
+        clock = FakeClock()
+        broker = await start_broker(config(simulator, [{"name": "now", "window_ms": 0}]), clock=clock)
+        joins = JoinSpy(broker)
+        leader = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 0.5}))
+        await asyncio.wait_for(gate.all_arrived.wait(), 10)  # the leader's job is at the upstream
+        with capture_logs() as logs:
+            follower = asyncio.create_task(broker.chat("the same question", broker={"timeout_s": 20}))
+            await joins.wait_for(2)
+            clock.advance(0.5)  # the job's deadline (the leader's) passes; the follower has 19.5 s left
+            gate.release()
+            status, body, _ = await follower
+        assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("the same question")
+        assert (await leader)[0] == 504
+        assert [e["reason"] for e in logs if e["event"] == "coalesced_retry"] == ["shared_job_deadline"]
+        assert simulator.stats()["chat_calls"] == 2
+    finally:
+        gate.release()
+        await simulator.close()
 
 
 async def test_an_identical_request_in_another_tier_does_not_wait_in_the_first_ones_window(simulator, start_broker):
@@ -94,7 +107,6 @@ async def test_an_identical_request_in_another_tier_does_not_wait_in_the_first_o
     assert status == 200 and headers["X-Broker-Cache"] == "miss"
     assert body["choices"][0]["message"]["content"] == answer_for("shared words")
     clock.advance(5)
-    broker.broker.queue.merge_queue.release_due()
     assert (await waiting)[0] == 200
 
 
@@ -107,7 +119,6 @@ async def test_a_merge_opt_out_never_receives_a_merged_answer_from_an_identical_
     opted_out = asyncio.create_task(broker.chat("question one", broker={"merge": False}))
     await spy.wait_for(3)
     clock.advance(5)
-    broker.broker.queue.merge_queue.release_due()
     status, body, headers = await opted_out
     assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("question one")
     assert (headers["X-Broker-Batch-Size"], headers["X-Broker-Cache"]) == ("1", "miss")
@@ -130,39 +141,18 @@ async def test_tenant_and_user_names_containing_separators_never_share_a_cache_e
 
 
 async def test_a_deadline_error_cites_the_callers_own_shorter_timeout(simulator, start_broker):
-    broker = await start_broker(config(simulator, [{"name": "slow", **WINDOW}]), clock=FakeClock())
-    status, body, _ = await broker.chat("too impatient", broker={"timeout_s": 0.2})
+    clock = FakeClock()
+    broker = await start_broker(config(simulator, [{"name": "slow", **WINDOW}]), clock=clock)
+    spy = SubmitSpy(broker)
+    impatient = asyncio.create_task(broker.chat("too impatient", broker={"timeout_s": 0.2}))
+    await spy.wait_for(1)
+    clock.advance(0.2)
+    status, body, _ = await impatient
     assert status == 504 and body["error"]["code"] == "deadline_exceeded"
     assert "0.2 s" in body["error"]["message"]
 
 
 # Dispatch: whatever fails, every member gets an answer or an error at once.
-
-_BLOCK = re.compile(r'<request id="([0-9a-f]+)">\n(.*?)\n</request>', re.S)
-
-
-class FakePools:
-    """Stands in for ProviderPools: answers single calls like the simulator; merged calls with `merged(ids)`."""
-
-    def __init__(self, merged: Any) -> None:
-        self._merged = merged
-        self.single_calls: list[str] = []
-
-    async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
-                   tokens: int = 0) -> tuple[dict[str, Any], str]:
-        text = body["messages"][-1]["content"]
-        blocks = _BLOCK.findall(text)
-        if blocks:
-            return self._merged(blocks), "fake"
-        self.single_calls.append(text)
-        return completion(answer_for(text)), "fake"
-
-
-def completion(content: Any) -> dict[str, Any]:
-    return {"id": "x", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                                  "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20}}
-
 
 class BrokenEmbedder:
     ready = True
@@ -182,7 +172,7 @@ def jobs(*questions: str, systems: tuple[str | None, ...] = ()) -> list[ChatJob]
     for i, q in enumerate(questions):
         system = systems[i] if systems else None
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
-        made.append(ChatJob(request_id=f"r{i}", caller=None, body={"model": "m", "messages": messages},  # type: ignore
+        made.append(ChatJob(request_id=f"r{i}", caller=Caller("tenant", "t"), body={"model": "m", "messages": messages},
                             model="m", priority=0, shape=MergeShape(system, q), merge_key="k", prompt_tokens=10,
                             max_tokens=50, deadline=1e12, enqueued_at=0))
     return made
@@ -193,7 +183,7 @@ async def outcomes(group: list[ChatJob]) -> list[ChatOutcome | BaseException]:
 
 
 async def test_a_merged_reply_of_the_wrong_shape_sends_every_member_alone():
-    pools = FakePools(lambda blocks: {"choices": [None]})
+    pools = FakePool(lambda blocks: {"choices": [None]})
     group = jobs("first question", "second question")
     await dispatcher(pools).run_group(ReleasedGroup("t", "k", group, 0.0))
     results = await outcomes(group)
@@ -202,8 +192,25 @@ async def test_a_merged_reply_of_the_wrong_shape_sends_every_member_alone():
     assert [r.fallback for r in results] == ["bad_reply", "bad_reply"]  # type: ignore[union-attr]
 
 
+async def test_a_tenant_paused_by_the_quality_guard_is_sent_alone_while_the_others_still_merge():
+    def answer_blocks(blocks: list[tuple[str, str]]) -> dict[str, Any]:
+        return completion("\n".join(f'<response id="{i}">{answer_for(q)}</response>' for i, q in blocks))
+
+    guard = QualityGuard(GuardSettings(window=1))
+    guard.record("noisy", "m", True)
+    group = jobs("first question", "second question", "third question")
+    group[2].caller = Caller("noisy", "t")  # a shared (global-scope) window holds several tenants
+    pools = FakePool(answer_blocks)
+    d = Dispatcher(pools, tiers={"t": TierMergePolicy(True, 0.0, 8)}, options=MergeOptions(None, 4, {}, 100_000),
+                   embedder=None, guard=guard, merging_allowed=lambda model: True)
+    await d.run_group(ReleasedGroup("t", "k", group, 0.0))
+    results = await outcomes(group)
+    assert [r.batch_size for r in results] == [2, 2, 1]  # type: ignore[union-attr]
+    assert pools.single_calls == ["third question"]
+
+
 async def test_an_embedder_failure_sends_the_members_alone_instead_of_leaving_them_waiting():
-    pools = FakePools(lambda blocks: {"choices": [None]})
+    pools = FakePool(lambda blocks: {"choices": [None]})
     group = jobs("first question", "second question")
     await dispatcher(pools, threshold=0.5, embedder=BrokenEmbedder()).run_group(ReleasedGroup("t", "k", group, 0.0))
     results = await outcomes(group)
@@ -217,7 +224,7 @@ async def test_a_merged_call_refused_with_an_error_fails_every_member_at_once():
         raise NotFound("The model 'm' does not exist.", code="model_not_found")
 
     group = jobs("first question", "second question")
-    await dispatcher(FakePools(refuse)).run_group(ReleasedGroup("t", "k", group, 0.0))
+    await dispatcher(FakePool(refuse)).run_group(ReleasedGroup("t", "k", group, 0.0))
     results = await outcomes(group)
     assert all(isinstance(r, NotFound) for r in results)
 
@@ -227,7 +234,7 @@ async def test_an_unexpected_exception_in_dispatch_fails_every_member_with_a_bro
         raise KeyError("a bug")
 
     group = jobs("first question", "second question")
-    await dispatcher(FakePools(crash)).run_group(ReleasedGroup("t", "k", group, 0.0))
+    await dispatcher(FakePool(crash)).run_group(ReleasedGroup("t", "k", group, 0.0))
     results = await outcomes(group)
     assert all(isinstance(r, BrokerError) and r.status == 500 for r in results)
 
@@ -240,7 +247,7 @@ async def test_with_tagged_system_prompts_quoting_another_members_system_prompt_
         return completion(f'<response id="{first}">\nfine\n</response>\n'
                           f'<response id="{second}">\nI was told: {secret}\n</response>')
 
-    pools = FakePools(leaky)
+    pools = FakePool(leaky)
     group = jobs("What is the date?", "What is the time?", systems=(secret, "You are a clock."))
     await dispatcher(pools, tagged=True).run_group(ReleasedGroup("t", "k", group, 0.0))
     first, second = await outcomes(group)
@@ -339,3 +346,28 @@ async def test_a_client_leaving_mid_stream_closes_the_upstream_stream(start_brok
     finally:
         await upstream.cleanup()
     assert broker.broker.pools.upstreams[0].in_flight == 0
+
+
+async def test_a_hung_merged_call_leaves_its_members_time_to_be_sent_alone():
+    """The merged call gets half the members' remaining time; when it hangs past that, each is re-sent alone
+    and answered before its own deadline (not a 504 for everyone)."""
+
+    class HangingMerged(FakePool):
+        merged_deadlines: list[float] = []
+
+        async def chat(self, model: str, body: dict[str, Any], **kw: Any) -> tuple[dict[str, Any], str]:
+            if "<request id=" in body["messages"][-1]["content"]:
+                self.merged_deadlines.append(kw["deadline"])
+                raise DeadlineExceeded("the merged call hung until its deadline")
+            return await super().chat(model, body, **kw)
+
+    group = jobs("first question", "second question")
+    now = time.monotonic()
+    for job in group:
+        job.deadline = now + 20
+    pools = HangingMerged()
+    await dispatcher(pools).run_group(ReleasedGroup("t", "k", group, 0.0))
+    results = await outcomes(group)
+    assert [r.fallback for r in results] == ["merged_call_failed"] * 2  # type: ignore[union-attr]
+    assert pools.merged_deadlines and pools.merged_deadlines[0] <= now + 10.5
+    assert sorted(pools.single_calls) == ["first question", "second question"]

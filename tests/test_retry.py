@@ -35,7 +35,7 @@ class Script:
 
 
 class RecordingSleep:
-    """FakeClock.sleep that also records each requested wait."""
+    """FakeClock.skip (time passes at once) that also records each requested wait."""
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
@@ -43,7 +43,7 @@ class RecordingSleep:
 
     async def __call__(self, seconds: float) -> None:
         self.waits.append(float(seconds))
-        await self.clock.sleep(seconds)
+        await self.clock.skip(seconds)
 
 
 def http(status: int, retry_after: float | None = None) -> UpstreamHTTPError:

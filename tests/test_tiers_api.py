@@ -185,7 +185,6 @@ async def test_full_tier_queue_is_503_queue_full(simulator, start_broker):
     assert_envelope(body, "queue_full")
     assert rejected(broker, "tight", "queue_full") == 1
     clock.advance(5)
-    broker.broker.queue.merge_queue.release_due()
     answers = await asyncio.gather(*waiting)
     assert [s for s, _, _ in answers] == [200, 200]
 
@@ -195,7 +194,10 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_504_and_never_sen
     tier = {"name": "slow", "window_ms": 5000, "max_batch": 8, "similarity_threshold": 0}
     broker = await start_broker(config(simulator, [tier]), clock=clock)
     spy = SubmitSpy(broker)
-    status, body, _ = await broker.chat("too impatient", broker={"timeout_s": 0.2})
+    impatient = asyncio.create_task(broker.chat("too impatient", broker={"timeout_s": 0.2}))
+    await spy.wait_for(1)
+    clock.advance(0.2)  # its deadline passes while its window (5 s) is still open
+    status, body, _ = await impatient
     assert status == 504
     assert_envelope(body, "deadline_exceeded")
     assert rejected(broker, "slow", "deadline") == 1
@@ -203,7 +205,6 @@ async def test_a_request_whose_deadline_passes_in_the_queue_is_504_and_never_sen
     patient = asyncio.create_task(broker.chat("patient question"))
     await spy.wait_for(2)
     clock.advance(5)
-    broker.broker.queue.merge_queue.release_due()
     status, body, headers = await patient
     assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("patient question")
     assert headers["X-Broker-Batch-Size"] == "1"
@@ -227,7 +228,6 @@ async def test_a_client_that_leaves_is_removed_before_dispatch_and_its_group_is_
     await asyncio.wait_for(left.wait(), timeout=10)  # the broker noticed the disconnect
     assert leaver.future.cancelled(), "the leaving client's job was answered instead of dropped"
     clock.advance(5)
-    broker.broker.queue.merge_queue.release_due()
     for q, (status, body, headers) in zip(questions[1:], await asyncio.gather(*tasks[1:])):
         assert status == 200 and body["choices"][0]["message"]["content"] == answer_for(q)
         assert headers["X-Broker-Batch-Size"] == "2"

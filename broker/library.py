@@ -1,0 +1,160 @@
+"""Use the broker in-process: the engine behind the HTTP API, with no HTTP server.
+
+    async with Broker.from_settings({"tiers": [...]}) as broker:
+        completion = await broker.chat({"model": "sim-small", "messages": [...]})
+        vectors = await broker.embed(["a text", "another"], model="all-MiniLM-L6-v2")
+        print(broker.stats())
+
+Every call takes the path an HTTP request takes (`broker.handling`): validation, admission (tier and key
+limits), the chat cache and coalescing, the tier's merge window and queue, merging and splitting, the
+embedding caches and window batching; it is counted in the same metrics and usage ledger. Callers in one
+process share one engine, so concurrent callers of one text share one computation.
+
+Named `Broker` for its users; the running engine inside it is `mergebroker.broker.state.Broker`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mergebroker.broker import handling
+from mergebroker.broker.admission import Caller
+from mergebroker.broker.app import build_broker, stop_broker
+from mergebroker.broker.chat import CacheControl
+from mergebroker.broker.middleware import RequestInfo, record_request
+from mergebroker.broker.schemas import BrokerOptions, parse_chat, parse_embeddings
+from mergebroker.broker.settings import Settings, load_settings
+from mergebroker.broker.state import Broker as Engine
+from mergebroker.clock import Clock, Sleep, monotonic
+from mergebroker.errors import BrokerError, Forbidden, InvalidRequest
+
+CallerLike = Caller | Mapping[str, str] | None
+"""Who calls: a `Caller` (trusted as it is, its tier checked), request headers (authenticated as over HTTP:
+`Authorization: Bearer <key>`, `X-Broker-Tier`, ...), or None (no credentials: the default tenant in open
+mode, 401 in keys mode)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An answer's body and the headers the HTTP API would send with it (`X-Broker-Batch-Size`, ...)."""
+
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+class Broker:
+    """An in-process broker; start and stop it with `async with` (see the module doc)."""
+
+    def __init__(self, settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep) -> None:
+        self.settings = settings
+        self._clock, self._sleep = clock, sleep
+        self._engine: Engine | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings | Mapping[str, Any] | str | os.PathLike[str] | None = None, *,
+                      environ: dict[str, str] | None = None, clock: Clock = monotonic,
+                      sleep: Sleep = asyncio.sleep) -> Broker:
+        """A broker for `settings`: a `Settings`, a mapping shaped like the YAML config, or a config file path.
+
+        A mapping or path is loaded like `mergebroker serve` loads its config (`MERGEBROKER_*` variables
+        apply, a mapping wins over them); secrets come from `environ` (default: the process environment).
+        With no providers configured, answers come from the built-in simulated upstream.
+        """
+        if not isinstance(settings, Settings):
+            if isinstance(settings, Mapping):
+                settings = load_settings(None, environ=environ, overrides=dict(settings))
+            else:
+                settings = load_settings(settings, environ=environ)
+        return cls(settings, clock=clock, sleep=sleep)
+
+    async def __aenter__(self) -> Broker:
+        if self._engine is not None:
+            raise RuntimeError("this Broker is already running")
+        self._engine = await build_broker(self.settings, clock=self._clock, sleep=self._sleep)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            await stop_broker(engine)
+
+    @property
+    def engine(self) -> Engine:
+        """The running engine (queues, pools, caches, metrics); only inside `async with`."""
+        if self._engine is None:
+            raise RuntimeError("the Broker is not running: use it inside `async with Broker.from_settings(...)`")
+        return self._engine
+
+    async def chat(self, body: Mapping[str, Any], *, caller: CallerLike = None,
+                   cache_control: CacheControl | None = None) -> dict[str, Any]:
+        """The `chat.completion` the HTTP API would answer for `body`; raises the `BrokerError` it would send."""
+        return (await self.chat_reply(body, caller=caller, cache_control=cache_control)).body
+
+    async def embed(self, texts: str | Sequence[str], *, model: str, dimensions: int | None = None,
+                    caller: CallerLike = None) -> list[list[float]]:
+        """One vector per text, in order, through the embedding caches, coalescing and window batching."""
+        body: dict[str, Any] = {"model": model, "input": texts if isinstance(texts, str) else list(texts)}
+        if dimensions is not None:
+            body["dimensions"] = dimensions
+        reply = await self.embeddings_reply(body, caller=caller)
+        return [item["embedding"] for item in reply.body["data"]]
+
+    async def chat_reply(self, body: Mapping[str, Any], *, caller: CallerLike = None,
+                         cache_control: CacheControl | None = None) -> Reply:
+        """`chat`, with the broker's response headers (batch size and id, cache, fallback, limits)."""
+        async def answer(engine: Engine, info: RequestInfo) -> Reply:
+            parsed, forward = parse_chat(dict(body), max_messages=engine.settings.server.max_messages)
+            if parsed.stream:
+                raise InvalidRequest("Streaming is served over HTTP only; leave 'stream' unset here.",
+                                     param="stream")
+            who = self._caller(engine, info, caller, parsed.broker, parsed.user)
+            handling.check_chat_model(engine, info, parsed)
+            result = await handling.complete_chat(engine, info, who, parsed, forward,
+                                                  cache_control or CacheControl())
+            return Reply(result.outcome.body, handling.chat_headers(result))
+
+        return await self._handle("chat", answer)
+
+    async def embeddings_reply(self, body: Mapping[str, Any], *, caller: CallerLike = None) -> Reply:
+        """The `/v1/embeddings` answer for an OpenAI embeddings `body`, with the broker's headers."""
+        async def answer(engine: Engine, info: RequestInfo) -> Reply:
+            parsed, forward = parse_embeddings(dict(body))
+            who = self._caller(engine, info, caller, parsed.broker, parsed.user)
+            result = await handling.create_embeddings(engine, info, who, parsed, forward)
+            return Reply(result.body, handling.embedding_headers(result))
+
+        return await self._handle("embeddings", answer)
+
+    def stats(self) -> dict[str, Any]:
+        """What `/v1/broker/stats` shows: per tier the queue depth, merge rate and mean batch size; the chat
+        cache's hit rate and coalesced ratio; the embedding coalescer's cache-hit rate, coalesced ratio,
+        mean batch size and pending-window count; each provider's breaker."""
+        return self.engine.stats()
+
+    async def _handle(self, endpoint: str, answer: Callable[[Engine, RequestInfo], Awaitable[Reply]]) -> Reply:
+        engine = self.engine
+        request_id = "req_" + secrets.token_hex(16)
+        info = RequestInfo(request_id, request_id, time.perf_counter())
+        try:
+            reply = await answer(engine, info)
+        except BrokerError as exc:
+            record_request(engine, info, endpoint, exc.status, time.perf_counter() - info.started)
+            raise
+        record_request(engine, info, endpoint, 200, time.perf_counter() - info.started)
+        return Reply(reply.body, {**reply.headers, "X-Request-ID": request_id})
+
+    @staticmethod
+    def _caller(engine: Engine, info: RequestInfo, caller: CallerLike, options: BrokerOptions | None,
+                user: str | None) -> Caller:
+        if not isinstance(caller, Caller):
+            return handling.authenticate(engine, info, caller or {}, options, user)
+        if not any(t.name == caller.tier for t in engine.settings.tiers):
+            raise Forbidden(f"Unknown tier '{caller.tier}'.", param="tier", code="unknown_tier")
+        info.tenant, info.tier = caller.tenant, caller.tier
+        return caller

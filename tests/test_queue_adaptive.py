@@ -1,0 +1,77 @@
+"""Adaptive windows in the queue: a sequential client stops waiting, a burst still merges, skips are counted."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.queue import MergeQueue, TierWindow
+from mergebroker.clock import FakeClock
+
+
+@dataclass(eq=False)
+class Item:
+    tier: str = "std"
+    merge_key: str | None = "k"
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+def adaptive_queue(clock: FakeClock, metrics: Metrics | None = None, *, adaptive: bool = True) -> MergeQueue[Item]:
+    tier = TierWindow("std", 50, 0.05, 4, 100, 200, adaptive=adaptive, min_partners=0.1)
+    return MergeQueue([tier], clock=clock, metrics=metrics)
+
+
+def answer(item: Item) -> None:
+    item.future.set_result("done")
+
+
+async def settle() -> None:
+    await asyncio.sleep(0)  # done callbacks run on the next loop pass
+
+
+def decisions(metrics: Metrics) -> dict[str, float]:
+    return {d: metrics.window_decisions.labels("std", d)._value.get() for d in ("wait", "skip", "join")}
+
+
+async def test_a_sequential_client_waits_once_then_is_sent_at_once(fake_clock):
+    metrics = Metrics()
+    q = adaptive_queue(fake_clock, metrics)
+    first = Item()
+    q.submit(first)
+    assert q.pick() is None  # no history yet: it waits like a fixed window
+    fake_clock.advance(0.051)
+    assert q.pick().items == [first]
+    fake_clock.advance(0.002)
+    answer(first)
+    await settle()
+    for _ in range(5):
+        item = Item()
+        q.submit(item)
+        assert q.pick().items == [item]  # released at once, no window
+        fake_clock.advance(0.002)
+        answer(item)
+        await settle()
+    assert decisions(metrics) == {"wait": 1, "skip": 5, "join": 0}
+
+
+async def test_a_burst_still_merges_into_one_group(fake_clock):
+    metrics = Metrics()
+    q = adaptive_queue(fake_clock, metrics)
+    burst = [Item() for _ in range(4)]
+    for item in burst:
+        q.submit(item)
+    assert q.pick().items == burst  # released by max_batch, all together
+    assert decisions(metrics) == {"wait": 1, "skip": 0, "join": 3}
+
+
+async def test_a_fixed_window_always_waits(fake_clock):
+    q = adaptive_queue(fake_clock, adaptive=False)
+    for _ in range(3):
+        item = Item()
+        q.submit(item)
+        assert q.pick() is None
+        fake_clock.advance(0.051)
+        assert q.pick().items == [item]
+        answer(item)
+        await settle()
