@@ -8,7 +8,6 @@ partitions it holds instead of by HTTP handlers. Workers scale independently of 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import socket
 import sys
