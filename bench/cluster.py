@@ -32,10 +32,12 @@ from bench.harness import (CpuWindow, Process, TimedSample, _spawn, _wait_http, 
                            open_loop, post_json, processes_together, run_meta, start_simulator, write_results)
 from bench.merging import SIM_OPTIONS, RunSpec, body_source, broker_config, scrape, total
 from bench.workloads import ChatItem, mixed_workload
+from mergebroker.broker.cluster.partition import GROUP
 
 RESULTS_PATH = Path(__file__).parent / "results" / "cluster.json"
 TIER = "batch"
 CLUSTER = {"enabled": True, "partitions": 64, "claim_idle_ms": 1000, "lease_ms": 600}
+CLUSTER_PREFIX = "mb:cluster"  # the default `cluster.prefix`
 
 
 @dataclass(frozen=True)
@@ -165,11 +167,21 @@ def _le(value: float) -> str:
     return "+Inf" if value == float("inf") else repr(value)
 
 
-async def kill_after(worker: Process, delay_s: float) -> float:
-    """SIGKILL `worker` after `delay_s`; when (perf_counter) it was killed."""
+async def kill_after(workers: list[Process], redis_url: str, delay_s: float) -> tuple[float, int]:
+    """After `delay_s`, SIGKILL the worker holding the most jobs; when (perf_counter), and how many it held."""
     await asyncio.sleep(delay_s)  # the scenario's own timeline
-    worker.proc.send_signal(signal.SIGKILL)
-    return time.perf_counter()
+    client = aioredis.Redis.from_url(redis_url)
+    held: dict[int, int] = {}
+    try:
+        async for key in client.scan_iter(match=f"{CLUSTER_PREFIX}:jobs:*"):
+            for entry in await client.xpending_range(key, GROUP, "-", "+", 1000):
+                pid = int(entry["consumer"].decode().split("-")[-2])  # worker IDs are host-pid-random
+                held[pid] = held.get(pid, 0) + 1
+    finally:
+        await client.aclose()
+    victim = max(workers, key=lambda w: held.get(w.proc.pid, 0))
+    victim.proc.send_signal(signal.SIGKILL)
+    return time.perf_counter(), held.get(victim.proc.pid, 0)
 
 
 async def measure(layout: Layout, plan: Plan, sim: Process, redis_url: str,
@@ -186,7 +198,8 @@ async def measure(layout: Layout, plan: Plan, sim: Process, redis_url: str,
         await post_json(sim.url + "/stats/reset", {})
         before = [await scrape(f.url) for f in frontends]
         cpu = [CpuWindow(p) for p in workers + frontends]
-        killer = asyncio.ensure_future(kill_after(workers[0], plan.duration_s / 2)) if layout.kill_worker else None
+        killer = (asyncio.ensure_future(kill_after(workers, redis_url, plan.duration_s / 2)) if layout.kill_worker
+                  else None)
         samples, wall_s = await open_loop(lambda s, i: sends[i % len(sends)](s, i), rate=plan.rate, total=len(items))
         cpu_s = sum(c.seconds() for c in cpu if c.process.proc.poll() is None)
         after = [await scrape(f.url) for f in frontends]
@@ -194,9 +207,10 @@ async def measure(layout: Layout, plan: Plan, sim: Process, redis_url: str,
         async with aiohttp.ClientSession() as session:
             async with session.get(sim.url + "/stats") as resp:
                 sim_stats = await resp.json()
-    kill_at = killer.result() if killer else None
+    kill_at, victim_held = killer.result() if killer else (None, 0)
     return {**summarize(layout, samples, wall_s, sim_stats, before, after, survivors, kill_at),
-            "broker_cpu_ms_per_request": 1000 * cpu_s / len(samples) if samples else 0.0}
+            "broker_cpu_ms_per_request": 1000 * cpu_s / len(samples) if samples else 0.0,
+            "killed_worker_held": victim_held}
 
 
 def summarize(layout: Layout, samples: list[Any], wall_s: float, sim_stats: dict[str, Any], before: list[Any],
@@ -242,7 +256,10 @@ async def run_cluster(plan: Plan = FULL_PLAN, *, on_run: Any = None) -> dict[str
             runs[layout.name] = await measure(layout, plan, sim, url, items)
             if on_run:
                 on_run(layout.name)
-        floor = await hop_floor(url, rate=plan.rate, count=len(items))
+        try:
+            floor = await hop_floor(url, rate=plan.rate, count=len(items))
+        except RuntimeError as exc:
+            floor = {"error": str(exc)}
     finally:
         sim.stop()
         redis.stop()
@@ -284,7 +301,12 @@ async def hop_floor(redis_url: str, *, rate: float, count: int, **overrides: Any
     from mergebroker.broker.jobs import ChatJob
 
     frontend, worker, leases, worker_redis = _echo_pair(redis_url, **overrides)
+    started = time.monotonic()
     while not leases.owned:
+        if time.monotonic() - started > 30:
+            for task in asyncio.all_tasks():
+                task.print_stack(limit=4, file=sys.stderr)
+            raise RuntimeError("hop floor: the worker never acquired a partition")
         await asyncio.sleep(0.01)  # the first lease round
     rng, latencies = random.Random(5), []
 
@@ -301,12 +323,17 @@ async def hop_floor(redis_url: str, *, rate: float, count: int, **overrides: Any
         for i in range(count):
             await asyncio.sleep(rng.expovariate(rate))  # the arrival process itself
             tasks.append(asyncio.ensure_future(one(i)))
-        await asyncio.gather(*tasks)
+        _done, pending = await asyncio.wait(tasks, timeout=60)
+        if pending:  # a lost job: say so in the results instead of hanging the benchmark
+            print(f"hop floor: {len(pending)} jobs unanswered; front-end waiting {len(frontend._waiting)}, "
+                  f"worker holds {worker._consumer.held}, leases {len(leases.owned)}", file=sys.stderr, flush=True)
+            for task in pending:
+                task.cancel()
     finally:
         await frontend.stop()
         await worker.stop()
         await worker_redis.aclose()
-    return {"rate": rate, "jobs": count, **latency_summary(latencies)}
+    return {"rate": rate, "jobs": count, "unanswered": count - len(latencies), **latency_summary(latencies)}
 
 
 def _echo_pair(redis_url: str, **overrides: Any) -> tuple[Any, Any, Any, Any]:

@@ -244,6 +244,10 @@ class CircuitBreaker:
         threshold = self._settings.slow_call_s + max(0.0, call.allowance_s)
         self._settle(ticket, classify(None, self._clock() - started, threshold))
 
+    def record_failure(self, tenant: str | None = None) -> None:
+        """Count a failure seen after `guard()` settled (a stream whose upstream died mid-way)."""
+        self._settle(_Ticket(self._epoch, probe=False, tenant=tenant), Outcome.FAILURE)
+
     def force_open(self, until_s: float, reason: dict[str, Any]) -> None:
         """Open until `until_s` on this breaker's clock (e.g. because another replica saw the upstream fail).
 

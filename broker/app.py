@@ -27,6 +27,7 @@ from mergebroker.broker.cluster.frontend import build_cluster_queue
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.broker.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
+from mergebroker.broker.drain import DRAIN, Drain
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.embeddings import build_embedding_service
 from mergebroker.broker.job_queue import JobQueue
@@ -34,7 +35,7 @@ from mergebroker.broker.ledger import Ledger
 from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.ledger_store import open_store
 from mergebroker.broker.metrics import (Metrics, PoolMetrics, breaker_listener, connections_listener,
-                                        guard_listener, merging_listener)
+                                        guard_listener, merging_listener, preinitialise)
 from mergebroker.broker.middleware import error_middleware
 from mergebroker.broker.routes import add_routes
 from mergebroker.broker.server import CONNECTIONS
@@ -70,6 +71,8 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | N
     app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
                                   settings.server.max_json_depth)
     app[CONNECTIONS] = guard = ConnectionGuard(connection_limits(settings), clock=clock)
+    app[DRAIN] = drain = Drain(settings.server.drain_timeout_s)
+    app.on_shutdown.append(drain.drain)
     add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -111,6 +114,8 @@ async def build_broker(settings: Settings, *, clock: Clock = monotonic, sleep: S
                 for p in providers if p.kind in HTTP_PROVIDER_KINDS}
     upstreams = [_upstream(p, breakers[p.name], clock, settings.merge.default_max_tokens)
                  for p in providers if p.kind in HTTP_PROVIDER_KINDS]
+    preinitialise(metrics, tiers=[t.name for t in settings.tiers], providers=list(breakers),
+                  models=sorted({m for p in providers for m in p.models if "*" not in m}))
     pools = ProviderPools(upstreams, strategy=settings.routing, retry=RetryPolicy(**settings.retry.model_dump()),
                           clock=clock, sleep=sleep, observer=PoolMetrics(metrics))
     routes: dict[str, list[str]] = {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -152,10 +151,9 @@ class _Run:
         done = set(await self.r.store.results(self.job.batch_id))
         pending = [i for i in items if i.custom_id not in done]
         vectors = await self._vectors([i for i in pending if i.custom_id not in alone_ids])
-        rng = random.Random()
         number = await self.r.store.rounds_started(self.job.batch_id)
         calls = (plan_compaction([i for i in pending if i.custom_id not in alone_ids], self.rules, vectors=vectors,
-                                 rng=rng, prefix=f"r{number}")
+                                 prefix=f"r{number}")  # block IDs from `secrets`: no member can guess them
                  + plan_compaction([i for i in pending if i.custom_id in alone_ids], self.alone, prefix=f"r{number}a"))
         retry = await self._execute(calls, number)
         if retry and not self._stopped():
@@ -329,7 +327,7 @@ class _Run:
         for found in await self.r.store.open_rounds(self.job.batch_id):
             api = self.r.batch_apis.get(found.provider)
             if api is None:  # the provider is no longer configured for batches: its lines are planned again
-                await self.r.store.finish_round(self.job.batch_id, found.round)
+                await self.r.store.finish_round(self.job.batch_id, found)
                 continue
             retry += await self._collect(api, found)
         return retry
@@ -350,7 +348,7 @@ class _Run:
             self._count("batch_api", call)
             outcome = body if status == 200 else UpstreamHTTPError(status, _message(body), body=body)
             retry += await self._settle(call, outcome)
-        await self.r.store.finish_round(self.job.batch_id, found.round)
+        await self.r.store.finish_round(self.job.batch_id, found)
         return retry
 
     async def _poll(self, api: BatchApi, upstream_id: str) -> dict[str, Any]:

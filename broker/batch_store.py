@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS results (
 );
 CREATE TABLE IF NOT EXISTS rounds (
     batch_id TEXT NOT NULL, round INTEGER NOT NULL, provider TEXT NOT NULL, upstream_id TEXT NOT NULL,
-    calls TEXT NOT NULL, done INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, round)
+    calls TEXT NOT NULL, done INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, round, provider)
 );
 """
 
@@ -191,16 +191,15 @@ class BatchStore:
         return [UpstreamRound(r, p, u, json.loads(calls)) for r, p, u, calls in rows]
 
     async def rounds_started(self, batch_id: str) -> int:
-        """How many upstream rounds the batch has submitted (the next round's number)."""
-        rows = await self._run(lambda c: c.execute("SELECT COUNT(*) FROM rounds WHERE batch_id = ?",
+        """The next round's number: one past the highest the batch has submitted (0 when none)."""
+        rows = await self._run(lambda c: c.execute("SELECT COALESCE(MAX(round) + 1, 0) FROM rounds WHERE batch_id = ?",
                                                    (batch_id,)).fetchall())
         return int(rows[0][0])
 
-    async def finish_round(self, batch_id: str, number: int) -> None:
-        """Mark an upstream round as mapped back."""
-        await self._run(lambda c: c.execute("UPDATE rounds SET done = 1 WHERE batch_id = ? AND round = ?",
-                                            (batch_id, number)))
-
+    async def finish_round(self, batch_id: str, found: UpstreamRound) -> None:
+        """Mark an upstream round (one provider's part of a round) as mapped back."""
+        await self._run(lambda c: c.execute("UPDATE rounds SET done = 1 WHERE batch_id = ? AND round = ? AND "
+                                            "provider = ?", (batch_id, found.round, found.provider)))
 
 def _batch_row(row: Any) -> BatchRow:
     return BatchRow(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]))

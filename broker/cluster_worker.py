@@ -8,7 +8,6 @@ partitions it holds instead of by HTTP handlers. Workers scale independently of 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import socket
 import sys
@@ -48,12 +47,13 @@ class Worker:
         return ok and checks["cluster"], checks
 
 
-async def start_worker(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep = asyncio.sleep,
+async def start_worker(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None,
                        worker_id: str | None = None) -> Worker:
     """Build the broker parts (cluster mode off: this process dispatches) and start reading the partitions."""
     if not settings.redis.url:
         raise ValueError("a worker needs redis.url")
     local = settings.model_copy(update={"cluster": settings.cluster.model_copy(update={"enabled": False})})
+    sleep = sleep or clock.sleep
     broker = await build_broker(local, clock=clock, sleep=sleep)
     c = settings.cluster
     redis = make_stream_client(settings.redis.url, block_ms=c.block_ms)

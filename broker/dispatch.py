@@ -215,16 +215,17 @@ class Dispatcher:
         members = [_settle_member(i, j, tagged) for i, j in by_id.items()]
         prompt_estimate = estimate_prompt_tokens(body["messages"])
         if first.stream or self._pools.streams_merged(first.model):
-            call = StreamCall(first.model, body, deadline, first.priority, prompt_estimate + body["max_tokens"],
-                              stream=first.stream)
+            # Bounded like a plain merged call, so a hung stream leaves time to re-send its open members alone.
+            call = StreamCall(first.model, body, merged_call_deadline(self._clock(), deadline), first.priority,
+                              prompt_estimate + body["max_tokens"], stream=first.stream)
             await self._run_streamed(tier, call, by_id, members, prompt_estimate, batch_id)
             return
         started = self._clock()
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
             tenants = {j.caller.tenant for j in jobs}  # blame goes to one tenant only (breaker.blame)
-            reply, provider = await self._pools.chat(first.model, body, deadline=deadline, priority=first.priority,
-                                                     tokens=prompt_estimate + body["max_tokens"],
+            reply, provider = await self._pools.chat(first.model, body, deadline=merged_call_deadline(started, deadline),
+                                                     priority=first.priority, tokens=prompt_estimate + body["max_tokens"],
                                                      tenant=tenants.pop() if len(tenants) == 1 else None)
         except BrokerError as exc:
             settlement = settle_call_error(exc, members)
@@ -431,6 +432,16 @@ def _settle_member(member_id: str, job: ChatJob, tagged_system: bool) -> SettleM
     request = member_request_text(shape.system_prompt, shape.user_text, tagged_system)  # type: ignore[union-attr]
     return SettleMember(member_id, request, count_text_tokens(shape.user_text), job.prompt_tokens,  # type: ignore
                         job.body.get("stop"))
+
+
+MERGED_CALL_SHARE = 0.5
+"""The share of its members' remaining time a merged call may take: a hung one leaves the rest for each
+member to be re-sent alone (its read timeout, which grows with the sum of the members' budgets, never does)."""
+
+
+def merged_call_deadline(now: float, members_deadline: float) -> float:
+    """When a merged call sent at `now` must have answered, for its members to still be re-sent alone in time."""
+    return now + max(0.0, members_deadline - now) * MERGED_CALL_SHARE
 
 
 def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int], *, model: str = "") -> dict[str, Any]:

@@ -36,7 +36,7 @@ from mergebroker.errors import (BrokerError, Overloaded, UpstreamBadResponse, Up
 from mergebroker.broker.embedding_stats import CoalescerStats
 from mergebroker.broker.metrics import Metrics
 from mergebroker.merge.cache import MetricsHook, TwoLevelCache
-from mergebroker.providers.base import EmbedResult
+from mergebroker.providers.base import EmbedResult, still_wanted
 from mergebroker.merge.fingerprint import embedding_fingerprint
 from mergebroker.merge.vector_codec import VectorDtype, decode_vector, encode_vector
 
@@ -293,10 +293,15 @@ class EmbeddingBatcher:
         self._counts.update(batches=1, batched_texts=len(items))
         if self._metrics is not None:
             self._metrics.embedding_batch_size.observe(len(items))
+        # A backend that queues its work (the local model) skips a call nobody waits for any more.
+        still_wanted.set(lambda: any(item.waiters > 0 for item in items))
         try:
             result = await self._call_backend(model, [item.text for item in items], dimensions)
         except asyncio.CancelledError:
-            self._fail(items, Overloaded("the embedding service is shutting down"))
+            if all(item.waiters == 0 for item in items):
+                self._drop(items)  # abandoned by every caller (`_release`): nobody to tell
+            else:
+                self._fail(items, Overloaded("the embedding service is shutting down"))
             raise
         except BrokerError as exc:
             log.warning("embedding_batch_failed", model=model, size=len(items), error_type=type(exc).__name__)
@@ -357,6 +362,7 @@ class EmbeddingBatcher:
             if pending.waiters == 0 and not pending.dispatched and not pending.future.done():
                 self._remove_from_window(pending)
                 self._drop([pending])
+
 
     def _remove_from_window(self, pending: _Pending) -> None:
         window = self._windows.get(pending.group)

@@ -21,7 +21,7 @@ from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.limiter import Limiter
 from mergebroker.broker.ratelimit import LimitSpec
 from mergebroker.broker.schemas import EmbeddingRequest
-from mergebroker.broker.settings import ProviderSettings, Settings
+from mergebroker.broker.settings import EmbeddingSettings, ProviderSettings, Settings
 from mergebroker.broker.tokens import count_text_tokens, estimate_embedding_tokens
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.broker.embedding_stats import CoalescerStats
@@ -33,6 +33,19 @@ from mergebroker.merge.redis_cache import RedisCache
 from mergebroker.merge.vector_codec import to_base64
 from mergebroker.providers.local_embeddings import LocalEmbeddingBackend
 from mergebroker.providers.pool import ProviderPools
+
+
+def check_input_size(inputs: Any, tokens: int, limits: EmbeddingSettings) -> None:
+    """400 for a request over the per-request input limits (`embeddings.max_inputs`, `max_input_tokens`):
+    one caller's huge request would otherwise hold the model for a minute past its own deadline."""
+    count = len(inputs) if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int) else 1
+    if count > limits.max_inputs:
+        raise InvalidRequest(f"Invalid value for 'input': at most {limits.max_inputs} inputs per request.",
+                             param="input", code="too_many_inputs")
+    if tokens > limits.max_input_tokens:
+        raise InvalidRequest(f"Invalid value for 'input': about {tokens} tokens, over the {limits.max_input_tokens} "
+                             "allowed per request; split it into several requests.", param="input",
+                             code="too_many_tokens")
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,7 @@ class EmbeddingService:
         tier = self._settings.tier(caller.tier)
         budget = tier.timeout_for(parsed.broker.timeout_s if parsed.broker else None)
         tokens = estimate_embedding_tokens(parsed.input)
+        check_input_size(parsed.input, tokens, self._settings.embeddings)
         reservation = await self._limiter.reserve(caller.limits(LimitSpec(f"tier:{tier.name}", tier.rpm, tier.tpm)),
                                                   tokens)
         started = self._clock()

@@ -206,6 +206,49 @@ def guard_listener(metrics: Metrics) -> Callable[[str, str, str], None]:
     return on_pause
 
 
+UPSTREAM_OUTCOMES = ("success", "5xx", "429", "auth", "timeout", "connection", "bad_response", "other",
+                     "client_error", "breaker_open", "deadline", "cancelled", "stream_broken")
+RETRY_REASONS = ("429", "5xx", "auth", "timeout", "connection", "bad_response", "other")
+REJECT_REASONS = ("rate_limited", "queue_full", "deadline", "unauthorized", "forbidden")
+FALLBACK_REASONS = ("missing", "empty", "duplicated", "malformed", "truncated", "foreign_id", "leak",
+                    "merged_call_failed", "bad_reply")
+
+
+def preinitialise(metrics: Metrics, *, tiers: list[str], providers: list[str], models: list[str]) -> None:
+    """Create every series whose label values are known at start-up, at zero.
+
+    A labelled series exists only once it has been touched; without this, a healthy broker's /metrics
+    lacks whole families until their first event, and dashboards and alerts show "No data" instead of 0.
+    """
+    m = metrics
+    for tier in [*tiers, "unknown"]:
+        for endpoint in ("chat", "embeddings"):
+            m.requests.labels(endpoint, tier, "200")
+            m.request_latency.labels(endpoint, tier)
+        for family in (m.queue_depth, m.queue_wait, m.forced_flush, m.merged_requests, m.batches, m.batch_size):
+            family.labels(tier)
+        for reason in REJECT_REASONS:
+            m.rejected.labels(tier, reason)
+    for provider in providers:
+        m.upstream_latency.labels(provider)
+        for outcome in UPSTREAM_OUTCOMES:
+            m.upstream_calls.labels(provider, outcome)
+        for reason in RETRY_REASONS:
+            m.retries.labels(provider, reason)
+        for to in BREAKER_STATE_LEVEL:
+            m.breaker_transitions.labels(provider, to)
+    for model in models:
+        m.degraded.labels(m.model_label(model))
+        m.fast_fail.labels(m.model_label(model))
+    for family, values in ((m.cache_events, ("hit", "miss", "coalesced")), (m.split_fallback, FALLBACK_REASONS),
+                           (m.merge_skipped, ("similarity_slow", "similarity_failed"))):
+        for value in values:
+            family.labels(value)
+    for level in ("l1", "l2"):
+        for result in ("hit", "miss"):
+            m.embedding_cache_events.labels(level=level, result=result)
+
+
 CONNECTION_CLOSE_REASONS = ("header_timeout", "body_timeout", "idle_timeout", "evicted", "refused")
 
 

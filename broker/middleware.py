@@ -10,6 +10,7 @@ follows it: the handler ends the stream itself and notes the error in `request[I
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import secrets
 import time
@@ -23,6 +24,7 @@ from aiohttp import web
 from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
 from mergebroker.broker.ledger import Ledger, LedgerRecord, saved_tokens
 from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.drain import DRAIN
 from mergebroker.broker.server import CONNECTIONS
 from mergebroker.broker.state import BROKER, SETTINGS_MAX_BODY, Broker
 
@@ -54,6 +56,8 @@ class RequestInfo:
 INFO = web.RequestKey("info", RequestInfo)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+CLIENT_CLOSED = 499
+"""The status a request aborted by its client is counted with (nginx's convention; nothing is sent)."""
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings", "/v1/models": "models"}
 
 
@@ -69,10 +73,19 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     guard = request.app.get(CONNECTIONS)
     if guard is not None:
         guard.request_started(request.protocol, request.content.is_eof)
+    drain = request.app.get(DRAIN)
     try:
-        response = await handler(request)
+        with drain.track() if drain is not None else contextlib.nullcontext():
+            response = await handler(request)
     except Exception as exc:  # noqa: BLE001 - every failure leaves in the one envelope (or, mid-stream, not at all)
         response = _failure_response(request, info, exc)
+    except asyncio.CancelledError:
+        if drain is None or not drain.expired or (info.response is not None and info.response.prepared):
+            # The client went away (handler cancellation): counted, never answered.
+            _observe(request, info, CLIENT_CLOSED, time.perf_counter() - started)
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]  # cut off by the shutdown drain: answer 503
+        response = _error_response(drain.refusal())
     finally:
         if guard is not None:
             guard.request_finished(request.protocol)
@@ -80,7 +93,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     if not response.prepared:
         response.headers["X-Request-ID"] = request_id
         response.headers["X-Broker-Overhead-Ms"] = f"{max(0.0, elapsed - info.upstream_s) * 1000:.2f}"
-    _observe(request, info, response, elapsed)
+    # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
+    _observe(request, info, info.stream_error.status if info.stream_error is not None else response.status, elapsed,
+             sent_status=response.status)
     return response
 
 
@@ -118,13 +133,12 @@ def _error_response(exc: BrokerError) -> web.Response:
     return response
 
 
-def _observe(request: web.Request, info: RequestInfo, response: web.StreamResponse, elapsed: float) -> None:
+def _observe(request: web.Request, info: RequestInfo, status: int, elapsed: float, *,
+             sent_status: int | None = None) -> None:
     endpoint = _ENDPOINTS.get(request.path)
     if endpoint is None:
         return
-    # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
-    status = info.stream_error.status if info.stream_error is not None else response.status
-    record_request(request.app.get(BROKER), info, endpoint, status, elapsed, sent_status=response.status)
+    record_request(request.app.get(BROKER), info, endpoint, status, elapsed, sent_status=sent_status)
 
 
 def record_request(broker: Broker | None, info: RequestInfo, endpoint: str, status: int, elapsed: float, *,

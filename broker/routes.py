@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -19,7 +20,7 @@ from mergebroker import jsonio
 from mergebroker.clock import Clock, monotonic
 from mergebroker.broker.handling import (authenticate, chat_headers, check_chat_model, complete_chat, with_body_options,
                                           create_embeddings, embedding_headers)
-from mergebroker.errors import BrokerError
+from mergebroker.errors import BrokerError, Unauthorized
 from mergebroker.broker.middleware import INFO
 from mergebroker.broker.schemas import parse_chat, parse_embeddings
 
@@ -175,11 +176,24 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ready else 503)
 
 
+def _operator_only(request: web.Request, broker: Broker) -> None:
+    """With `server.metrics_token_env` set, the operator's endpoints need `Authorization: Bearer <token>`."""
+    token = broker.settings.server.metrics_token
+    if token is None:
+        return
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(given, b"Bearer " + token.get_secret_value().encode()):
+        raise Unauthorized("This endpoint needs the metrics token: 'Authorization: Bearer <token>'.",
+                           code="invalid_metrics_token")
+
+
 async def metrics(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
+    _operator_only(request, broker)
     return web.Response(body=broker.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
 async def broker_stats(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
+    _operator_only(request, broker)
     return web.json_response(broker.stats())

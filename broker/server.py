@@ -108,7 +108,8 @@ class AcceptErrorLog:
 def runner_for(app: web.Application, settings: ServerSettings) -> web.AppRunner:
     """The app runner `serve` uses; aiohttp's own keep-alive timer doubles the guard's idle timeout."""
     return web.AppRunner(app, access_log=None, handler_cancellation=True,  # a gone client leaves its window
-                         keepalive_timeout=settings.idle_timeout_s)
+                         keepalive_timeout=settings.idle_timeout_s,
+                         shutdown_timeout=settings.drain_timeout_s + 5)  # the drain (broker.drain) answers first
 
 
 async def serve(app: web.Application, settings: ServerSettings, *, stop: asyncio.Event | None = None) -> None:

@@ -29,7 +29,8 @@ class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Requests over this size get 413.")
-    workers: int = Field(64, gt=0, description="Concurrent dispatches taken from the tier queues.")
+    workers: int = Field(64, gt=0, description="Tasks taking released groups by priority; each group is dispatched "
+                                               "in its own task, so a hung upstream holds no worker.")
     aging_per_s: float = Field(10.0, ge=0, description="Priority points a released group gains per second waited.")
     header_timeout_s: float = Field(10.0, gt=0, description="Longest a client may take to send a request's headers.")
     body_timeout_s: float = Field(30.0, gt=0, description="Longest a client may take to send a request's body (408).")
@@ -44,6 +45,10 @@ class ServerSettings(_Strict):
     accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto", description="The serving event loop: uvloop when installed (auto), or the standard asyncio loop.")
+    drain_timeout_s: float = Field(15.0, ge=0, description="At shutdown, requests in flight get this long, then 503.")
+    metrics_token_env: str | None = Field(
+        None, description="Environment variable holding a bearer token that /metrics and /v1/broker/stats require.")
+    metrics_token: SecretStr | None = Field(None, exclude=True)
 
 
 class BreakerConfig(_Strict):
@@ -251,6 +256,8 @@ class EmbeddingSettings(_Strict):
         "global", description="global: one cache for everyone (a hit can tell that anyone embedded the text before); "
                               "tenant: each tenant its own entries.")
     local_models: list[str] = Field(default_factory=lambda: ["all-MiniLM-L6-v2", "local-minilm"])
+    max_inputs: int = Field(2048, gt=0, description="Most inputs one /v1/embeddings request may hold (400 above).")
+    max_input_tokens: int = Field(100_000, gt=0, description="Most tokens one /v1/embeddings request may hold (400 above).")
 
 
 class LoggingSettings(_Strict):
@@ -360,7 +367,7 @@ class ConfigError(Exception):
     """Invalid configuration; the message names the field and the problem."""
 
 
-SECRET_FIELDS = ("api_key", "gateway_secret", "postgres_dsn")
+SECRET_FIELDS = ("api_key", "gateway_secret", "postgres_dsn", "metrics_token")
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, *, environ: dict[str, str] | None = None,
@@ -416,6 +423,9 @@ def _refuse_secrets_in_file(data: dict[str, Any]) -> None:
     if isinstance(data.get("auth"), dict) and "gateway_secret" in data["auth"]:
         raise ConfigError("auth.gateway_secret: secrets may only come from the environment; "
                           "set auth.gateway_secret_env instead")
+    if isinstance(data.get("server"), dict) and "metrics_token" in data["server"]:
+        raise ConfigError("server.metrics_token: secrets may only come from the environment; "
+                          "set server.metrics_token_env instead")
     if isinstance(data.get("ledger"), dict) and "postgres_dsn" in data["ledger"]:
         raise ConfigError("ledger.postgres_dsn: secrets may only come from the environment (a DSN holds a "
                           "password); set ledger.postgres_dsn_env instead")
@@ -427,6 +437,11 @@ def _resolve_secrets(settings: Settings, env: dict[str, str] | os._Environ[str])
             provider.api_key = SecretStr(env[provider.api_key_env])
     if settings.ledger.postgres_dsn_env and env.get(settings.ledger.postgres_dsn_env):
         settings.ledger.postgres_dsn = SecretStr(env[settings.ledger.postgres_dsn_env])
+    token_env = settings.server.metrics_token_env
+    if token_env:
+        if not env.get(token_env):
+            raise ConfigError(f"server.metrics_token_env: ${token_env} is not set")
+        settings.server.metrics_token = SecretStr(env[token_env])
     secret = env.get(settings.auth.gateway_secret_env)
     if secret:
         settings.auth.gateway_secret = SecretStr(secret)

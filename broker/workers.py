@@ -1,7 +1,9 @@
 """The in-process `JobQueue`: merge windows (`MergeQueue`) and worker tasks that hand groups to the dispatcher.
 
-Workers take released groups by priority and hand them to the dispatcher. The worker count bounds how
-many groups are dispatched at once; it is the only limit enforced here.
+Workers take released groups by priority and hand each to a dispatch task of its own, so a group waiting
+on a hung upstream holds no worker: other groups (other providers, other models) keep being dispatched,
+and the per-provider `max_in_flight` (in the pool) is what limits upstream calls. `max_dispatching`
+bounds the groups in dispatch at once (memory, not a throughput limit); a worker waits for room there.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ class WorkerPool:
     """`size` tasks looping `take -> dispatch`; started and stopped by the app's cleanup context."""
 
     def __init__(self, queue: MergeQueue[ChatJob], dispatcher: Dispatcher, *, size: int, metrics: Metrics,
-                 clock: Clock = monotonic) -> None:
+                 clock: Clock = monotonic, max_dispatching: int = 4096) -> None:
         self._queue = queue
         self._dispatcher = dispatcher
         self._size = size
         self._metrics = metrics
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
+        self._dispatching: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Semaphore(max_dispatching)
         self._queue_wait: dict[str, Any] = {}  # labelled histogram children by tier, looked up once
 
     def start(self) -> None:
@@ -54,19 +58,28 @@ class WorkerPool:
                 queue_wait = self._queue_wait[group.tier] = self._metrics.queue_wait.labels(group.tier)
             for job in group.items:
                 queue_wait.observe(now - job.enqueued_at)
-            try:
-                await self._dispatcher.run_group(group)
-            except Exception:  # noqa: BLE001 - one bad group must not stop the worker
-                log.exception("dispatch_group_failed", tier=group.tier, size=len(group.items))
+            await self._room.acquire()
+            task = asyncio.get_running_loop().create_task(self._dispatch(group))
+            self._dispatching.add(task)
+            task.add_done_callback(self._dispatching.discard)
+
+    async def _dispatch(self, group: Any) -> None:
+        try:
+            await self._dispatcher.run_group(group)
+        except Exception:  # noqa: BLE001 - one bad group must not stop the others
+            log.exception("dispatch_group_failed", tier=group.tier, size=len(group.items))
+        finally:
+            self._room.release()
 
     def alive(self) -> bool:
         """True while every worker task runs (for /readyz)."""
         return len(self._tasks) == self._size and all(not t.done() for t in self._tasks)
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
+        tasks = [*self._tasks, *self._dispatching]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class LocalJobQueue:

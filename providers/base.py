@@ -8,10 +8,17 @@ Implementations raise only `broker.errors.UpstreamError` subclasses.
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 import numpy as np
+
+
+still_wanted: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("still_wanted", default=None)
+"""Set by a caller that may stop waiting: `still_wanted()` is False once nobody wants the call's result.
+A backend that queues its work (the local model) reads it when the call is queued and skips the call if
+nobody wants it by the time its turn comes; others may ignore it."""
 
 
 class Provider(Protocol):

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import heapq
+import itertools
+import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -18,8 +21,79 @@ import numpy as np
 import structlog
 
 from mergebroker.errors import UpstreamError
+from mergebroker.providers.base import still_wanted
 
 log = structlog.get_logger(__name__)
+
+SMALL_CALL = 8
+"""Model calls of at most this many texts go before larger ones (see `ModelQueue`)."""
+
+
+def _call_safely(wanted: Callable[[], bool]) -> bool:
+    try:
+        return bool(wanted())
+    except Exception:  # noqa: BLE001 - a broken hint must not lose the call
+        return True
+
+
+class ModelQueue:
+    """Runs model calls one at a time on `executor`: calls of up to `SMALL_CALL` texts before larger ones,
+    first come first served within each class, and a call whose caller left before it started never runs
+    (its future cancelled, or its `wanted()` false when its turn comes).
+
+    A caller with a thousand texts becomes many large calls; without this, a one-line request arriving
+    after them waited for all of them (20 s measured); now it waits for at most the one running.
+    Thread-safe and loop-independent (the host outlives any single event loop).
+    """
+
+    def __init__(self, executor: concurrent.futures.Executor) -> None:
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._heap: list[tuple[int, int, concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...],
+                               Callable[[], bool] | None]] = []
+        self._seq = itertools.count()
+        self._busy = False
+
+    def submit(self, weight: int, fn: Callable[..., Any], *args: Any,
+               wanted: Callable[[], bool] | None = None) -> concurrent.futures.Future[Any]:
+        """Queue `fn(*args)`, a call on `weight` texts; cancelling the returned future before it runs drops it."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            heapq.heappush(self._heap, (0 if weight <= SMALL_CALL else 1, next(self._seq), future, fn, args, wanted))
+        self._next()
+        return future
+
+    def cancel_all(self) -> None:
+        """Cancel every queued call (shutdown)."""
+        with self._lock:
+            queued, self._heap = self._heap, []
+        for _, _, future, *_ in queued:
+            future.cancel()
+
+    def _next(self) -> None:
+        with self._lock:
+            if self._busy:
+                return
+            while self._heap:
+                _, _, future, fn, args, wanted = heapq.heappop(self._heap)
+                if wanted is not None and not _call_safely(wanted):
+                    future.cancel()  # every caller left while it waited
+                if future.set_running_or_notify_cancel():
+                    break
+            else:
+                return
+            self._busy = True
+        self._executor.submit(self._run, future, fn, args)
+
+    def _run(self, future: concurrent.futures.Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+        finally:
+            with self._lock:
+                self._busy = False
+            self._next()
 
 
 def default_model_path() -> str:
@@ -47,6 +121,7 @@ class SentenceModelHost:
         self._int8: Any = None
         # One worker: torch already parallelises inside a call, and one thread serialises calls.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-model")
+        self._queue = ModelQueue(self._executor)
         self._loading: concurrent.futures.Future[Any] | None = None
         self._model: Any = None
 
@@ -90,22 +165,23 @@ class SentenceModelHost:
         await self.load()
         if not texts:
             return np.zeros((0, self.dimension), dtype=np.float32)
-        return await self._submit(self._encode_blocking, list(texts), normalize, int8)
+        return await self._submit(len(texts), self._encode_blocking, list(texts), normalize, int8)
 
     async def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Word-piece tokens per text with the model's own tokenizer, special tokens excluded."""
         await self.load()
         if not texts:
             return []
-        return await self._submit(self._count_blocking, list(texts))
+        return await self._submit(len(texts), self._count_blocking, list(texts))
 
     def close(self) -> None:
         """Stop the worker thread once queued work is done; the host cannot be used afterwards."""
+        self._queue.cancel_all()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _submit(self, weight: int, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            return await asyncio.wrap_future(self._executor.submit(fn, *args))
+            return await asyncio.wrap_future(self._queue.submit(weight, fn, *args, wanted=still_wanted.get()))
         except Exception as exc:
             log.error("embedding_model_call_failed", error=type(exc).__name__)
             raise UpstreamError("the local embedding model failed") from exc

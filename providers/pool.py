@@ -295,9 +295,16 @@ class ProviderPools:
             if used is not None:
                 u.limiter.give_back(taken - used)
         if spec.holds_slot:
-            return _HeldStream(result, lambda: self._release(u))  # type: ignore[arg-type, return-value]
+            return _HeldStream(result, lambda: self._release(u),  # type: ignore[arg-type, return-value]
+                               on_broken=lambda exc: self._stream_broke(u, exc, spec.tenant))
         self._release(u)
         return result
+
+    def _stream_broke(self, u: Upstream, exc: BaseException, tenant: str | None) -> None:
+        """A stream whose upstream failed after its first chunk: the call did not succeed after all."""
+        self._observer.called(u.name, "stream_broken", None)
+        if u.breaker is not None and isinstance(exc, UpstreamError) and exc.retryable:
+            u.breaker.record_failure(tenant)
 
     @staticmethod
     def _give_back_unspent(u: Upstream, exc: BaseException, sent: bool, taken: int) -> None:
@@ -396,9 +403,11 @@ class ProviderPools:
 class _HeldStream:
     """A stream that holds its upstream slot until it ends, fails, is closed or is dropped; releases once."""
 
-    def __init__(self, stream: AsyncIterator[bytes], release: Callable[[], None]) -> None:
+    def __init__(self, stream: AsyncIterator[bytes], release: Callable[[], None], *,
+                 on_broken: Callable[[BaseException], None] | None = None) -> None:
         self._stream = stream
         self._release: Callable[[], None] | None = release
+        self._on_broken = on_broken
 
     def __aiter__(self) -> _HeldStream:
         return self
@@ -406,8 +415,13 @@ class _HeldStream:
     async def __anext__(self) -> bytes:
         try:
             return await self._stream.__anext__()
-        except BaseException:
+        except (StopAsyncIteration, asyncio.CancelledError, GeneratorExit):
             self._done()
+            raise
+        except BaseException as exc:
+            self._done()
+            if self._on_broken is not None:
+                self._on_broken(exc)
             raise
 
     async def aclose(self) -> None:

@@ -4,6 +4,7 @@ leases, heartbeats against claims, first-reply-wins and the fallback when Redis 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +15,7 @@ from mergebroker.broker.cluster.frontend import ClusterQueue
 from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.cluster.server_time import ServerClock
-from mergebroker.broker.cluster.wire import WireReply, encode_reply
+from mergebroker.broker.cluster.wire import WireReply, encode_job, encode_reply
 from mergebroker.broker.job_queue import FakeJobQueue
 from mergebroker.broker.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.metrics import Metrics
@@ -130,6 +131,10 @@ async def test_two_workers_split_partitions_and_a_zombie_stops_holding(redis):
     assert a.leases.owned.isdisjoint(b.leases.owned)
     clock.advance(SETTINGS.lease_ms / 1000)  # a cannot renew in time (paused, cut off)
     assert a.leases.owned == frozenset() and a.consumer.streams() == []
+    held = sorted(a.leases._owned)
+    await redis.set(KEYS.lease(held[0]), "wb")  # meanwhile b took one of them
+    await a.leases.renew()  # a's late round keeps what nobody took and gives up the other
+    assert a.leases.owned == frozenset(held[1:])
 
 
 async def test_held_jobs_are_heartbeated_and_a_dead_workers_jobs_are_claimed(redis, frontend):
@@ -208,3 +213,18 @@ async def test_a_frontend_in_cluster_mode_queues_on_redis_and_never_loads_the_si
     frontend = await start_broker({**config, "cluster": {"enabled": True}})
     assert isinstance(frontend.broker.queue, ClusterQueue) and frontend.broker.model_host is None
     assert (await frontend.http.get("/readyz")).status == 200
+
+
+async def test_an_identical_job_read_right_after_an_answer_does_not_take_that_answer_from_its_caller(redis, frontend):
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    first = frontend().submit(chat_job("same question"))
+    while not await node.read():
+        pass
+    job = await next_job(node.queue)
+    (stream, _entry), held = next(iter(node.consumer._held.items()))
+    answer(job, "first")  # the answer is set; the consumer hears of it only on the loop's next turn
+    twin = replace(held.job, correlation_id="twin")
+    node.consumer._accept(stream, b"1-1", encode_job(twin))  # an identical job read in between: a new flight
+    await node.write()
+    assert (await asyncio.wait_for(first, 10)).body["choices"][0]["message"]["content"] == "first"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 from typing import Any
 
@@ -12,7 +13,7 @@ from structlog.testing import capture_logs
 from mergebroker.broker.admission import Caller
 from mergebroker.clock import FakeClock
 from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
-from mergebroker.errors import BrokerError, NotFound
+from mergebroker.errors import BrokerError, DeadlineExceeded, NotFound
 from mergebroker.broker.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.queue import ReleasedGroup
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
@@ -345,3 +346,28 @@ async def test_a_client_leaving_mid_stream_closes_the_upstream_stream(start_brok
     finally:
         await upstream.cleanup()
     assert broker.broker.pools.upstreams[0].in_flight == 0
+
+
+async def test_a_hung_merged_call_leaves_its_members_time_to_be_sent_alone():
+    """The merged call gets half the members' remaining time; when it hangs past that, each is re-sent alone
+    and answered before its own deadline (not a 504 for everyone)."""
+
+    class HangingMerged(FakePool):
+        merged_deadlines: list[float] = []
+
+        async def chat(self, model: str, body: dict[str, Any], **kw: Any) -> tuple[dict[str, Any], str]:
+            if "<request id=" in body["messages"][-1]["content"]:
+                self.merged_deadlines.append(kw["deadline"])
+                raise DeadlineExceeded("the merged call hung until its deadline")
+            return await super().chat(model, body, **kw)
+
+    group = jobs("first question", "second question")
+    now = time.monotonic()
+    for job in group:
+        job.deadline = now + 20
+    pools = HangingMerged()
+    await dispatcher(pools).run_group(ReleasedGroup("t", "k", group, 0.0))
+    results = await outcomes(group)
+    assert [r.fallback for r in results] == ["merged_call_failed"] * 2  # type: ignore[union-attr]
+    assert pools.merged_deadlines and pools.merged_deadlines[0] <= now + 10.5
+    assert sorted(pools.single_calls) == ["first question", "second question"]

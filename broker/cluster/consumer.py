@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,13 +177,13 @@ class StreamConsumer:
             self._jobs["coalesced"].inc()
             return 1
         job = self._chat_job(wire)
-        self._flights[wire.flight_key] = _Flight(job, [held])
+        flight = self._flights[wire.flight_key] = _Flight(job, [held])
         try:
             future = self._queue.submit(job)
         except BrokerError as exc:  # the worker's own hard cap: the front-end hears it as it would in-process
             job.fail(exc)
             future = job.future
-        future.add_done_callback(lambda f, key=wire.flight_key, j=job: self._answered(key, j, f))
+        future.add_done_callback(partial(self._answered, wire.flight_key, flight))
         return 1
 
     def _chat_job(self, wire: WireJob) -> ChatJob:
@@ -194,11 +195,11 @@ class StreamConsumer:
                        prompt_tokens=wire.prompt_tokens, max_tokens=wire.max_tokens,
                        deadline=self._server_clock.to_local(wire.deadline_ms), enqueued_at=now)
 
-    def _answered(self, key: str, job: ChatJob, future: asyncio.Future[ChatOutcome]) -> None:
-        flight = self._flights.get(key)
-        if flight is None or flight.job is not job:
-            return
-        del self._flights[key]
+    def _answered(self, key: str, flight: _Flight, future: asyncio.Future[ChatOutcome]) -> None:
+        """Reply to every entry of `flight`; bound to the flight itself, because a newer flight may own
+        `key` already (an identical job read after this one's answer was set, before this callback ran)."""
+        if self._flights.get(key) is flight:
+            del self._flights[key]
         if future.cancelled():
             error: BrokerError | None = BrokerError("The worker stopped before answering.", status=503)
             outcome = None

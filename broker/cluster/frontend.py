@@ -64,13 +64,13 @@ class ClusterQueue:
         self._outbox: list[ChatJob] = []
         self._outbox_ready = asyncio.Event()
         self._fallback = False
-        self._back = asyncio.Event()  # set when Redis answers again
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         metrics.cluster_fallback.set(0)
 
     @property
     def in_fallback(self) -> bool:
+        """True while Redis is unreachable and jobs go to the local queue."""
         return self._fallback
 
     def submit(self, job: ChatJob) -> asyncio.Future[ChatOutcome]:

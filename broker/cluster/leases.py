@@ -7,7 +7,8 @@ refreshes the worker's entry in the live-workers set and rebalances: a worker ho
 
 A worker that cannot renew (Redis unreachable, the process paused) stops treating its partitions as
 its own once `lease_ms` has passed since its last successful renewal, the moment another worker may
-take them: a zombie stops taking work by itself, without being told.
+take them: a zombie stops taking work by itself, without being told. Its next renewal keeps the
+leases nobody took meanwhile and reports the others lost.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ class PartitionLeases:
         """Extend the leases held, refresh this worker's liveness, then give up or take partitions to its share.
 
         Raises the client's error when Redis is unreachable; the leases then lapse on their own.
+        A late round (a paused process) keeps what it can: `owned` is empty while the leases may have
+        lapsed, and the renewal script extends only keys that still hold this worker's ID, which no other
+        worker can have held in between (it would have written its own ID).
         """
-        if self._clock() >= self._valid_until and self._owned:
-            self._drop(sorted(self._owned), "lost")  # too late: another worker may hold them already
         started = self._clock()
         await self._server_clock.sync(self._redis)
         now_ms = self._server_clock.now_ms()

@@ -53,6 +53,7 @@ class ClusterWorker:
         self._sleep = sleep
         self._clock = clock
         self._last_scan_at = float("-inf")
+        self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._leases_changed = asyncio.Event()
         self._exported: set[tuple[str, str]] = set()
@@ -88,6 +89,10 @@ class ClusterWorker:
 
         Jobs still held are neither answered nor acknowledged: their partition's next owner claims them.
         """
+        self._closed = True  # the reader ends after its current read: cancelling a blocking read is slow
+        reader = {t for t in self._tasks if t.get_name() == "cluster-read"}
+        if reader:
+            await asyncio.wait(reader, timeout=self._read_block_ms() / 1000 + 0.5)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -96,15 +101,19 @@ class ClusterWorker:
         except RedisError:
             pass  # they lapse on their own
 
+    def _read_block_ms(self) -> int:
+        # Short enough that partitions acquired meanwhile are read soon.
+        return min(self._settings.block_ms, self._settings.lease_ms // 3)
+
     async def _read(self) -> None:
-        while True:
+        while not self._closed:
             await self._consumer.wait_for_room()
             try:
                 if not self._consumer.streams():
                     self._leases_changed.clear()
                     await self._leases_changed.wait()
                     continue
-                await self._consumer.read_once(min(self._settings.block_ms, self._settings.lease_ms // 3))
+                await self._consumer.read_once(self._read_block_ms())
             except RedisError as exc:
                 log.warning("cluster_read_failed", error=type(exc).__name__)
                 await self._sleep(RETRY_PAUSE_S)
