@@ -94,6 +94,8 @@ class MergeQueue(Generic[T]):
         self._ready: dict[str, collections.deque[ReleasedGroup[T]]] = {t.name: collections.deque() for t in tiers}
         self._ready_count = dict.fromkeys(self._tiers, 0)
         self._idle_workers: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.hand_off: Callable[[Callable[[], ReleasedGroup[T] | None]], bool] | None = None
+        """Set by the worker pool: dispatches the best released group at once (given `pick`), or says False."""
         self._estimator = WindowEstimator()
         self._closed = False
         if metrics is not None:
@@ -177,6 +179,8 @@ class MergeQueue(Generic[T]):
     def _make_ready(self, tier: str, key: str | None, items: list[T]) -> None:
         self._ready[tier].append(ReleasedGroup(tier, key, items, self._clock()))
         self._ready_count[tier] += len(items)
+        if self._idle_workers and self.hand_off is not None and self.hand_off(self.pick):
+            return  # workers idle (keeping up): the group goes to dispatch now, not one loop step later
         while self._idle_workers:  # wake exactly one idle worker, not all of them
             waiter = self._idle_workers.popleft()
             if not waiter.done():

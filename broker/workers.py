@@ -9,7 +9,8 @@ bounds the groups in dispatch at once (memory, not a throughput limit); a worker
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import collections
+from typing import Any, Callable
 
 import structlog
 
@@ -35,7 +36,8 @@ class WorkerPool:
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatching: set[asyncio.Task[None]] = set()
-        self._room = asyncio.Semaphore(max_dispatching)
+        self._room = max_dispatching  # groups that may still enter dispatch
+        self._room_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._queue_wait: dict[str, Any] = {}  # labelled histogram children by tier, looked up once
 
     def start(self) -> None:
@@ -52,16 +54,42 @@ class WorkerPool:
     async def _run(self) -> None:
         while True:
             group = await self._queue.take()
-            now = self._clock()
-            queue_wait = self._queue_wait.get(group.tier)
-            if queue_wait is None:
-                queue_wait = self._queue_wait[group.tier] = self._metrics.queue_wait.labels(group.tier)
-            for job in group.items:
-                queue_wait.observe(now - job.enqueued_at)
-            await self._room.acquire()
-            task = asyncio.get_running_loop().create_task(self._dispatch(group))
-            self._dispatching.add(task)
-            task.add_done_callback(self._dispatching.discard)
+            self._observe_wait(group)
+            while self._room <= 0:
+                waiter = asyncio.get_running_loop().create_future()
+                self._room_waiters.append(waiter)
+                await waiter
+            self._spawn(group)
+
+    def hand_off(self, pick: Callable[[], Any]) -> bool:
+        """Dispatch the best released group at once, from the releasing caller, when there is room.
+
+        The queue calls this instead of waking an idle worker, which would only do the same one loop
+        step later: a lone request then skips a task switch. `pick()` pops the group, so the queue's
+        priority order still decides. False when there is no room or nothing live to take (wake a worker).
+        """
+        if self._room <= 0:
+            return False
+        group = pick()
+        if group is None or not group.items:
+            return False
+        self._observe_wait(group)
+        self._spawn(group)
+        return True
+
+    def _observe_wait(self, group: Any) -> None:
+        now = self._clock()
+        queue_wait = self._queue_wait.get(group.tier)
+        if queue_wait is None:
+            queue_wait = self._queue_wait[group.tier] = self._metrics.queue_wait.labels(group.tier)
+        for job in group.items:
+            queue_wait.observe(now - job.enqueued_at)
+
+    def _spawn(self, group: Any) -> None:
+        self._room -= 1
+        task = asyncio.get_running_loop().create_task(self._dispatch(group))
+        self._dispatching.add(task)
+        task.add_done_callback(self._dispatching.discard)
 
     async def _dispatch(self, group: Any) -> None:
         try:
@@ -69,7 +97,12 @@ class WorkerPool:
         except Exception:  # noqa: BLE001 - one bad group must not stop the others
             log.exception("dispatch_group_failed", tier=group.tier, size=len(group.items))
         finally:
-            self._room.release()
+            self._room += 1
+            while self._room_waiters:  # wake one worker waiting for room
+                waiter = self._room_waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    break
 
     def alive(self) -> bool:
         """True while every worker task runs (for /readyz)."""
@@ -93,6 +126,7 @@ class LocalJobQueue:
                  clock: Clock = monotonic) -> None:
         self.merge_queue = merge_queue
         self._workers = WorkerPool(merge_queue, dispatcher, size=size, metrics=metrics, clock=clock)
+        merge_queue.hand_off = self._workers.hand_off
 
     def submit(self, job: ChatJob) -> asyncio.Future[ChatOutcome]:
         """Place `job` in its tier's window; raises `Overloaded` past the tier's hard cap."""
