@@ -45,6 +45,8 @@ class BreakerState(enum.Enum):
     OPEN = pybreaker.STATE_OPEN
 
 
+_BY_NAME = {s.value: s for s in BreakerState}  # a dict lookup: calling the Enum class costs more, on every call
+
 STATE_LEVEL = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 """The value of the `breaker_state` gauge for each state."""
 
@@ -179,7 +181,7 @@ class CircuitBreaker:
     @property
     def state(self) -> BreakerState:
         """The current state; an open breaker whose open time has passed becomes half-open here."""
-        state = BreakerState(self._pb.current_state)
+        state = _BY_NAME[self._pb.current_state]
         if state is BreakerState.OPEN and self._clock() >= self._open_until:
             self._move(BreakerState.HALF_OPEN, {"cause": "open_elapsed", "open_s": self._open_s})
             state = BreakerState.HALF_OPEN

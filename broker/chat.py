@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, AsyncIterator, Callable
 
 import structlog
@@ -61,6 +61,12 @@ class CacheControl:
 
 
 _READ_WRITE = CacheControl()
+
+
+@lru_cache(maxsize=4096)
+def _json_name(name: str) -> str:
+    """`name` JSON-encoded for a scope (remembered: the same few tenants and tiers ask on every request)."""
+    return json.dumps(name)
 
 
 class ChatService:
@@ -230,10 +236,10 @@ class ChatService:
         if scope == "global":
             return "global"
         if scope == "tier":
-            return "tier:" + json.dumps(tier.name)
+            return "tier:" + _json_name(tier.name)
         if scope == "user":
             return "user:" + json.dumps([caller.tenant, caller.user or ""])
-        return "tenant:" + json.dumps(caller.tenant)
+        return "tenant:" + _json_name(caller.tenant)
 
     def _cacheable(self, body: dict[str, Any]) -> bool:
         return body.get("temperature") == 0 or self._settings.cache.cache_nondeterministic

@@ -408,8 +408,9 @@ async def _answer_all(jobs: list[ChatJob], work: Awaitable[None]) -> None:
             f"The broker failed while dispatching the request ({type(exc).__name__}).", status=500,
             code="dispatch_failed"))
     else:
-        if _fail_unanswered(jobs, BrokerError("The broker lost track of the request.", status=500,
-                                              code="dispatch_failed")):
+        if any(not j.future.done() for j in jobs):  # the error is built only when needed (rarely)
+            _fail_unanswered(jobs, BrokerError("The broker lost track of the request.", status=500,
+                                               code="dispatch_failed"))
             log.error("dispatch_left_jobs_unanswered", size=len(jobs))
 
 
