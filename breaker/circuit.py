@@ -286,7 +286,10 @@ class CircuitBreaker:
         if outcome is None:
             return
         self._window.record(outcome, ticket.tenant)
-        verdict = judge(self._window.stats(), self._window.by_tenant(), self._settings, trip_reason)
+        overall = self._window.stats()
+        if trip_reason(overall, self._settings) is None:
+            return  # judge would say nothing: skip its per-tenant breakdown, on every healthy call
+        verdict = judge(overall, self._window.by_tenant(), self._settings, trip_reason)
         if verdict.reason is not None:
             self._open(self._open_s, verdict.reason)
         elif verdict.isolate is not None and verdict.isolate not in self._isolated:

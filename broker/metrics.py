@@ -264,11 +264,16 @@ class PoolMetrics:
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}  # `labels()` costs more than counting
 
     def retried(self, provider: str, reason: str) -> None:
         self._metrics.retries.labels(provider, reason).inc()
 
     def called(self, provider: str, outcome: str, latency_s: float | None) -> None:
-        self._metrics.upstream_calls.labels(provider, outcome).inc()
+        pair = self._children.get((provider, outcome))
+        if pair is None:
+            pair = self._children[(provider, outcome)] = (self._metrics.upstream_calls.labels(provider, outcome),
+                                                          self._metrics.upstream_latency.labels(provider))
+        pair[0].inc()
         if latency_s is not None:
-            self._metrics.upstream_latency.labels(provider).observe(latency_s)
+            pair[1].observe(latency_s)
