@@ -125,6 +125,10 @@ def _drop_nulls(mapping: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in mapping.items() if v is not None}
 
 
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+"""`json.dumps` with these options, built once: `dumps` builds a new encoder on every call with options."""
+
+
 def _digest(canonical: dict[str, Any]) -> str:
-    payload = json.dumps(_drop_nulls(canonical), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    payload = _ENCODER.encode(_drop_nulls(canonical))
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
