@@ -14,11 +14,10 @@ threshold opens the breaker for everyone or only refuses the one tenant whose ca
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import sys
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncContextManager, Callable
 
 import pybreaker
 import structlog
@@ -128,6 +127,32 @@ class GuardedCall:
     allowance_s: float = 0.0
 
 
+class _Guard:
+    """`CircuitBreaker.guard()`'s context: a plain class, as it runs around every upstream call
+    (a generator-based context manager costs several times more)."""
+
+    __slots__ = ("_breaker", "_tenant", "_ticket", "_call", "_started")
+
+    def __init__(self, breaker: CircuitBreaker, tenant: str | None) -> None:
+        self._breaker, self._tenant = breaker, tenant
+
+    async def __aenter__(self) -> GuardedCall:
+        breaker = self._breaker
+        self._ticket = breaker._admit(self._tenant)
+        self._call = GuardedCall()
+        self._started = breaker._clock()
+        return self._call
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+        breaker = self._breaker
+        elapsed = breaker._clock() - self._started
+        if exc_type is not None:
+            breaker._settle(self._ticket, classify(exc, elapsed, breaker._settings.slow_call_s))
+            return
+        threshold = breaker._settings.slow_call_s + max(0.0, self._call.allowance_s)
+        breaker._settle(self._ticket, classify(None, elapsed, threshold))
+
+
 class _Relay(pybreaker.CircuitBreakerListener):
     """Turns pybreaker's `state_change` into our transition handling."""
 
@@ -227,24 +252,14 @@ class CircuitBreaker:
         if state is BreakerState.HALF_OPEN and self._probes >= self._settings.half_open_probes:
             raise BreakerOpenError(PROBE_BUSY_RETRY_S, self._name)
 
-    @contextlib.asynccontextmanager
-    async def guard(self, tenant: str | None = None) -> AsyncIterator[GuardedCall]:
+    def guard(self, tenant: str | None = None) -> AsyncContextManager[GuardedCall]:
         """Admit one call for `tenant` (or raise `BreakerOpenError`), then record how the awaited body ended.
 
         Exceptions from the body are re-raised untouched; `CancelledError` and caller-fault errors
         only free the probe slot, if any, and count as neither success nor failure. A success is slow
         past `slow_call_s` plus the `allowance_s` the body set on the yielded `GuardedCall`.
         """
-        ticket = self._admit(tenant)
-        call = GuardedCall()
-        started = self._clock()
-        try:
-            yield call
-        except BaseException as exc:
-            self._settle(ticket, classify(exc, self._clock() - started, self._settings.slow_call_s))
-            raise
-        threshold = self._settings.slow_call_s + max(0.0, call.allowance_s)
-        self._settle(ticket, classify(None, self._clock() - started, threshold))
+        return _Guard(self, tenant)
 
     def record_failure(self, tenant: str | None = None) -> None:
         """Count a failure seen after `guard()` settled (a stream whose upstream died mid-way)."""
