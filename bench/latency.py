@@ -27,9 +27,11 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
+import aiohttp
+
 from bench.harness import (Process, chat_request, closed_loop, cpu_probe_ms, format_table, passthrough_config,
-                           processes_together, results_path, run_meta, sim_base_url, start_broker, start_simulator,
-                           summarize, write_results)
+                           percentile, processes_together, results_path, run_meta, sim_base_url, start_broker,
+                           start_simulator, summarize, write_results)
 from bench.merging import RunSpec, bursts, measure, poisson
 from bench.merging import broker_config as merging_config
 from bench.workloads import hot_question_topics, hot_question_versions, mixed_workload
@@ -38,6 +40,7 @@ ADDED_P50_TARGET_MS = 2.0
 SAVINGS_SHARE_TARGET = 0.95
 EARLY_RELEASE_CUT_TARGET = 0.30
 SEQUENTIAL = ("passthrough", "adaptive", "fixed")
+PARTS = ("sequential", "savings", "early_release", "merged_streams")
 
 
 @dataclass(frozen=True)
@@ -144,13 +147,113 @@ async def call_savings(plan: Plan) -> dict[str, Any]:
         sim.stop()
 
 
+EARLY_SIM = ("--latency-base-ms", "100", "--latency-per-token-ms", "4")  # a steady 250 tokens/s after 100 ms
+EARLY_BATCH = 4
+
+
+def early_config(upstream: str, early: bool) -> dict[str, Any]:
+    """One batch tier that merges any `EARLY_BATCH` requests sent together; early release on or off."""
+    return {"providers": [{"name": "sim", "base_url": upstream, "early_release": early, "max_connections": 64}],
+            "merge": {"embedder": "none"}, "cache": {"enabled": False}, "default_tier": "batch",
+            "tiers": [{"name": "batch", "window_ms": 100, "max_batch": EARLY_BATCH, "similarity_threshold": 0.0,
+                       "window_policy": "fixed"}]}
+
+
+async def early_release(plan: Plan) -> dict[str, Any]:
+    """Part 3: batches of `EARLY_BATCH` distinct prompts sent together, to the simulator directly and to two
+    brokers (early release on, off), in rotating order; each member's latency over its direct latency."""
+    async with processes_together(start_simulator(*EARLY_SIM)) as (sim,):
+        upstream = sim_base_url(sim)
+        async with processes_together(start_broker(early_config(upstream, True)),
+                                      start_broker(early_config(upstream, False))) as (early, whole):
+            urls = {"direct": upstream.removesuffix("/v1"), "early": early.url, "whole": whole.url}
+            latencies: dict[str, list[float]] = {name: [] for name in urls}
+            merged: dict[str, list[bool]] = {name: [] for name in urls}
+            errors = dict.fromkeys(urls, 0)
+            for batch in range(plan.early_batches):
+                run_id = uuid.uuid4().hex[:8]
+                order = list(urls)[batch % 3:] + list(urls)[:batch % 3]
+                for name in order:
+                    send = chat_request(urls[name], sequential_body(run_id))
+                    async with aiohttp.ClientSession() as session:
+                        samples = await asyncio.gather(*(send(session, i) for i in range(EARLY_BATCH)))
+                    latencies[name] += [s.latency_s * 1000 for s in samples]
+                    merged[name] += [s.headers.get("X-Broker-Batch-Size", "1") != "1" for s in samples]
+                    errors[name] += sum(1 for s in samples if s.status != 200)
+    return summarize_early(latencies, merged, errors)
+
+
+def summarize_early(latencies: dict[str, list[float]], merged: dict[str, list[bool]],
+                    errors: dict[str, int]) -> dict[str, Any]:
+    """Mean member latency and mean added over direct (same prompt, same batch), for each release mode."""
+    direct = latencies["direct"]
+    out: dict[str, Any] = {"direct_mean_ms": statistics.fmean(direct) if direct else 0.0,
+                           "description": f"Batches of {EARLY_BATCH} distinct prompts sent together, to the simulator "
+                           f"directly and to two brokers (early release on and off) in rotating order; the simulator "
+                           f"answers after {EARLY_SIM[1]} ms and then streams at {EARLY_SIM[3]} ms per token. Added "
+                           f"latency is each merged member's latency minus the same prompt's direct latency."}
+    for mode in ("early", "whole"):
+        pairs = [(ms, d) for ms, d, m in zip(latencies[mode], direct, merged[mode]) if m]
+        added = [ms - d for ms, d in pairs]
+        out[mode] = {"mean_ms": statistics.fmean(ms for ms, _ in pairs) if pairs else 0.0,
+                     "added_ms": statistics.fmean(added) if added else 0.0,
+                     "p99_ms": percentile([ms for ms, _ in pairs], 99) if pairs else 0.0,
+                     "merged_share": sum(merged[mode]) / len(merged[mode]) if merged[mode] else 0.0,
+                     "errors": errors[mode]}
+    whole = out["whole"]["added_ms"]
+    out["cut"] = 1 - out["early"]["added_ms"] / whole if whole > 0 else 0.0
+    return out
+
+
+async def first_token_ms(session: aiohttp.ClientSession, url: str, question: str) -> float | None:
+    """Milliseconds from sending a streaming request to its first content chunk (None: no content came)."""
+    body = {"model": "sim-small", "stream": True, "messages": [{"role": "user", "content": question}]}
+    started = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"content":"' in line.replace(b'": "', b'":"') \
+                    and b'"content":""' not in line.replace(b'": "', b'":"'):
+                first = (time.perf_counter() - started) * 1000
+                await resp.read()
+                return first
+    return None
+
+
+async def merged_streams(plan: Plan) -> dict[str, Any]:
+    """Part 4: batches of `EARLY_BATCH` streaming requests sent together to a batch-tier broker (merge_streams
+    on) and directly to the simulator; time to first token, and the broker's own figure by batch position."""
+    from bench.merging import scrape, total
+
+    async with processes_together(start_simulator(*EARLY_SIM)) as (sim,):
+        upstream = sim_base_url(sim)
+        async with processes_together(start_broker(early_config(upstream, True))) as (broker,):
+            urls = {"direct": upstream.removesuffix("/v1"), "merged": broker.url}
+            ttft: dict[str, list[float]] = {name: [] for name in urls}
+            async with aiohttp.ClientSession() as session:
+                for batch in range(plan.early_batches):
+                    for name, url in urls.items():
+                        questions = [f"stream {uuid.uuid4().hex[:8]} question {i}" for i in range(EARLY_BATCH)]
+                        got = await asyncio.gather(*(first_token_ms(session, url, q) for q in questions))
+                        ttft[name] += [ms for ms in got if ms is not None]
+            metrics = await scrape(broker.url)
+    by_position = {}
+    for position in range(1, EARLY_BATCH + 1):
+        count = total(metrics, "mergebroker_merged_stream_ttft_seconds_count", position=str(position))
+        seconds = total(metrics, "mergebroker_merged_stream_ttft_seconds_sum", position=str(position))
+        by_position[str(position)] = {"members": count, "mean_ms": 1000 * seconds / count if count else None}
+    return {"batch": EARLY_BATCH, "client_ttft_ms": {n: {"mean": statistics.fmean(v) if v else None,
+                                                        "p50": percentile(v, 50) if v else None,
+                                                        "requests": len(v)} for n, v in ttft.items()},
+            "broker_ttft_by_position": by_position}
+
+
 def _slim(run: dict[str, Any]) -> dict[str, Any]:
     keys = ("requests", "errors", "wrong_answers", "upstream_calls", "merged_calls", "mean_batch_size", "p50_ms",
             "p99_ms", "mean_ms", "queue_wait_ms_mean", "cache_hit_rate", "coalesced_rate")
     return {k: run[k] for k in keys}
 
 
-async def run(plan: Plan, parts: Sequence[str] = ("sequential", "savings")) -> dict[str, Any]:
+async def run(plan: Plan, parts: Sequence[str] = PARTS) -> dict[str, Any]:
     """Every part of `plan` asked for, as the JSON-ready dict written to `latency.json`."""
     started, probe = time.perf_counter(), cpu_probe_ms()
     result: dict[str, Any] = {"plan": asdict(plan)}
@@ -158,6 +261,10 @@ async def run(plan: Plan, parts: Sequence[str] = ("sequential", "savings")) -> d
         result["sequential"] = await sequential(plan)
     if "savings" in parts:
         result["savings"] = await call_savings(plan)
+    if "early_release" in parts:
+        result["early_release"] = await early_release(plan)
+    if "merged_streams" in parts:
+        result["merged_streams"] = await merged_streams(plan)
     result["meta"] = run_meta(started, probe)
     return result
 
@@ -175,6 +282,17 @@ def report(result: dict[str, Any]) -> str:
         lines += [f"{name}: adaptive keeps {part['savings_kept']:.3f} of fixed's call savings",
                   format_table(rows, ["policy", "requests", "upstream_calls", "savings", "mean_batch_size", "p50_ms",
                                       "p99_ms", "errors", "wrong_answers"]), ""]
+    if "early_release" in result:
+        e = result["early_release"]
+        rows = [{"release": m, **{k: round(v, 2) for k, v in e[m].items()}} for m in ("whole", "early")]
+        lines += [f"Early release: merged members' added latency over direct cut by {e['cut']:.3f} "
+                  f"(direct mean {e['direct_mean_ms']:.1f} ms)",
+                  format_table(rows, ["release", "mean_ms", "added_ms", "p99_ms", "merged_share", "errors"]), ""]
+    if "merged_streams" in result:
+        m = result["merged_streams"]
+        rows = [{"position": p, **v} for p, v in m["broker_ttft_by_position"].items()]
+        lines += [f"Merged streams, batches of {m['batch']}: client TTFT {m['client_ttft_ms']}",
+                  format_table(rows, ["position", "members", "mean_ms"]), ""]
     return "\n".join(lines)
 
 
@@ -182,10 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print its tables and write its JSON."""
     parser = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny run (seconds), for the smoke test")
-    parser.add_argument("--part", action="append", choices=("sequential", "savings"), help="run only these parts")
+    parser.add_argument("--part", action="append", choices=PARTS, help="run only these parts")
     parser.add_argument("--out", default=str(results_path("latency.json")), help="JSON output file")
     args = parser.parse_args(argv)
-    result = asyncio.run(run(QUICK if args.quick else FULL, args.part or ("sequential", "savings")))
+    result = asyncio.run(run(QUICK if args.quick else FULL, args.part or PARTS))
     print(report(result))
     write_results(args.out, result)
     print(f"\nwrote {args.out}")

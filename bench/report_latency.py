@@ -53,6 +53,14 @@ def findings(result: dict[str, Any]) -> list[str]:
                    f"{num(e['whole']['added_ms'], 0)} ms when released on the whole reply "
                    f"({pct(e['cut'])} less; mean member latency {num(e['early']['mean_ms'], 0)} ms vs. "
                    f"{num(e['whole']['mean_ms'], 0)} ms, direct {num(e['direct_mean_ms'], 0)} ms).")
+    if "merged_streams" in result:
+        m = result["merged_streams"]
+        by = m["broker_ttft_by_position"]
+        out.append(f"- Merged streams (batches of {m['batch']}): time to first token grows with the position in the "
+                   f"batch, {num(by['1']['mean_ms'], 0)} ms for the first member to {num(by[str(m['batch'])]['mean_ms'], 0)} "
+                   f"ms for the last (client mean {num(m['client_ttft_ms']['merged']['mean'], 0)} ms vs. "
+                   f"{num(m['client_ttft_ms']['direct']['mean'], 0)} ms direct): why `merge_streams` is on for "
+                   f"batch only.")
     return out
 
 
@@ -83,6 +91,18 @@ def sections(result: dict[str, Any], images: dict[str, str]) -> list[str]:
                  e[mode]["errors"]] for mode in ("whole", "early")]
         out += ["### Early release", "", e["description"], "",
                 table(["release", "member mean ms", "mean added over direct (ms)", "member p99 ms", "errors"], rows),
+                ""]
+    if "merged_streams" in result:
+        m = result["merged_streams"]
+        rows = [[p, num(v["members"], 0), num(v["mean_ms"], 0)] for p, v in m["broker_ttft_by_position"].items()]
+        client = m["client_ttft_ms"]
+        out += ["### Merged streams: time to first token by position", "",
+                f"Batches of {m['batch']} streaming requests sent together to a batch-tier broker (`merge_streams` "
+                f"on, early release, same upstream as above) and to the simulator directly. The broker's "
+                f"`mergebroker_merged_stream_ttft_seconds` by position; clients saw {num(client['merged']['mean'], 0)} "
+                f"ms on average (p50 {num(client['merged']['p50'], 0)}) vs. {num(client['direct']['mean'], 0)} ms "
+                f"direct (p50 {num(client['direct']['p50'], 0)}).", "",
+                table(["position in batch", "members", "mean time to first token (ms, from the call's start)"], rows),
                 ""]
     return out
 

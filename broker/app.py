@@ -318,4 +318,4 @@ def _upstream(p: ProviderSettings, breaker: CircuitBreaker, clock: Clock, defaul
     provider = _provider(p, default_max_tokens)
     limiter = UpstreamLimiter(p.rpm, p.tpm, clock=clock) if (p.rpm or p.tpm) else None
     return Upstream(provider, models=tuple(p.models), weight=p.weight, breaker=breaker, limiter=limiter,
-                    max_in_flight=p.max_in_flight, token_rate=p.token_rate)
+                    max_in_flight=p.max_in_flight, token_rate=p.token_rate, streams_merged=p.releases_early)

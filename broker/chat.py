@@ -34,6 +34,8 @@ from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
 
+_STREAM_FIELDS = ("stream", "stream_options")
+
 
 @dataclass(frozen=True)
 class ChatResult:
@@ -207,17 +209,20 @@ class ChatService:
         child.inc()
 
     def _job(self, caller: Caller, tier: TierSettings, scope: str, request_id: str, body: dict[str, Any],
-             deadline: float, prompt_tokens: int, max_tokens: int, merge_opt_out: bool) -> ChatJob:
-        shape = None if merge_opt_out or not tier.merge or not self._settings.merge.enabled else merge_shape(body)
+             deadline: float, prompt_tokens: int, max_tokens: int, merge_opt_out: bool, *,
+             stream: bool = False) -> ChatJob:
+        # A stream is judged as the same request without its delivery fields; it merges only with streams.
+        shaped = {k: v for k, v in body.items() if k not in _STREAM_FIELDS} if stream else body
+        shape = None if merge_opt_out or not tier.merge or not self._settings.merge.enabled else merge_shape(shaped)
         merge_key = None
         if shape is not None:
-            merge_key = compatibility_key(body, shape, scope_value=scope,
-                                          include_system=tier.system_prompts == "exact")
+            merge_key = compatibility_key(shaped, shape, scope_value=scope,
+                                          include_system=tier.system_prompts == "exact") + ("|stream" if stream else "")
         now = self._clock()
         return ChatJob(request_id=request_id, caller=caller, body=body, model=body["model"],
                        priority=aged_rank(tier.priority, now, self._settings.server.aging_per_s),
                        shape=shape, merge_key=merge_key, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                       deadline=deadline, enqueued_at=now)
+                       deadline=deadline, enqueued_at=now, stream=stream)
 
     def _scope(self, caller: Caller, tier: TierSettings) -> str:
         # Names are JSON-encoded: a tenant or user containing ':' must not spell another's scope.
@@ -233,22 +238,41 @@ class ChatService:
     def _cacheable(self, body: dict[str, Any]) -> bool:
         return body.get("temperature") == 0 or self._settings.cache.cache_nondeterministic
 
-    async def stream(self, caller: Caller, body: dict[str, Any], *, timeout_s: float | None
-                     ) -> tuple[AsyncIterator[bytes], str, Reservation]:
-        """Open an upstream stream for a streaming request (dispatched alone, never merged)."""
+    async def stream(self, caller: Caller, body: dict[str, Any], *, timeout_s: float | None,
+                     request_id: str = "", merge_opt_out: bool = False
+                     ) -> tuple[AsyncIterator[bytes], ChatOutcome, Reservation]:
+        """Open a stream for a streaming request: its own upstream stream, or, in a tier with
+        `merge_streams`, its block of a merged call (queued like any mergeable request)."""
         tier = self._tiers[caller.tier]
         deadline = self._clock() + tier.timeout_for(timeout_s)
         self.check_fast_fail(body["model"])
         reservation, prompt_tokens, max_tokens = await self.admit(caller, body)
         try:
+            if not merge_opt_out and self._streams_merge(tier, body):
+                job = self._job(caller, tier, self._scope(caller, tier), request_id, body, deadline, prompt_tokens,
+                                 max_tokens, False, stream=True)
+                async with self._clock.timeout_at(deadline):
+                    outcome = await self._queue.submit(job)
+                return outcome.stream, outcome, reservation  # type: ignore[return-value]
             chunks, provider = await self._pools.stream_chat(body["model"], body, deadline=deadline,
                                                              priority=aged_rank(tier.priority, self._clock(),
                                                                                 self._settings.server.aging_per_s),
                                                              tokens=prompt_tokens + max_tokens, tenant=caller.tenant)
+        except TimeoutError:
+            await reservation.settle(0)
+            self._metrics.rejected.labels(caller.tier, "deadline").inc()
+            raise DeadlineExceeded(f"The stream did not start within its deadline in tier '{tier.name}'.") from None
         except BaseException:
             await reservation.settle(0)
             raise
-        return chunks, provider, reservation
+        return chunks, ChatOutcome({}, provider, 0.0), reservation
+
+    def _streams_merge(self, tier: TierSettings, body: dict[str, Any]) -> bool:
+        """Whether a streaming request may wait for merge partners: the tier allows it, the upstreams take
+        merged calls as streams, no stop sequences (they would have to be held back too), not cluster mode."""
+        return (tier.streams_merge and tier.merge and self._settings.merge.enabled
+                and not self._settings.cluster.enabled and not body.get("stop")
+                and self._pools.streams_merged(body["model"]))
 
 
 def prompt_estimate_needed(settings: Settings) -> bool:

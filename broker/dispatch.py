@@ -28,8 +28,12 @@ from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.quality_guard import QualityGuard
-from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, Settlement,
-                                      every_member, member_request_text, settle, settle_call_error)
+from mergebroker.broker.early_release import (CountedUsage, StreamCall, StreamedMembers, StreamedReply, settle_usage,
+                                              stream_blocks)
+from mergebroker.broker.member_stream import MemberStream
+from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, BlockVerdict, SettleMember, SettleOptions,
+                                      Settlement, apply_stop, apportion_reported, every_member, member_request_text,
+                                      settle, settle_call_error)
 from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
@@ -173,6 +177,9 @@ class Dispatcher:
         """Send one request on its own and resolve its future."""
         started = self._clock()
         deadline = job.mark_sent()  # from here on followers no longer extend it
+        if job.stream:
+            await self._run_single_stream(job, deadline)
+            return
         try:
             body, provider = await self._pools.chat(job.model, job.body, deadline=deadline,
                                                     priority=job.priority, tokens=job.prompt_tokens + job.max_tokens,
@@ -184,6 +191,20 @@ class Dispatcher:
             log.exception("dispatch_failed", request_id=job.request_id)
             job.fail(UpstreamError(f"Internal error while dispatching: {type(exc).__name__}"))
 
+    async def _run_single_stream(self, job: ChatJob, deadline: float) -> None:
+        """A streaming request that found no partner: its own upstream stream, relayed as it comes."""
+        started = self._clock()
+        try:
+            chunks, provider = await self._pools.stream_chat(job.model, job.body, deadline=deadline,
+                                                             priority=job.priority,
+                                                             tokens=job.prompt_tokens + job.max_tokens)
+        except BrokerError as exc:
+            job.fail(exc)
+            return
+        job.resolve(ChatOutcome({}, provider, self._clock() - started, stream=chunks))
+        if job.future.cancelled():  # the caller left meanwhile: free the upstream slot now
+            await chunks.aclose()  # type: ignore[attr-defined]
+
     async def _run_merged(self, tier: str, jobs: list[ChatJob]) -> None:
         by_id = dict(zip(new_batch_ids(len(jobs)), jobs))
         batch_id = "b_" + uuid.uuid4().hex[:12]
@@ -192,13 +213,19 @@ class Dispatcher:
         body = self._merged_body(by_id, tagged)
         deadline = min([j.mark_sent() for j in jobs])
         members = [_settle_member(i, j, tagged) for i, j in by_id.items()]
+        prompt_estimate = estimate_prompt_tokens(body["messages"])
+        if first.stream or self._pools.streams_merged(first.model):
+            # Bounded like a plain merged call, so a hung stream leaves time to re-send its open members alone.
+            call = StreamCall(first.model, body, merged_call_deadline(self._clock(), deadline), first.priority,
+                              prompt_estimate + body["max_tokens"], stream=first.stream)
+            await self._run_streamed(tier, call, by_id, members, prompt_estimate, batch_id)
+            return
         started = self._clock()
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
             tenants = {j.caller.tenant for j in jobs}  # blame goes to one tenant only (breaker.blame)
             reply, provider = await self._pools.chat(first.model, body, deadline=merged_call_deadline(started, deadline),
-                                                     priority=first.priority,
-                                                     tokens=estimate_prompt_tokens(body["messages"]) + body["max_tokens"],
+                                                     priority=first.priority, tokens=prompt_estimate + body["max_tokens"],
                                                      tenant=tenants.pop() if len(tenants) == 1 else None)
         except BrokerError as exc:
             settlement = settle_call_error(exc, members)
@@ -217,6 +244,105 @@ class Dispatcher:
         shared = ChatOutcome({}, provider, self._clock() - started, batch_size=len(by_id), batch_id=batch_id)
         retry_alone = self._execute(tier, reply, shared, by_id, settlement)
         await asyncio.gather(*(self.run_single(job, fallback=reason) for job, reason in retry_alone))
+
+    async def _run_streamed(self, tier: str, call: StreamCall, by_id: dict[str, ChatJob],
+                            members: list[SettleMember], prompt_estimate: int, batch_id: str) -> None:
+        """Early release: the merged call streams, and each member is answered the moment its block closes
+        and passes its checks (usage counted); the ledger settles with the reported usage at the end."""
+        started, counted, stops = self._clock(), CountedUsage(prompt_estimate, members), {m.id: m.stop for m in members}
+        answers: dict[str, str] = {}
+        settled: dict[str, asyncio.Future[dict[str, int]]] = {}
+        retry_alone: list[asyncio.Future[None]] = []
+        streams = self._streamed_members(by_id, members, batch_id) if call.stream else None
+
+        def on_verdict(member_id: str, verdict: BlockVerdict, reply: StreamedReply) -> None:
+            job = by_id[member_id]
+            if streams is not None:
+                usage = counted.usage(member_id, verdict.answer) if verdict.answer is not None else None
+                if verdict.answer is not None:
+                    answers[member_id] = verdict.answer
+                if not streams.close(member_id, verdict, usage):
+                    self._count_fallback(verdict.reason or BAD_REPLY, 1)
+                return
+            if verdict.answer is None:
+                self._count_fallback(verdict.reason or BAD_REPLY, 1)
+                log.info("split_fallback", batch_id=batch_id, reason=verdict.reason, request_id=job.request_id)
+                retry_alone.append(asyncio.ensure_future(self.run_single(job, fallback=verdict.reason)))
+                return
+            text = answers[member_id] = apply_stop(verdict.answer, stops[member_id])
+            settled[member_id] = asyncio.get_running_loop().create_future()
+            body = member_completion(reply.meta, text, counted.usage(member_id, text), model=job.model)
+            job.resolve(ChatOutcome(body, reply.provider, self._clock() - started, batch_size=len(by_id),
+                                    batch_id=batch_id, settled_usage=settled[member_id]))
+            if self._on_merged_answer is not None:
+                self._on_merged_answer(job, text, len(by_id))
+            if self._metrics:
+                self._metrics.early_released.labels(tier).inc()
+
+        structlog.contextvars.bind_contextvars(batch_id=batch_id)
+        try:
+            reply = await stream_blocks(self._pools, call, members, SettleOptions(self._options.leak_min_words),
+                                        on_verdict, clock=self._clock, on_delta=streams.feed if streams else None)
+        except BrokerError as exc:  # before the first chunk: as a failed merged call
+            settlement = settle_call_error(exc, members)
+            if streams is not None:
+                streams.fail_all(settlement.errors)
+                return
+            shared = ChatOutcome({}, "", self._clock() - started, batch_size=len(by_id), batch_id=batch_id)
+            retry_alone += [asyncio.ensure_future(self.run_single(job, fallback=reason))
+                            for job, reason in self._execute(tier, {}, shared, by_id, settlement)]
+        else:
+            failed = {i: "streamed" for i in by_id if i not in answers}
+            self._record_guard(by_id, Settlement(fallbacks=failed, needed_fallback=bool(failed)))
+            usage = apportion_reported(reply.usage, members, answers) if reply.usage else {
+                i: counted.usage(i, text) for i, text in answers.items()}
+            settle_usage(settled, usage)
+            self._count_merged(tier, len(by_id), answers, members, reply.usage)
+        finally:
+            structlog.contextvars.unbind_contextvars("batch_id")
+            settle_usage(settled, {i: counted.usage(i, text) for i, text in answers.items()})  # never left open
+        if streams is not None:
+            self._observe_first_tokens(streams)
+            retry_alone += streams.resent
+        await asyncio.gather(*retry_alone)
+
+    def _streamed_members(self, by_id: dict[str, ChatJob], members: list[SettleMember],
+                          batch_id: str) -> StreamedMembers:
+        """Merged streams: every member answered at once with its own stream, fed as the reply streams."""
+        streams = StreamedMembers(by_id, {m.id: m.request_text for m in members},
+                                  hold_words=self._options.leak_min_words, resend_alone=self._stream_alone,
+                                  include_usage={i: bool((j.body.get("stream_options") or {}).get("include_usage"))
+                                                 for i, j in by_id.items()}, clock=self._clock)
+        for member_id, stream in streams.outcome_streams().items():
+            by_id[member_id].resolve(ChatOutcome({}, None, 0.0, batch_size=len(by_id), batch_id=batch_id,
+                                                 stream=stream))
+        return streams
+
+    async def _stream_alone(self, job: ChatJob, stream: MemberStream) -> None:
+        """Re-send a streamed member alone and switch its stream over to the new one."""
+        try:
+            chunks, _ = await self._pools.stream_chat(job.model, job.body, deadline=job.deadline,
+                                                      priority=job.priority, tokens=job.prompt_tokens + job.max_tokens)
+        except BrokerError as exc:
+            stream.fail(exc)
+            return
+        stream.switch_to(chunks)
+
+    def _observe_first_tokens(self, streams: StreamedMembers) -> None:
+        if self._metrics:
+            for position, seconds in streams.first_tokens():
+                self._metrics.merged_stream_ttft.labels(str(position)).observe(seconds)
+
+    def _count_merged(self, tier: str, size: int, answers: dict[str, str], members: list[SettleMember],
+                      usage: dict[str, Any] | None) -> None:
+        """The merge counters of a streamed call (as `_execute` counts a whole reply's)."""
+        if not self._metrics or not answers:
+            return
+        self._metrics.merged_requests.labels(tier).inc(len(answers))
+        self._metrics.upstream_calls_saved.inc(size - 1)
+        sent = (usage or {}).get("prompt_tokens")
+        if isinstance(sent, int):
+            self._metrics.tokens_saved.inc(max(0, sum(m.alone_prompt_tokens for m in members) - sent))
 
     def _merged_body(self, by_id: dict[str, ChatJob], tagged: bool) -> dict[str, Any]:
         """The combined request: the first member's parameters, one tagged block per member."""

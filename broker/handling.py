@@ -73,6 +73,7 @@ async def complete_chat(broker: Broker, info: RequestInfo, caller: Caller, parse
     usage = outcome.body.get("usage") or {}
     info.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     info.completion_tokens = int(usage.get("completion_tokens") or 0)
+    info.usage_settles = outcome.settled_usage
     info.alone_prompt_tokens = result.prompt_estimate
     return result
 

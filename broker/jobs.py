@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 from mergebroker.broker.admission import Caller
 from mergebroker.merge.shape import MergeShape
@@ -31,6 +31,12 @@ class ChatOutcome:
     batch_size: int = 1
     batch_id: str | None = None
     fallback: str | None = None  # why a merged member was re-sent alone, if it was
+    # Released early (before the merged reply ended): the usage apportioned from the provider's report,
+    # once it arrives; the body's usage is counted. The ledger waits for it (broker.middleware).
+    settled_usage: asyncio.Future[dict[str, int]] | None = field(default=None, compare=False, repr=False)
+    # A streaming request's answer: SSE event bytes to relay (its own upstream stream, or its block of a
+    # merged one, `broker.member_stream`); `body` is empty then.
+    stream: AsyncIterator[bytes] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(eq=False)
@@ -49,6 +55,7 @@ class ChatJob:
     deadline: float  # only `extend_deadline` changes it, and only until `mark_sent`
     enqueued_at: float
     dispatched: bool = False  # only `mark_sent` sets it
+    stream: bool = False  # a streaming request (merged streams): its outcome carries a stream
     future: asyncio.Future[ChatOutcome] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     @property

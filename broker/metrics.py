@@ -144,6 +144,11 @@ class Metrics:
         self.window_decisions = Counter(p + "window_decisions", "Requests that opened a merge window (wait) or were "
                                         "sent at once because no partner was likely (skip), by tier.",
                                         ["tier", "decision"], registry=r)
+        self.early_released = Counter(p + "early_released", "Merged members answered as soon as their block "
+                                      "closed, before the merged reply ended, by tier.", ["tier"], registry=r)
+        self.merged_stream_ttft = Histogram(p + "merged_stream_ttft_seconds", "Time to first token of streamed "
+                                            "members of a merged call, by position in the batch.", ["position"],
+                                            registry=r)
 
     def model_label(self, model: str) -> str:
         """The `model` label value for `model`: the name itself for the first `max_model_labels` distinct

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import time
 import weakref
@@ -21,7 +22,7 @@ import structlog
 from aiohttp import web
 
 from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
-from mergebroker.broker.ledger import LedgerRecord, saved_tokens
+from mergebroker.broker.ledger import Ledger, LedgerRecord, saved_tokens
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.drain import DRAIN
 from mergebroker.broker.server import CONNECTIONS
@@ -48,6 +49,7 @@ class RequestInfo:
     completion_tokens: int = 0
     alone_prompt_tokens: int = 0
     response: web.StreamResponse | None = None  # a handler's own (streamed) response, once created
+    usage_settles: asyncio.Future[dict[str, int]] | None = None  # released early: its reported usage, later
     stream_error: BrokerError | None = None  # what ended a stream whose headers were already sent
 
 
@@ -147,7 +149,7 @@ def record_request(broker: Broker | None, info: RequestInfo, endpoint: str, stat
         requests.inc()
         latency.observe(elapsed)
     if broker is not None and broker.ledger is not None and endpoint != "models":
-        broker.ledger.record(ledger_record(info, endpoint, status, elapsed))
+        _record(broker.ledger, info, endpoint, status, elapsed)
     log.info("request", endpoint=endpoint, status=sent_status or status, tenant=info.tenant, tier=info.tier,
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
              batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache,
@@ -173,6 +175,18 @@ def _request_metrics(metrics: Metrics, endpoint: str, tier: str, status: int) ->
         pair = children[key] = (metrics.requests.labels(endpoint, tier, str(status)),
                                 metrics.request_latency.labels(endpoint, tier))
     return pair
+
+
+def _record(ledger: Ledger, info: RequestInfo, endpoint: str, status: int, elapsed: float, *_: Any) -> None:
+    """Write the request's ledger record; a member released early waits for the merged call's reported usage."""
+    settles = info.usage_settles
+    if settles is not None and not settles.done():
+        settles.add_done_callback(functools.partial(_record, ledger, info, endpoint, status, elapsed))
+        return
+    if settles is not None and not settles.cancelled() and settles.exception() is None:
+        usage = settles.result()
+        info.prompt_tokens, info.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+    ledger.record(ledger_record(info, endpoint, status, elapsed))
 
 
 def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float) -> LedgerRecord:

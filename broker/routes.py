@@ -77,7 +77,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     caller = with_body_options(broker, info, request.headers, known, parsed)
     check_chat_model(broker, info, parsed)
     if parsed.stream:
-        return await _stream(request, broker, caller, body, parsed.broker.timeout_s if parsed.broker else None)
+        options = parsed.broker
+        return await _stream(request, broker, caller, body, options.timeout_s if options else None,
+                             bool(options and options.merge is False))
     result = await complete_chat(broker, info, caller, parsed, body,
                                  CacheControl.from_header(request.headers.get("Cache-Control")))
     return web.Response(body=jsonio.dumps(result.outcome.body), content_type="application/json",
@@ -85,21 +87,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, broker: Broker, caller: Caller, body: dict[str, Any],
-                  timeout_s: float | None) -> web.StreamResponse:
-    """Relay an upstream stream. Errors before the first byte leave as ordinary error responses; once the
-    response is prepared, an error ends the stream with one SSE `error` event (no `[DONE]`)."""
+                  timeout_s: float | None, merge_opt_out: bool) -> web.StreamResponse:
+    """Relay an upstream stream (or a merged member's own stream). Errors before the first byte leave as
+    ordinary error responses; once the response is prepared, an error ends the stream with one SSE `error`
+    event (no `[DONE]`)."""
     info = request[INFO]
     before_upstream = time.perf_counter()
-    chunks, _, reservation = await broker.chat.stream(caller, body, timeout_s=timeout_s)
+    chunks, outcome, reservation = await broker.chat.stream(caller, body, timeout_s=timeout_s,
+                                                            request_id=info.request_id, merge_opt_out=merge_opt_out)
     # No await between here and the `try`: the stream and the reservation are released on every path.
     spent = reservation.tokens  # unless the stream reports its usage, keep the reservation as spent
     response = info.response = web.StreamResponse()  # noted, so the middleware never answers twice
     try:
         info.upstream_s = time.perf_counter() - before_upstream  # until the first chunk
-        info.batch_size, info.cache = 1, "miss"
+        info.batch_size, info.batch_id, info.cache = outcome.batch_size, outcome.batch_id, "miss"
+        if outcome.batch_id:
+            response.headers["X-Broker-Batch-Id"] = outcome.batch_id
         response.headers.update({
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-ID": info.request_id,
-            "X-Broker-Batch-Size": "1", "X-Broker-Cache": "miss",
+            "X-Broker-Batch-Size": str(outcome.batch_size), "X-Broker-Cache": "miss",
             "X-Broker-Overhead-Ms": f"{(before_upstream - info.started) * 1000:.2f}", **reservation.headers()})
         await response.prepare(request)
         spent = await _relay(response, chunks, spent)

@@ -79,6 +79,9 @@ class ProviderSettings(_Strict):
     rpm: int | None = Field(None, gt=0)
     tpm: int | None = Field(None, gt=0)
     warmup_connections: int = Field(0, ge=0)
+    early_release: bool | None = Field(
+        None, description="Request merged calls as streams and answer each member as its block closes; default on "
+                          "for the OpenAI-compatible kinds (openai, azure); false for an upstream that cannot stream.")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     anthropic_version: str = Field("2023-06-01", min_length=1, description="kind anthropic: anthropic-version header.")
     model_map: dict[str, str] = Field(default_factory=dict,
@@ -96,6 +99,11 @@ class ProviderSettings(_Strict):
         if self.deployments and self.kind != "azure":
             raise ValueError(f"providers.{self.name}.deployments: only for kind 'azure'")
         return self
+
+    @property
+    def releases_early(self) -> bool:
+        """`early_release`, defaulting to on for the OpenAI-compatible kinds."""
+        return self.early_release if self.early_release is not None else self.kind in ("openai", "azure")
 
 
 HTTP_PROVIDER_KINDS = ("openai", "anthropic", "azure")
@@ -130,6 +138,14 @@ class TierSettings(_Strict):
         "adaptive", description="adaptive: a request that likely gets no partner within the window is sent at once.")
     window_min_partners: float = Field(
         0.1, ge=0, description="adaptive: wait only when at least this many partners are expected in the window.")
+    merge_streams: bool | None = Field(
+        None, description="stream: true requests may merge, each member streaming its own block (default: on for "
+                          "batch only, since a later member's first token waits for the earlier blocks).")
+
+    @property
+    def streams_merge(self) -> bool:
+        """Whether streaming requests of this tier may merge (`merge_streams`; default: the batch tier only)."""
+        return self.merge_streams if self.merge_streams is not None else self.name == "batch"
 
     @property
     def queue_hard_cap(self) -> int:

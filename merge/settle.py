@@ -144,6 +144,12 @@ def apply_stop(text: str, stop: str | list[str] | None) -> str:
     return text[:cut]
 
 
+def apportion_reported(usage: Any, members: Sequence[SettleMember],
+                       answers: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    """Each member's share of a merged call's reported `usage` (the rule `settle` applies), weighed by `answers`."""
+    return _apportion({"usage": usage}, members, answers)
+
+
 def _apportion(reply: Any, members: Sequence[SettleMember], good: Mapping[str, str]) -> dict[str, dict[str, int]]:
     usage = _usage(reply)
     prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))

@@ -67,9 +67,13 @@ class Pool(Protocol):
       raw SSE chunks and the provider name.
     - `fast_fail_after(model)`: seconds until the next probe when every upstream of `model` is open
       (the caller is refused at once), else None.
+    - `streams_merged(model)`: whether merged calls for `model` may be requested as streams (early
+      release), i.e. every upstream that could take the call streams.
     """
 
     def fast_fail_after(self, model: str) -> float | None: ...
+
+    def streams_merged(self, model: str) -> bool: ...
 
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
                    tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]: ...

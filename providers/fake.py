@@ -93,6 +93,9 @@ class FakePool:
     def fast_fail_after(self, model: str) -> float | None:
         return self.fast_fail
 
+    def streams_merged(self, model: str) -> bool:
+        return False  # merged replies come whole: tests shape them as one body
+
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
                    tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
         text = body["messages"][-1]["content"]

@@ -78,6 +78,7 @@ class Upstream:
     limiter: UpstreamLimiter | None = None
     max_in_flight: int | None = None
     token_rate: float = 50.0
+    streams_merged: bool = False  # merged calls may be requested as streams (early release)
     in_flight: int = 0
     _current_weight: int = 0
     _slots: asyncio.Semaphore | None = field(default=None, repr=False)
@@ -157,6 +158,11 @@ class ProviderPools:
     def serves(self, model: str) -> bool:
         """True when some upstream serves `model`."""
         return bool(self.for_model(model))
+
+    def streams_merged(self, model: str) -> bool:
+        """True when every upstream of `model` takes merged calls as streams (so any failover target can)."""
+        upstreams = self.for_model(model)
+        return bool(upstreams) and all(u.streams_merged for u in upstreams)
 
     def explicit_models(self) -> list[str]:
         """Model names configured without wildcards, sorted."""

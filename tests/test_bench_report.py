@@ -165,8 +165,11 @@ def latency_fixture() -> dict[str, Any]:
     early = {"description": "Steady stream.", "direct_mean_ms": 400.0, "cut": 0.4,
              "whole": {"mean_ms": 900.0, "added_ms": 500.0, "p99_ms": 1000.0, "errors": 0},
              "early": {"mean_ms": 700.0, "added_ms": 300.0, "p99_ms": 990.0, "errors": 0}}
+    streams = {"batch": 2, "client_ttft_ms": {"direct": {"mean": 120.0, "p50": 110.0, "requests": 8},
+                                              "merged": {"mean": 300.0, "p50": 280.0, "requests": 8}},
+               "broker_ttft_by_position": {"1": {"members": 4, "mean_ms": 150.0}, "2": {"members": 4, "mean_ms": 420.0}}}
     return {"plan": {"sequential_requests": 300, "rounds": 3}, "sequential": {"summary": seq, "runs": [], "errors": 0},
-            "savings": savings, "early_release": early, "meta": META}
+            "savings": savings, "early_release": early, "merged_streams": streams, "meta": META}
 
 
 FIXTURES = {"passthrough": passthrough_fixture, "tiers": tiers_fixture, "chaos": chaos_fixture,
@@ -333,3 +336,6 @@ def test_latency_targets_put_old_beside_new() -> None:
     assert "| 12 | standard bursts: adaptive windows' call savings / fixed windows' | >= 0.95 | 0.90 | **missed** |" in text
     assert "| 12 | merged members' mean added latency over direct: cut by early release | >= 0.3 | 0.40 | met |" in text
     assert "0.40 ms added instead of 50.10 ms" in text
+    assert "| 2 | 4 | 420 |" in text  # time to first token by position in the batch
+    text = render({"passthrough": passthrough_fixture()}, {})
+    assert "| 12 | broker throughput / minimal proxy's, concurrency 1 | >= 0.7 |" in text

@@ -1,0 +1,111 @@
+"""One streamed member of a merged call: its own SSE stream of its own block.
+
+The dispatcher feeds a `MemberStream` while the merged reply streams (`release` text that passed the
+leak checks, then `finish`); the HTTP handler iterates it and gets ready-to-send SSE events in OpenAI's
+`chat.completion.chunk` shape, with an ID of the member's own. Nothing is sent before the first text, so
+a member whose block fails before any of its text was released can `switch_to` a stream of its own
+(re-sent alone) and the client sees one ordinary stream, with no seam. `end_filtered` ends a stream
+whose block turned out to leak another member's text with `finish_reason: "content_filter"`; `fail`
+ends it with one SSE error event.
+
+Every method is safe to call after the stream ended (the first ending wins), and from the loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from mergebroker import jsonio
+from mergebroker.errors import BrokerError
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class MemberStream:
+    """A merged member's stream (see the module docstring); iterate it for SSE event bytes."""
+
+    def __init__(self, *, model: str, include_usage: bool) -> None:
+        self._items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._id = "chatcmpl-" + uuid.uuid4().hex[:24]
+        self._model = model
+        self._created = int(time.time())
+        self._include_usage = include_usage
+        self.sent_text = False  # some of the member's text has been released to it
+        self.ended = False
+        self._relayed: AsyncIterator[bytes] | None = None
+
+    def release(self, text: str) -> None:
+        """Send `text` (already checked) to the member."""
+        if text and not self.ended:
+            self.sent_text = True
+            self._items.put_nowait(("text", text))
+
+    def finish(self, finish_reason: str, usage: dict[str, int] | None = None) -> None:
+        """End the stream normally (`stop`, `length`) or filtered (`content_filter`)."""
+        self._end("finish", (finish_reason, usage))
+
+    def end_filtered(self) -> None:
+        """End the stream because its block leaked another member's text."""
+        self.finish("content_filter")
+
+    def fail(self, exc: BrokerError) -> None:
+        """End the stream with one SSE error event."""
+        self._end("error", exc)
+
+    def switch_to(self, chunks: AsyncIterator[bytes]) -> None:
+        """Relay `chunks` (the member's own upstream stream) instead; only before any text was sent."""
+        if self.sent_text:
+            raise RuntimeError("switch_to after text was sent")
+        self._relayed = chunks
+        self._end("relay", chunks)
+
+    def _end(self, kind: str, value: Any) -> None:
+        if not self.ended:
+            self.ended = True
+            self._items.put_nowait((kind, value))
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        started = False
+        while True:
+            kind, value = await self._items.get()
+            if kind == "relay":
+                async for chunk in value:
+                    yield chunk
+                return
+            if not started and kind in ("text", "finish"):
+                started = True
+                yield self._chunk({"role": "assistant", "content": ""})
+            if kind == "text":
+                yield self._chunk({"content": value})
+            elif kind == "finish":
+                finish_reason, usage = value
+                yield self._chunk({}, finish_reason)
+                if self._include_usage and usage is not None:
+                    yield self._event({"choices": [], "usage": usage})
+                yield _DONE
+                return
+            else:
+                yield b"data: " + jsonio.dumps(value.body()) + b"\n\n"
+                return
+
+    async def aclose(self) -> None:
+        """Stop: a relayed stream of its own is closed (the merged call belongs to the dispatcher)."""
+        self.ended = True
+        aclose = getattr(self._relayed, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        return self._event({"choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]})
+
+    def _event(self, fields: dict[str, Any]) -> bytes:
+        chunk = {"id": self._id, "object": "chat.completion.chunk", "created": self._created, "model": self._model,
+                 **fields}
+        return b"data: " + jsonio.dumps(chunk) + b"\n\n"
