@@ -249,3 +249,12 @@ async def test_a_stopping_worker_gives_its_partitions_back_and_finishes_the_jobs
     answer(job, "finished while stopping")
     assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "finished while stopping"
     await asyncio.wait_for(stopping, 10)
+
+
+async def test_a_streaming_job_merges_on_its_frontend_because_a_stream_cannot_cross_redis(redis, frontend):
+    fe = frontend()
+    job = chat_job("streamed")
+    job.stream = True
+    fe.submit(job)
+    local: FakeJobQueue = fe._local  # type: ignore[assignment]
+    assert local.jobs == [job] and fe._outbox == []
