@@ -74,7 +74,7 @@ async def start_worker(settings: Settings, *, clock: Clock = monotonic, sleep: S
 
 
 async def stop_worker(worker: Worker) -> None:
-    """Give the partitions back, then stop the broker parts (jobs still held are claimed by the next owner)."""
+    """Give the partitions back and finish the jobs held, then stop the broker parts."""
     await worker.cluster.stop()
     await worker.redis.aclose()
     await stop_broker(worker.broker)

@@ -228,3 +228,33 @@ async def test_an_identical_job_read_right_after_an_answer_does_not_take_that_an
     node.consumer._accept(stream, b"1-1", encode_job(twin))  # an identical job read in between: a new flight
     await node.write()
     assert (await asyncio.wait_for(first, 10)).body["choices"][0]["message"]["content"] == "first"
+
+
+async def test_a_stopping_worker_gives_its_partitions_back_and_finishes_the_jobs_it_holds(redis, frontend):
+    from mergebroker.broker.cluster.worker import ClusterWorker
+
+    queue, metrics, server_clock = FakeJobQueue(), Metrics(), ServerClock()
+    leases = PartitionLeases(redis, KEYS, "w1", partitions=SETTINGS.partitions, lease_ms=SETTINGS.lease_ms,
+                             server_clock=server_clock)
+    consumer = StreamConsumer(redis, queue, keys=KEYS, settings=SETTINGS, tiers=default_tiers(), leases=leases,
+                              server_clock=server_clock, consumer_id="w1", aging_per_s=10.0, metrics=metrics)
+    worker = ClusterWorker(redis, consumer, leases, keys=KEYS, settings=SETTINGS, metrics=metrics)
+    worker.start()
+    future = frontend().submit(chat_job("asked just before a rolling restart"))
+    job = await next_job(queue)  # read by the worker's own loop, now in progress
+    stopping = asyncio.ensure_future(worker.stop())
+    while await redis.exists(*[KEYS.lease(p) for p in range(SETTINGS.partitions)]):
+        await asyncio.sleep(0.01)  # watching the leases in Redis: they are given back first
+    assert not stopping.done()  # still finishing the job it holds
+    answer(job, "finished while stopping")
+    assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "finished while stopping"
+    await asyncio.wait_for(stopping, 10)
+
+
+async def test_a_streaming_job_merges_on_its_frontend_because_a_stream_cannot_cross_redis(redis, frontend):
+    fe = frontend()
+    job = chat_job("streamed")
+    job.stream = True
+    fe.submit(job)
+    local: FakeJobQueue = fe._local  # type: ignore[assignment]
+    assert local.jobs == [job] and fe._outbox == []

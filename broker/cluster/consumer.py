@@ -291,6 +291,17 @@ class StreamConsumer:
             self._wrote.clear()
             await self._wrote.wait()
 
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until every job held is answered and written (True), or `timeout_s` passed (False)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._held:
+                    self._wrote.clear()
+                    await self._wrote.wait()
+        except TimeoutError:
+            return False
+        return True
+
     async def wait_for_replies(self) -> None:
         """Return when a reply (or an acknowledgement) is waiting to be written."""
         if not self._outbox:

@@ -10,6 +10,9 @@ workers, without the similarity model), logs it and exports `cluster_fallback = 
 yet answered are handed to the local queue too, so no caller waits for a reply that cannot come (an
 answer may then be computed twice; the caller still gets exactly one). A probe every
 `fallback_probe_s` returns the front-end to cluster mode once Redis answers again.
+
+Streaming jobs (a tier's `merge_streams`) always go to the local queue: their outcome is a live stream,
+which a reply stream cannot carry.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class ClusterQueue:
         """Queue `job` for the cluster (or the local queue in fallback); its future carries the answer."""
         if self._closed:
             raise Overloaded("The broker is shutting down.", retry_after=1)
-        if self._fallback:
+        if self._fallback or job.stream:  # a stream cannot cross Redis: merged streams merge on this front-end
             return self._local.submit(job)
         self._outbox.append(job)
         self._outbox_ready.set()

@@ -25,6 +25,7 @@ log = structlog.get_logger(__name__)
 
 METRICS_INTERVAL_S = 5.0
 RETRY_PAUSE_S = 0.2
+DRAIN_S = 20.0  # how long a stopping worker finishes its jobs (orchestrators allow ~30 s before SIGKILL)
 SAFETY_SCAN_EVERY = 10  # claim_idle_ms periods between two orphan scans when none is expected
 
 
@@ -43,7 +44,7 @@ class ClusterWorker:
 
     def __init__(self, redis: Any, consumer: StreamConsumer, leases: PartitionLeases, *, keys: Keys,
                  settings: ClusterSettings, metrics: Metrics, sleep: Sleep = asyncio.sleep,
-                 clock: Clock = monotonic) -> None:
+                 clock: Clock = monotonic, drain_s: float = DRAIN_S) -> None:
         self._redis = redis
         self._consumer = consumer
         self._leases = leases
@@ -54,6 +55,7 @@ class ClusterWorker:
         self._clock = clock
         self._last_scan_at = float("-inf")
         self._closed = False
+        self._drain_s = drain_s
         self._tasks: set[asyncio.Task[None]] = set()
         self._leases_changed = asyncio.Event()
         self._exported: set[tuple[str, str]] = set()
@@ -85,21 +87,30 @@ class ClusterWorker:
         return len(self._tasks) == 6
 
     async def stop(self) -> None:
-        """Stop reading, give the partitions back at once, and stop the loops.
+        """Stop reading, give the partitions back, finish the jobs held (up to `drain_s`), stop the loops.
 
-        Jobs still held are neither answered nor acknowledged: their partition's next owner claims them.
+        Other workers take the partitions at once; the jobs held here stay heartbeated while they finish,
+        so none runs twice and no upstream call is wasted in a rolling restart. Jobs still held after
+        `drain_s` are left to the partitions' next owners, who claim them after claim_idle_ms.
         """
         self._closed = True  # the reader ends after its current read: cancelling a blocking read is slow
-        reader = {t for t in self._tasks if t.get_name() == "cluster-read"}
-        if reader:
-            await asyncio.wait(reader, timeout=self._read_block_ms() / 1000 + 0.5)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._finish_tasks("cluster-read", self._read_block_ms() / 1000 + 0.5)
+        await self._finish_tasks("cluster-leases", 0)
         try:
             await self._leases.release()
         except RedisError:
             pass  # they lapse on their own
+        await self._consumer.drained(self._drain_s)
+        await self._finish_tasks(None, 0)
+
+    async def _finish_tasks(self, name: str | None, wait_s: float) -> None:
+        """Let the loop `name` (every loop: None) end by itself within `wait_s`, then cancel it."""
+        tasks = {t for t in self._tasks if name is None or t.get_name() == name}
+        if tasks and wait_s > 0:
+            await asyncio.wait(tasks, timeout=wait_s)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _read_block_ms(self) -> int:
         # Short enough that partitions acquired meanwhile are read soon.
