@@ -55,7 +55,9 @@ class WorkerPool:
         while True:
             group = await self._queue.take()
             self._observe_wait(group)
-            while self._room <= 0:
+            if self._room > 0:
+                self._room -= 1
+            else:  # the dispatch that ends next hands its place straight to this worker
                 waiter = asyncio.get_running_loop().create_future()
                 self._room_waiters.append(waiter)
                 await waiter
@@ -66,7 +68,8 @@ class WorkerPool:
 
         The queue calls this instead of waking an idle worker, which would only do the same one loop
         step later: a lone request then skips a task switch. `pick()` pops the group, so the queue's
-        priority order still decides. False when there is no room or nothing live to take (wake a worker).
+        priority order still decides. False when there is no room (a worker waiting for room with the group
+        it took then goes first) or nothing live to take (wake a worker).
         """
         if self._room <= 0:
             return False
@@ -74,6 +77,7 @@ class WorkerPool:
         if group is None or not group.items:
             return False
         self._observe_wait(group)
+        self._room -= 1
         self._spawn(group)
         return True
 
@@ -86,7 +90,7 @@ class WorkerPool:
             queue_wait.observe(now - job.enqueued_at)
 
     def _spawn(self, group: Any) -> None:
-        self._room -= 1
+        """Dispatch `group` in a task of its own; its place in `max_dispatching` is already taken."""
         task = asyncio.get_running_loop().create_task(self._dispatch(group))
         self._dispatching.add(task)
         task.add_done_callback(self._dispatching.discard)
@@ -97,12 +101,16 @@ class WorkerPool:
         except Exception:  # noqa: BLE001 - one bad group must not stop the others
             log.exception("dispatch_group_failed", tier=group.tier, size=len(group.items))
         finally:
-            self._room += 1
-            while self._room_waiters:  # wake one worker waiting for room
-                waiter = self._room_waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    break
+            self._free_room()
+
+    def _free_room(self) -> None:
+        """A dispatch ended: its place goes to the first worker waiting for room, else back to the pool."""
+        while self._room_waiters:
+            waiter = self._room_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._room += 1
 
     def alive(self) -> bool:
         """True while every worker task runs (for /readyz)."""
