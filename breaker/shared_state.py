@@ -72,7 +72,8 @@ class SharedBreakerState:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            # Bounded: a Redis call stuck past its cancellation must not hold up shutdown.
+            await asyncio.wait({task}, timeout=self._op_timeout_s)
 
     async def refresh(self) -> None:
         """Publish pending local transitions, then apply other replicas' opens. Never raises for Redis trouble."""

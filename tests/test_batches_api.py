@@ -109,8 +109,8 @@ async def test_restart_polls_the_upstream_batch_already_submitted(simulator, sta
     rows = [line(f"q{n}", f"question {n}") for n in range(5)]
     first = await start_broker(config(simulator, tmp_path, batch_api=True))
     batch_id = await run_batch(first.openai, first, rows)
-    for _ in range(500):  # until the broker has submitted its round upstream
-        if upstream.counters["batches_created"]:
+    for _ in range(3000):  # until the broker has submitted its round upstream and recorded it
+        if upstream.counters["batches_created"] and await first.broker.batches._store.open_rounds(batch_id):
             break
         await asyncio.sleep(0.01)
     await first.close()
