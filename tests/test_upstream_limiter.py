@@ -142,12 +142,13 @@ async def test_given_back_tokens_let_the_next_waiter_go(fake_clock: FakeClock) -
 
 
 async def test_waiter_is_woken_by_a_real_timer_on_the_system_clock() -> None:
-    limiter = UpstreamLimiter(rpm=6000, tpm=None, clock=monotonic)  # one call per 10 ms, burst 100
-    for _ in range(100):
-        await limiter.acquire(0, 0)
+    # A bucket of one call refilling every 100 ms: the second call waits for a real timer. (A deep bucket would
+    # refill while a loaded machine drains it, and the wait it measures would shrink to nothing.)
+    limiter = UpstreamLimiter(rpm=600, tpm=None, clock=monotonic, burst_s=0.1)
+    await limiter.acquire(0, 0)
     started = monotonic()
     await asyncio.wait_for(limiter.acquire(0, 0), timeout=2)
-    assert monotonic() - started >= 0.009
+    assert monotonic() - started >= 0.05
 
 
 async def test_unlimited_limiter_never_waits(fake_clock: FakeClock) -> None:
