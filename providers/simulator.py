@@ -24,7 +24,8 @@ from aiohttp import web
 
 from mergebroker.clock import Sleep
 from mergebroker.errors import BrokerError, InvalidRequest
-from mergebroker.providers.simulator_content import (INJECTION_MARKER, Reply, answer_for, block_answers, compose_reply,
+from mergebroker.providers.simulator_injection import INJECTION_MARKER
+from mergebroker.providers.simulator_content import (Reply, answer_for, block_answers, compose_reply,
                                          count_tokens, embedding_vector, parse_request_blocks, prompt_tokens,
                                          question_text, stream_pieces)
 from mergebroker.providers.simulator_anthropic import anthropic_routes

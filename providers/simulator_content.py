@@ -27,7 +27,7 @@ import numpy as np
 
 from mergebroker.providers.simulator_quiz import merged_answers, quiz_answer
 from mergebroker.providers.simulator_faults import DEFAULT_ANSWER_WORDS, SimulatorConfig, decide_truncate, render_blocks
-from mergebroker.providers.simulator_injection import (INJECTION_MARKER, canonical_tags, injected_form, obey, read,
+from mergebroker.providers.simulator_injection import (canonical_tags, injected_form, obey, read,
                                                        request_blocks)
 
 WORDS_PER_CHUNK = 3

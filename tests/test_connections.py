@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from structlog.testing import capture_logs
 import yaml
 from aiohttp import web
 
@@ -55,9 +56,6 @@ def test_eviction_closes_incomplete_headers_first_then_bodies_then_idle_and_neve
 def test_accept_errors_log_once_per_interval():
     clock = FakeClock()
     handler = AcceptErrorLog(10, clock=clock)
-    logged: list[dict] = []
-    from structlog.testing import capture_logs
-
     context = {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")}
     with capture_logs() as logged:
         for _ in range(1000):

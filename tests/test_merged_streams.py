@@ -6,7 +6,6 @@ import asyncio
 import json
 
 from mergebroker.providers.simulator import answer_for
-from tests.conftest import provider_for
 from tests.test_early_release import gated  # noqa: F401 - the gated upstream fixture
 
 Q1 = "first question: how do tides form along a long rocky coast"
