@@ -155,12 +155,10 @@ def _serve(args: argparse.Namespace) -> int:
     from mergebroker.broker.eventloop import loop_kind, new_event_loop
     from mergebroker.broker.logging import configure_logging
     from mergebroker.broker.server import serve
-    from mergebroker.broker.settings import ConfigError, load_settings
+    from mergebroker.broker.settings import settings_for_command
 
-    try:
-        settings = load_settings(args.config, overrides=serve_overrides(args))
-    except ConfigError as exc:
-        print(f"mergebroker: {exc}", file=sys.stderr)
+    settings = settings_for_command(args.config, overrides=serve_overrides(args))
+    if settings is None:
         return 2
     configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
     loop_factory = functools.partial(new_event_loop, settings.server.event_loop)

@@ -115,12 +115,10 @@ def create_worker_app(settings: Settings) -> web.Application:
 def run_worker(args: argparse.Namespace) -> int:
     """`mergebroker worker`: run until interrupted."""
     from mergebroker.broker.logging import configure_logging
-    from mergebroker.broker.settings import ConfigError, load_settings
+    from mergebroker.broker.settings import settings_for_command
 
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"mergebroker: {exc}", file=sys.stderr)
+    settings = settings_for_command(args.config)
+    if settings is None:
         return 2
     if not settings.redis.url:
         print("mergebroker: a worker needs redis.url (the Redis its front-ends use)", file=sys.stderr)

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from mergebroker.broker.settings import ConfigError, McpSettings, Settings, load_settings
+from mergebroker.broker.settings import McpSettings, Settings, settings_for_command
 
 MISSING_EXTRA = "mergebroker mcp needs the MCP SDK: install the extra with  pip install 'mergebroker[mcp]'"
 
@@ -39,10 +39,8 @@ def run_mcp(args: argparse.Namespace) -> int:
     """Run the MCP server until its transport ends (stdin closed, or the HTTP server stopped)."""
     from mergebroker.broker.logging import configure_logging
 
-    try:
-        settings = load_settings(args.config, overrides=mcp_overrides(args))
-    except ConfigError as exc:
-        print(f"mergebroker: {exc}", file=sys.stderr)
+    settings = settings_for_command(args.config, overrides=mcp_overrides(args))
+    if settings is None:
         return 2
     try:
         import mcp  # noqa: F401 - only to say clearly when the extra is missing

@@ -11,6 +11,7 @@ models' sources.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -390,6 +391,17 @@ def load_settings(path: str | os.PathLike[str] | None = None, *, environ: dict[s
         raise ConfigError(_describe(exc)) from exc
     _resolve_secrets(settings, env)
     return settings
+
+
+def settings_for_command(path: str | os.PathLike[str] | None, *,
+                         overrides: dict[str, Any] | None = None) -> Settings | None:
+    """`load_settings` for a CLI command: None (after saying why on stderr) when the configuration is invalid,
+    so every command exits 2 with the same message."""
+    try:
+        return load_settings(path, overrides=overrides)
+    except ConfigError as exc:
+        print(f"mergebroker: {exc}", file=sys.stderr)
+        return None
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -11,14 +11,12 @@ from tqdm import tqdm
 
 from mergebroker.broker.app import build_broker, stop_broker
 from mergebroker.errors import BrokerError
-from mergebroker.broker.settings import ConfigError, load_settings
+from mergebroker.broker.settings import settings_for_command
 
 
 def run_warm_cache(args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"mergebroker: {exc}", file=sys.stderr)
+    settings = settings_for_command(args.config)
+    if settings is None:
         return 2
     try:
         lines = [line.strip() for line in Path(args.file).read_text(encoding="utf-8").splitlines()]
