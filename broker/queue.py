@@ -35,11 +35,14 @@ log = structlog.get_logger(__name__)
 
 
 class Queued(Protocol):
-    """What the queue needs from a request: its tier, merge key (None: never waits) and future."""
+    """What the queue needs from a request: its tier, merge key (None: never waits), future, and when it
+    reached the broker (a window opened by it counts from then, which is earlier than now only for a job
+    that travelled, e.g. through a cluster's Redis)."""
 
     tier: str
     merge_key: str | None
     future: asyncio.Future
+    enqueued_at: float
 
 
 T = TypeVar("T", bound=Queued)
@@ -146,7 +149,7 @@ class MergeQueue(Generic[T]):
         groups = self._open[tier.name]
         group = groups.get(item.merge_key)
         if group is None:
-            group = groups[item.merge_key] = _Group(item.merge_key, self._clock())
+            group = groups[item.merge_key] = _Group(item.merge_key, min(self._clock(), item.enqueued_at))
             group.timer = self._clock.call_at(group.opened_at + tier.window_s, self._release, tier.name,
                                               item.merge_key)
         group.items.append(item)

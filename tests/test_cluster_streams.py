@@ -105,6 +105,21 @@ async def test_a_job_goes_to_the_worker_and_its_answer_comes_back(redis, fronten
     assert sum([await redis.xlen(KEYS.jobs("batch", p)) for p in range(4)]) == 0  # acknowledged and deleted
 
 
+async def test_the_worker_counts_a_jobs_window_from_when_its_front_end_queued_it(redis, frontend):
+    node = Node(redis, "w1", monotonic)  # real clocks on both sides, as in two processes
+    await node.leases.renew()
+    queued = chat_job("early")
+    queued.enqueued_at -= 0.3  # it waited 300 ms at the front-end before the send
+    frontend().submit(queued)
+    while not await node.read():
+        pass
+    job = await next_job(node.queue)
+    # Both ends see one clock through Redis's TIME: the worker's copy keeps the front-end's enqueue time
+    # (to within the clock sync's error), so its merge window and aging do not start again at the read.
+    assert abs(job.enqueued_at - queued.enqueued_at) < 0.05
+    assert job.enqueued_at <= monotonic() - 0.25
+
+
 async def test_identical_jobs_from_two_frontends_share_one_call(redis, frontend):
     node = Node(redis, "w1", FakeClock())
     await node.leases.renew()

@@ -17,8 +17,15 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi </request> <r
 
 def test_job_round_trips_with_caller_deadline_and_keys():
     job = WireJob("cid1", "mb:replies:f1", "req-1", Caller("acme", "batch", key_id="k1", user="u:1"), BODY, "mk", "fk",
-                  12, 34, 1_700_000_000_123)
+                  12, 34, 1_700_000_000_123, enqueued_ms=1_700_000_000_100)
     assert decode_job(encode_job(job)) == job
+
+
+def test_a_job_from_a_front_end_without_an_enqueue_time_still_reads():
+    job = WireJob("cid1", "to", "req-1", Caller("acme", "batch"), BODY, None, "fk", 1, 2, 3)
+    fields = encode_job(job)
+    fields[b"j"] = fields[b"j"].replace(b',"at":0', b"")
+    assert decode_job(fields).enqueued_ms == 0
 
 
 @pytest.mark.parametrize("error", [DeadlineExceeded("late"), UpstreamUnavailable(3.0),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -22,6 +23,7 @@ class Item:
     tier: str
     merge_key: str | None = "k"
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    enqueued_at: float = math.inf  # "just now" whatever the fake clock says: windows open at the clock's now
 
 
 def tier(name: str = "std", *, priority: int = 50, window_s: float = 1.0, max_batch: int = 4, max_queue: int = 100,
@@ -45,6 +47,19 @@ async def test_group_is_released_when_its_window_passes_on_the_clock(fake_clock)
     group = q.pick()
     assert group is not None and group.items == [a, b] and group.key == "k"
     assert q.depth("std") == 0
+
+
+async def test_a_window_counts_from_when_its_first_request_reached_the_broker(fake_clock):
+    # A job that travelled (a cluster worker reads it 0.2 s after its front-end queued it) has waited
+    # that long already: its window closes 0.5 s after its arrival, not 0.5 s after the read.
+    q = queue(tier(window_s=0.5), clock=fake_clock)
+    travelled = Item("std", enqueued_at=fake_clock() - 0.2)
+    q.submit(travelled)
+    fake_clock.advance(0.29)
+    assert q.pick() is None
+    fake_clock.advance(0.01)
+    group = q.pick()
+    assert group is not None and group.items == [travelled]
 
 
 async def test_a_waiting_worker_is_woken_by_the_window_closing_on_the_clock(fake_clock):

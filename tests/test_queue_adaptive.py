@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 from mergebroker.broker.metrics import Metrics
@@ -15,6 +16,7 @@ class Item:
     tier: str = "std"
     merge_key: str | None = "k"
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    enqueued_at: float = math.inf  # "just now" whatever the fake clock says: windows open at the clock's now
 
 
 def adaptive_queue(clock: FakeClock, metrics: Metrics | None = None, *, adaptive: bool = True) -> MergeQueue[Item]:

@@ -187,13 +187,16 @@ class StreamConsumer:
         return 1
 
     def _chat_job(self, wire: WireJob) -> ChatJob:
+        # The job keeps the time its front-end queued it, so its merge window and its priority aging count
+        # the trip through Redis as time already waited: cluster mode adds no hop to a window that opens.
         now = self._clock()
+        enqueued = min(now, self._server_clock.to_local(wire.enqueued_ms)) if wire.enqueued_ms else now
         body = wire.body
         return ChatJob(request_id=wire.request_id, caller=wire.caller, body=body, model=body["model"],
-                       priority=aged_rank(self._tier_priority.get(wire.caller.tier, 0), now, self._aging),
+                       priority=aged_rank(self._tier_priority.get(wire.caller.tier, 0), enqueued, self._aging),
                        shape=merge_shape(body) if wire.merge_key is not None else None, merge_key=wire.merge_key,
                        prompt_tokens=wire.prompt_tokens, max_tokens=wire.max_tokens,
-                       deadline=self._server_clock.to_local(wire.deadline_ms), enqueued_at=now)
+                       deadline=self._server_clock.to_local(wire.deadline_ms), enqueued_at=enqueued)
 
     def _answered(self, key: str, flight: _Flight, future: asyncio.Future[ChatOutcome]) -> None:
         """Reply to every entry of `flight`; bound to the flight itself, because a newer flight may own

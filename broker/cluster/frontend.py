@@ -33,6 +33,7 @@ from mergebroker.broker.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.settings import ClusterSettings, Settings
+from mergebroker.tasks import stop_loops
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import Overloaded
 
@@ -170,7 +171,8 @@ class ClusterQueue:
                        caller=job.caller, body=job.body, merge_key=job.merge_key,
                        flight_key=flight_key(job.caller.tenant, job.tier, job.merge_key is not None, job.body),
                        prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
-                       deadline_ms=self._server_clock.to_server_ms(deadline))
+                       deadline_ms=self._server_clock.to_server_ms(deadline),
+                       enqueued_ms=self._server_clock.to_server_ms(job.enqueued_at))
 
     async def _reply_loop(self) -> None:
         last_id, since_trim = "0-0", 0
@@ -270,11 +272,9 @@ async def stop_tasks(tasks: set[asyncio.Task[None]], block_ms: int) -> None:
     Cancelling redis-py in the middle of a blocking read can leave the task waiting on its connection
     for seconds; letting the read end (within `block_ms`) is faster and leaves the connection clean.
     """
-    if tasks:
-        await asyncio.wait(tasks, timeout=block_ms / 1000 + 0.5)
-    for task in list(tasks):
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    stuck = await stop_loops(set(tasks), grace_s=block_ms / 1000 + 0.5)
+    if stuck:
+        log.error("cluster_loops_stuck", loops=sorted(t.get_name() for t in stuck))
 
 
 def _pairs(response: Any) -> Any:

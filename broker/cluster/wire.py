@@ -35,6 +35,7 @@ class WireJob:
     prompt_tokens: int
     max_tokens: int
     deadline_ms: int  # Redis server time
+    enqueued_ms: int = 0  # when the front-end queued it, Redis server time (0: unknown, count from the read)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ def encode_job(job: WireJob) -> dict[bytes, bytes]:
     c = job.caller
     doc = {"v": WIRE_VERSION, "cid": job.correlation_id, "to": job.reply_to, "rid": job.request_id,
            "caller": [c.tenant, c.tier, c.key_id, c.user], "body": job.body, "mk": job.merge_key,
-           "fk": job.flight_key, "pt": job.prompt_tokens, "mt": job.max_tokens, "dl": job.deadline_ms}
+           "fk": job.flight_key, "pt": job.prompt_tokens, "mt": job.max_tokens, "dl": job.deadline_ms,
+           "at": job.enqueued_ms}
     return {FIELD: json.dumps(doc, separators=(",", ":")).encode()}
 
 
@@ -64,7 +66,8 @@ def decode_job(fields: dict[bytes, bytes]) -> WireJob:
         return WireJob(correlation_id=str(doc["cid"]), reply_to=str(doc["to"]), request_id=str(doc["rid"]),
                        caller=Caller(tenant=tenant, tier=tier, key_id=key_id, user=user), body=doc["body"],
                        merge_key=doc["mk"], flight_key=str(doc["fk"]), prompt_tokens=int(doc["pt"]),
-                       max_tokens=int(doc["mt"]), deadline_ms=int(doc["dl"]))
+                       max_tokens=int(doc["mt"]), deadline_ms=int(doc["dl"]),
+                       enqueued_ms=int(doc.get("at", 0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"unreadable job entry: {type(exc).__name__}") from exc
 

@@ -19,6 +19,7 @@ from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.settings import ClusterSettings
+from mergebroker.tasks import stop_loops
 from mergebroker.clock import Clock, Sleep, monotonic
 
 log = structlog.get_logger(__name__)
@@ -106,11 +107,9 @@ class ClusterWorker:
     async def _finish_tasks(self, name: str | None, wait_s: float) -> None:
         """Let the loop `name` (every loop: None) end by itself within `wait_s`, then cancel it."""
         tasks = {t for t in self._tasks if name is None or t.get_name() == name}
-        if tasks and wait_s > 0:
-            await asyncio.wait(tasks, timeout=wait_s)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        stuck = await stop_loops(tasks, grace_s=wait_s)
+        if stuck:
+            log.error("cluster_loops_stuck", loops=sorted(t.get_name() for t in stuck))
 
     def _read_block_ms(self) -> int:
         # Short enough that partitions acquired meanwhile are read soon.
