@@ -5,7 +5,9 @@ workload on the batch tier, spread round-robin over its front-ends, against one 
 one replica (in-process merging, the baseline); 2 and 4 replicas each merging what it receives
 (per-replica mode); 2 front-ends + 2 workers on Redis Streams (cluster mode); the cluster again with
 one of the two workers killed (SIGKILL) halfway through. A passthrough run (no merging, no cache) gives
-the cost of every request sent alone. Every process is real and every configuration shares one Redis
+the cost of every request sent alone. The in-process and cluster runs are then repeated side by side
+(`latency_rounds` pairs, alternating which runs first): the latency the cluster adds is the median of the
+pairs' differences, since one run's p99 rests on a handful of merged calls. Every process is real and every configuration shares one Redis
 (flushed between runs), as replicas share it in production. `python -m bench.cluster [--quick]`
 writes `bench/results/cluster.json`.
 """
@@ -46,10 +48,11 @@ class Plan:
 
     rate: float = 100.0
     duration_s: float = 8.0
+    latency_rounds: int = 5  # paired in-process / cluster runs whose latency differences are compared
 
 
 FULL_PLAN = Plan()
-QUICK_PLAN = Plan(duration_s=2.0)
+QUICK_PLAN = Plan(duration_s=2.0, latency_rounds=1)
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,10 @@ class Layout:
     kill_worker: bool = False
 
 
-LAYOUTS = (Layout("passthrough, 1 replica", 1, merge=False), Layout("1 replica (in-process)", 1),
-           Layout("2 replicas (per-replica)", 2), Layout("4 replicas (per-replica)", 4),
-           Layout("cluster: 2 front-ends + 2 workers", 2, workers=2),
+SINGLE = Layout("1 replica (in-process)", 1)
+CLUSTER_LAYOUT = Layout("cluster: 2 front-ends + 2 workers", 2, workers=2)
+LAYOUTS = (Layout("passthrough, 1 replica", 1, merge=False), SINGLE,
+           Layout("2 replicas (per-replica)", 2), Layout("4 replicas (per-replica)", 4), CLUSTER_LAYOUT,
            Layout("cluster, kill -9 of 1 of 2 workers", 2, workers=2, kill_worker=True))
 
 
@@ -127,13 +131,17 @@ def checked_request(url: str, items: Sequence[ChatItem]) -> Any:
                                     timeout=aiohttp.ClientTimeout(total=120)) as resp:
                 data = await resp.json(content_type=None)
                 status = resp.status
+                overhead_ms = float(resp.headers.get("X-Broker-Overhead-Ms") or "nan")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             return TimedSample(time.perf_counter() - started, 0, tag=tag, sent_at=started,
                                error_code=f"transport:{type(exc).__name__}")
         content = None
         with contextlib.suppress(TypeError, KeyError, IndexError):
             content = data["choices"][0]["message"]["content"]
-        return TimedSample(time.perf_counter() - started, status, body={"content": content}, tag=tag,
+        latency_s = time.perf_counter() - started
+        # The upstream call that answered it: its latency less the broker's own time (what the header says).
+        upstream_s = max(0.0, latency_s - overhead_ms / 1000) if overhead_ms == overhead_ms else None
+        return TimedSample(latency_s, status, body={"content": content, "upstream_s": upstream_s}, tag=tag,
                            sent_at=started)
 
     return send
@@ -237,7 +245,17 @@ def summarize(layout: Layout, samples: list[Any], wall_s: float, sim_stats: dict
         "leases_lost": sum(total(w, "mergebroker_cluster_lease_changes_total", event="lost") for w in workers),
         "orphans_answered_after_kill_s": (max(s.sent_at + s.latency_s for s in pre_kill) - kill_at
                                           if pre_kill and kill_at is not None else None),
+        "orphans_answered_after_kill_less_call_s": _orphans_less_call(pre_kill, kill_at),
     }
+
+
+def _orphans_less_call(pre_kill: list[Any], kill_at: float | None) -> float | None:
+    """For requests sent before the kill and answered after it: the latest answer after the kill, less the
+    upstream call that answered it (so what is left is detection, claim and the trip back)."""
+    if kill_at is None:
+        return None
+    late = [s.done_at - kill_at - ((s.body or {}).get("upstream_s") or 0.0) for s in pre_kill if s.done_at > kill_at]
+    return max(late) if late else 0.0
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -256,6 +274,13 @@ async def run_cluster(plan: Plan = FULL_PLAN, *, on_run: Any = None) -> dict[str
             runs[layout.name] = await measure(layout, plan, sim, url, items)
             if on_run:
                 on_run(layout.name)
+        pairs = [_latency_pair(runs[SINGLE.name], runs[CLUSTER_LAYOUT.name])]
+        for round_no in range(1, plan.latency_rounds):  # more pairs, each side by side, order alternating
+            order = (CLUSTER_LAYOUT, SINGLE) if round_no % 2 else (SINGLE, CLUSTER_LAYOUT)
+            again = {layout.name: await measure(layout, plan, sim, url, items) for layout in order}
+            pairs.append(_latency_pair(again[SINGLE.name], again[CLUSTER_LAYOUT.name]))
+            if on_run:
+                on_run(f"latency round {round_no + 1}")
         try:
             floor = await hop_floor(url, rate=plan.rate, count=len(items))
         except RuntimeError as exc:
@@ -264,7 +289,14 @@ async def run_cluster(plan: Plan = FULL_PLAN, *, on_run: Any = None) -> dict[str
         sim.stop()
         redis.stop()
     return {"plan": asdict(plan), "cluster": CLUSTER, "tier": TIER, "simulator_options": list(SIM_OPTIONS),
-            "runs": runs, "hop_floor": floor, "meta": run_meta(started, probe)}
+            "runs": runs, "latency_pairs": pairs, "hop_floor": floor, "meta": run_meta(started, probe)}
+
+
+def _latency_pair(single: dict[str, Any], cluster: dict[str, Any]) -> dict[str, float]:
+    """One side-by-side pair: each run's p50/p99 and the cluster's difference."""
+    return {"single_p50_ms": single["p50_ms"], "single_p99_ms": single["p99_ms"],
+            "cluster_p50_ms": cluster["p50_ms"], "cluster_p99_ms": cluster["p99_ms"],
+            "added_p50_ms": cluster["p50_ms"] - single["p50_ms"], "added_p99_ms": cluster["p99_ms"] - single["p99_ms"]}
 
 
 class EchoQueue:

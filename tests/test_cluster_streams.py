@@ -176,6 +176,34 @@ async def test_held_jobs_are_heartbeated_and_a_dead_workers_jobs_are_claimed(red
     assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "answered by b"
 
 
+async def test_a_departed_workers_jobs_are_claimed_before_claim_idle_and_a_live_ones_are_not(redis, frontend):
+    clock = FakeClock()
+    a, b = Node(redis, "wa", clock), Node(redis, "wb", clock)
+    await a.leases.renew()
+    fe = frontend()
+    future = fe.submit(chat_job("orphan"))
+    while not await a.read():
+        pass
+    await next_job(a.queue)  # in progress at a when a dies
+    stream, entry = next(iter(a.consumer._held))
+    not_yet_claimable = SETTINGS.claim_idle_ms * 3 // 4  # past two heartbeat periods, short of claim_idle_ms
+    await redis.xclaim(stream, GROUP, "wa", 0, [entry], idle=not_yet_claimable, justid=True)
+    await a.leases.release(sorted(a.leases._owned))  # its partitions move to b; a stays in the live set
+    partition = next(p for p in range(SETTINGS.partitions) if stream == KEYS.jobs("batch", p))
+    await redis.set(KEYS.lease(partition), "wb", px=SETTINGS.lease_ms)
+    b.leases._owned.add(partition)
+    await b.leases.renew()  # a is still in the live set: its job gets the full claim_idle_ms
+    b.consumer._grouped.add(stream)
+    assert await b.consumer.claim_once() == 0
+    await redis.zrem(KEYS.workers, "wa")  # a was silent for a whole lease: gone from the live set
+    await b.leases.renew()
+    await redis.xclaim(stream, GROUP, "wa", 0, [entry], idle=not_yet_claimable, justid=True)
+    assert await b.consumer.claim_once() == 1  # claimed now, not after claim_idle_ms
+    answer(await next_job(b.queue), "answered by b")
+    await b.write()
+    assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "answered by b"
+
+
 async def test_the_first_reply_wins_and_later_ones_are_dropped_and_counted(redis, frontend):
     fe = frontend()
     future = fe.submit(chat_job("twice"))

@@ -90,3 +90,41 @@ def test_orphan_scans_run_after_a_change_of_hands_and_rarely_otherwise():
     assert claim_due(now=101.5, orphans_at=100.0, last_scan_at=101.2, claim_idle_s=idle)  # partition just acquired
     assert not claim_due(now=103.0, orphans_at=100.0, last_scan_at=102.9, claim_idle_s=idle)  # quiet: no scan
     assert claim_due(now=103.0 + SAFETY_SCAN_EVERY, orphans_at=100.0, last_scan_at=103.0, claim_idle_s=idle)
+
+
+class _Time:
+    """A Redis `TIME` whose answers arrive after the given local delays (the server's clock reads 1,000 s ahead)."""
+
+    def __init__(self, clock, delays_s):
+        self._clock, self._delays = clock, list(delays_s)
+
+    async def time(self):
+        half = self._delays.pop(0) / 2
+        self._clock.advance(half)
+        server_s = self._clock() + 1000.0
+        self._clock.advance(half)
+        return int(server_s), int(round((server_s % 1) * 1e6))
+
+
+async def test_the_server_clock_keeps_the_offset_of_its_fastest_round_trip():
+    from mergebroker.broker.cluster.server_time import ServerClock
+    from mergebroker.clock import FakeClock
+
+    clock = FakeClock()
+    server = ServerClock(clock)
+    # A slow sample whose reply waited at the end of its round trip: taken alone it would be 10 ms off.
+    asymmetric = _Time(clock, [0.001, 0.001, 0.001])
+    await server.sync(asymmetric)
+    assert abs(server.now_ms() - (clock() + 1000.0) * 1000) < 1.0
+    late = _Time(clock, [0.0])
+    late.time = _late_reply(clock)
+    await server.sync(late)
+    assert abs(server.now_ms() - (clock() + 1000.0) * 1000) < 1.0  # the slow sample did not move it
+
+
+def _late_reply(clock):
+    async def time():
+        server_s = clock() + 1000.0
+        clock.advance(0.020)  # the reply sat 20 ms in a busy host's queues
+        return int(server_s), int(round((server_s % 1) * 1e6))
+    return time

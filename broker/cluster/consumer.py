@@ -40,6 +40,7 @@ from mergebroker.merge.shape import merge_shape
 log = structlog.get_logger(__name__)
 
 REPLY_MAXLEN = 10_000  # a reply stream is read as it fills; this only bounds an abandoned one
+HEARTBEAT_SHARE = 1 / 3  # held jobs are heartbeated every claim_idle_ms x this
 
 
 @dataclass(eq=False)
@@ -258,24 +259,68 @@ class StreamConsumer:
         await pipe.execute(raise_on_error=False)
 
     async def claim_once(self) -> int:
-        """Take over the jobs of the held partitions that idled past `claim_idle_ms` (a dead worker's)."""
+        """Take over the jobs of the held partitions that idled past `claim_idle_ms` (a dead worker's), and
+        sooner those of a worker that has left the live set (see `_claim_departed`)."""
         room = self._settings.prefetch - len(self._held)
         streams = [s for s in self.streams() if s in self._grouped]
         if room <= 0 or not streams:
             return 0
+        claimed = await self._claim_departed(streams, room)
+        room -= claimed
+        if room <= 0:
+            return claimed
         pipe = self._redis.pipeline(transaction=False)
         for stream in streams:
             pipe.xautoclaim(stream, GROUP, self._id, self._settings.claim_idle_ms, "0-0", count=room)
-        claimed = 0
         for stream, result in zip(streams, await pipe.execute(raise_on_error=False)):
             if isinstance(result, Exception) or not result or not result[1]:
                 continue
-            entries = [(entry_id, fields) for entry_id, fields in result[1] if (stream, entry_id) not in self._held]
-            if entries:
-                log.info("cluster_jobs_claimed", stream=stream, count=len(entries))
-                self._metrics.cluster_claims.inc(len(entries))
-                claimed += self._accept_all([(stream, entries)])
+            claimed += self._take_claimed(stream, result[1])
         return claimed
+
+    async def _claim_departed(self, streams: list[str], room: int) -> int:
+        """Claim at once the jobs of consumers that are no longer live workers and stopped heartbeating.
+
+        A worker silent for a whole lease is gone from the live set (`PartitionLeases.live_workers`); a
+        job it holds whose idle time exceeds two heartbeat periods is not being worked on anywhere (a live
+        worker, even one draining after it left the set, heartbeats every job it holds each period). So a
+        dead worker's jobs move as soon as its partitions do, rather than after the full `claim_idle_ms`,
+        which stays the rule for consumers still in the set (a live but stalled one gets that much grace).
+        """
+        live = self._leases.live_workers
+        if not live:
+            return 0  # no renewal seen yet: nobody is known to be gone
+        idle_ms = int(self._settings.claim_idle_ms * HEARTBEAT_SHARE * 2)
+        pipe = self._redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xpending_range(stream, GROUP, "-", "+", room, idle=idle_ms)
+        me = self._id.encode()
+        orphans: dict[str, list[bytes]] = {}
+        for stream, pending in zip(streams, await pipe.execute(raise_on_error=False)):
+            if isinstance(pending, Exception):
+                continue
+            ids = [p["message_id"] for p in pending if p["consumer"] not in live and p["consumer"] != me
+                   and (stream, p["message_id"]) not in self._held]
+            if ids:
+                orphans[stream] = ids
+        if not orphans:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, ids in orphans.items():
+            pipe.xclaim(stream, GROUP, self._id, idle_ms, ids)
+        claimed = 0
+        for stream, result in zip(orphans, await pipe.execute(raise_on_error=False)):
+            if not isinstance(result, Exception) and result:
+                claimed += self._take_claimed(stream, result)
+        return claimed
+
+    def _take_claimed(self, stream: str, result: list[Any]) -> int:
+        entries = [(entry_id, fields) for entry_id, fields in result if (stream, entry_id) not in self._held]
+        if not entries:
+            return 0
+        log.info("cluster_jobs_claimed", stream=stream, count=len(entries))
+        self._metrics.cluster_claims.inc(len(entries))
+        return self._accept_all([(stream, entries)])
 
     async def _ensure_groups(self, streams: list[str]) -> None:
         missing = [s for s in streams if s not in self._grouped]

@@ -101,6 +101,11 @@ class PartitionLeases:
         if acquire:
             await self._acquire(acquire, share - len(self._owned))
 
+    @property
+    def live_workers(self) -> frozenset[bytes]:
+        """The workers (IDs) seen alive in the last renewal round; empty before the first."""
+        return frozenset(self._live)
+
     def _see_workers(self, live: set[bytes]) -> None:
         """A worker gone since the last round (dead, or stopped with jobs unanswered) may have left orphans."""
         if self._live - live:

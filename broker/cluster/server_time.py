@@ -3,33 +3,46 @@
 Deadlines cross process (and machine) boundaries as Redis server milliseconds. Each process measures
 the offset between its own monotonic clock and the server's (`TIME`, halfway through the round trip)
 and converts at the edge, so the rest of the code keeps one local clock.
+
+A sample is only as exact as its round trip is short (the reply may have waited anywhere in it), and on
+a busy host one round trip in many is slow: the offset used is the one from the fastest of the recent
+samples, so one slow sample cannot move a merge window or a deadline by milliseconds.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 from mergebroker.clock import Clock, monotonic
 
 
+KEEP_SAMPLES = 16  # the recent samples the fastest is chosen from (with a sync per lease round: ~3 s)
+FIRST_SYNC_SAMPLES = 3
+
+
 class ServerClock:
     """Converts between local monotonic seconds and Redis server milliseconds."""
 
-    def __init__(self, clock: Clock = monotonic) -> None:
+    def __init__(self, clock: Clock = monotonic, *, keep: int = KEEP_SAMPLES) -> None:
         self._clock = clock
         self._offset_ms: float | None = None  # server ms - local ms
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=keep)  # (rtt, offset)
 
     @property
     def synced(self) -> bool:
         return self._offset_ms is not None
 
-    async def sync(self, redis: Any) -> None:
-        """Measure the offset with one `TIME` round trip; raises the client's error when Redis is down."""
-        before = self._clock()
-        seconds, micros = await redis.time()
-        after = self._clock()
-        server_ms = seconds * 1000 + micros / 1000
-        self._offset_ms = server_ms - (before + after) / 2 * 1000
+    async def sync(self, redis: Any, *, samples: int = 1) -> None:
+        """Measure the offset with `samples` `TIME` round trips (more on a first sync); raises the client's
+        error when Redis is down."""
+        for _ in range(max(samples, FIRST_SYNC_SAMPLES if not self._samples else 1)):
+            before = self._clock()
+            seconds, micros = await redis.time()
+            after = self._clock()
+            server_ms = seconds * 1000 + micros / 1000
+            self._samples.append(((after - before) * 1000, server_ms - (before + after) / 2 * 1000))
+        self._offset_ms = min(self._samples)[1]  # the fastest round trip's
 
     def to_server_ms(self, local_s: float) -> int:
         """A local monotonic time as server milliseconds."""

@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 import structlog
 from redis.exceptions import RedisError
 
-from mergebroker.broker.cluster.consumer import StreamConsumer
+from mergebroker.broker.cluster.consumer import HEARTBEAT_SHARE, StreamConsumer
 from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.metrics import Metrics
@@ -65,7 +65,7 @@ class ClusterWorker:
         idle_s = self._settings.claim_idle_ms / 1000
         loops: dict[str, Callable[[], Awaitable[Any]]] = {
             "read": self._read, "write": self._write,
-            "heartbeat": lambda: self._every(idle_s / 3, self._consumer.heartbeat_once),
+            "heartbeat": lambda: self._every(idle_s * HEARTBEAT_SHARE, self._consumer.heartbeat_once),
             # Often, but only while orphans can be expected (claim_due): they are answered soon after claim_idle_ms.
             "claim": lambda: self._every(max(0.05, idle_s / 10), self._claim_when_due),
             "backlog": lambda: self._every(METRICS_INTERVAL_S, self.export_backlog)}
