@@ -71,7 +71,7 @@ def _pairs_note(result: dict[str, Any]) -> str:
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Savings kept, latency added, and nothing lost when a worker dies."""
     runs = result["runs"]
-    single, cluster, kill = runs[SINGLE], runs[CLUSTER], runs[KILL]
+    cluster, kill = runs[CLUSTER], runs[KILL]
     return [
         target_row(ISSUE, "cluster: share of the single replica's call savings kept", kept(result, CLUSTER,
                                                                                            "calls_per_request"),

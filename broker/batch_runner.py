@@ -22,7 +22,7 @@ import structlog
 from mergebroker.broker.admission import Caller
 from mergebroker.broker.batch_input import BatchLine, jsonl
 from mergebroker.broker.batch_store import BatchStore, UpstreamRound
-from mergebroker.broker.dispatch import member_completion
+from mergebroker.merge.completion import member_completion
 from mergebroker.broker.jobs import aged_rank
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.ratelimit import LimitSpec

@@ -5,27 +5,28 @@ checks, stop sequences, usage, fallback reasons); this module only acts: it embe
 that could merge, sends each batch through the provider pools, and executes the `Settlement`, so every
 member gets exactly one outcome. A member whose block is missing, broken, or leaks another member's text
 is re-sent alone within its own deadline; a merged call that fails, or whose reply cannot be read,
-re-sends all its members alone. Whatever goes wrong, no member's future is left unset (`_answer_all`).
+re-sends all its members alone. Whatever goes wrong, no member's future is left unset (`jobs.answer_all`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import structlog
 
 from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import BrokerError, Overloaded, UpstreamError
-from mergebroker.broker.jobs import ChatJob, ChatOutcome
+from mergebroker.errors import BrokerError, UpstreamError
+from mergebroker.broker.dispatch_counters import DispatchCounters
+from mergebroker.broker.jobs import ChatJob, ChatOutcome, answer_all
 from mergebroker.broker.metrics import Metrics
 from mergebroker.broker.queue import ReleasedGroup
 from mergebroker.broker.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
+from mergebroker.merge.completion import member_completion
 from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.quality_guard import QualityGuard
 from mergebroker.broker.early_release import (CountedUsage, StreamCall, StreamedMembers, StreamedReply, settle_usage,
@@ -73,9 +74,8 @@ class Dispatcher:
         self._embedder = embedder
         self._guard = guard
         self._merging_allowed = merging_allowed
-        self._metrics = metrics
+        self._count = DispatchCounters(metrics)
         self._clock = clock
-        self._batch_metrics: dict[str, tuple[Any, Any]] = {}  # labelled children by tier, looked up once
         self._prefetching: set[asyncio.Future[Any]] = set()
         self._on_merged_answer = on_merged_answer  # (job, answer, batch size): the shadow comparison's sampler
 
@@ -103,14 +103,14 @@ class Dispatcher:
         """Answer every member of the group (result or error); never raises but for cancellation."""
         jobs = [j for j in group.items if not j.future.done()]
         if jobs:
-            await _answer_all(jobs, self._run_group(group.tier, jobs))
+            await answer_all(jobs, self._run_group(group.tier, jobs))
 
     async def _run_group(self, tier: str, jobs: list[ChatJob]) -> None:
         batches = await self._plan(tier, jobs)
         if len(batches) == 1:  # the common case needs no task of its own
             await self._run_batch(tier, batches[0])
         else:
-            await asyncio.gather(*(_answer_all(b, self._run_batch(tier, b)) for b in batches))
+            await asyncio.gather(*(answer_all(b, self._run_batch(tier, b)) for b in batches))
 
     async def _plan(self, tier: str, jobs: list[ChatJob]) -> list[list[ChatJob]]:
         policy = self._tiers[tier]
@@ -148,26 +148,20 @@ class Dispatcher:
                 vectors = await asyncio.shield(encode)
         except TimeoutError:
             encode.add_done_callback(_retrieve)
-            if self._metrics:
-                self._metrics.merge_skipped.labels("similarity_slow").inc(len(jobs))
+            self._count.similarity_skipped("similarity_slow", len(jobs))
             return None
         except Exception as exc:  # noqa: BLE001 - without similarity, sending alone is always correct
             log.warning("embedding_failed", tier=tier, size=len(jobs), error=type(exc).__name__)
-            if self._metrics:
-                self._metrics.merge_skipped.labels("similarity_failed").inc(len(jobs))
+            self._count.similarity_skipped("similarity_failed", len(jobs))
             return None
-        if self._metrics:
-            self._metrics.embedding_seconds.observe(self._clock() - started)
+        self._count.embedding_time(self._clock() - started)
         return vectors
 
     async def _run_batch(self, tier: str, jobs: list[ChatJob]) -> None:
         live = [j for j in jobs if not j.future.done()]  # callers gone before dispatch are dropped
         if not live:
             return
-        if self._metrics:
-            batches, batch_size = self._tier_metrics(tier)
-            batches.inc()
-            batch_size.observe(len(live))
+        self._count.batch(tier, len(live))
         if len(live) == 1:
             await self.run_single(live[0])
         else:
@@ -262,10 +256,10 @@ class Dispatcher:
                 if verdict.answer is not None:
                     answers[member_id] = verdict.answer
                 if not streams.close(member_id, verdict, usage):
-                    self._count_fallback(verdict.reason or BAD_REPLY, 1)
+                    self._count.fallback(verdict.reason or BAD_REPLY)
                 return
             if verdict.answer is None:
-                self._count_fallback(verdict.reason or BAD_REPLY, 1)
+                self._count.fallback(verdict.reason or BAD_REPLY)
                 log.info("split_fallback", batch_id=batch_id, reason=verdict.reason, request_id=job.request_id)
                 retry_alone.append(asyncio.ensure_future(self.run_single(job, fallback=verdict.reason)))
                 return
@@ -276,8 +270,7 @@ class Dispatcher:
                                     batch_id=batch_id, settled_usage=settled[member_id]))
             if self._on_merged_answer is not None:
                 self._on_merged_answer(job, text, len(by_id))
-            if self._metrics:
-                self._metrics.early_released.labels(tier).inc()
+            self._count.early_released(tier)
 
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
@@ -297,12 +290,14 @@ class Dispatcher:
             usage = apportion_reported(reply.usage, members, answers) if reply.usage else {
                 i: counted.usage(i, text) for i, text in answers.items()}
             settle_usage(settled, usage)
-            self._count_merged(tier, len(by_id), answers, members, reply.usage)
+            sent = (reply.usage or {}).get("prompt_tokens")
+            self._count.merged(tier, answered=len(answers), batch_size=len(by_id), tokens_saved=(
+                sum(m.alone_prompt_tokens for m in members) - sent if isinstance(sent, int) else 0))
         finally:
             structlog.contextvars.unbind_contextvars("batch_id")
             settle_usage(settled, {i: counted.usage(i, text) for i, text in answers.items()})  # never left open
         if streams is not None:
-            self._observe_first_tokens(streams)
+            self._count.first_tokens(streams.first_tokens())
             retry_alone += streams.resent
         await asyncio.gather(*retry_alone)
 
@@ -328,22 +323,6 @@ class Dispatcher:
             return
         stream.switch_to(chunks)
 
-    def _observe_first_tokens(self, streams: StreamedMembers) -> None:
-        if self._metrics:
-            for position, seconds in streams.first_tokens():
-                self._metrics.merged_stream_ttft.labels(str(position)).observe(seconds)
-
-    def _count_merged(self, tier: str, size: int, answers: dict[str, str], members: list[SettleMember],
-                      usage: dict[str, Any] | None) -> None:
-        """The merge counters of a streamed call (as `_execute` counts a whole reply's)."""
-        if not self._metrics or not answers:
-            return
-        self._metrics.merged_requests.labels(tier).inc(len(answers))
-        self._metrics.upstream_calls_saved.inc(size - 1)
-        sent = (usage or {}).get("prompt_tokens")
-        if isinstance(sent, int):
-            self._metrics.tokens_saved.inc(max(0, sum(m.alone_prompt_tokens for m in members) - sent))
-
     def _merged_body(self, by_id: dict[str, ChatJob], tagged: bool) -> dict[str, Any]:
         """The combined request: the first member's parameters, one tagged block per member."""
         first = next(iter(by_id.values()))
@@ -351,14 +330,6 @@ class Dispatcher:
                    for i, j in by_id.items()]
         return merged_request_body(first.body, members, system_prompt=first.shape.system_prompt,  # type: ignore
                                    header=self._options.header, tagged_system=tagged)
-
-    def _tier_metrics(self, tier: str) -> tuple[Any, Any]:
-        # `labels()` costs more than the increment itself, so each tier's children are looked up once.
-        children = self._batch_metrics.get(tier)
-        if children is None:
-            m = self._metrics
-            children = self._batch_metrics[tier] = (m.batches.labels(tier), m.batch_size.labels(tier))  # type: ignore
-        return children
 
     def _execute(self, tier: str, reply: dict[str, Any], shared: ChatOutcome, by_id: dict[str, ChatJob],
                  settlement: Settlement) -> list[tuple[ChatJob, str]]:
@@ -372,12 +343,10 @@ class Dispatcher:
                 self._on_merged_answer(by_id[member_id], answer.text, len(by_id))
         for member_id, exc in settlement.errors.items():
             by_id[member_id].fail(exc)
-        if self._metrics and settlement.answers:
-            self._metrics.merged_requests.labels(tier).inc(len(settlement.answers))
-            self._metrics.upstream_calls_saved.inc(len(by_id) - 1)
-            self._metrics.tokens_saved.inc(settlement.tokens_saved)
+        self._count.merged(tier, answered=len(settlement.answers), batch_size=len(by_id),
+                           tokens_saved=settlement.tokens_saved)
         for member_id, reason in settlement.fallbacks.items():
-            self._count_fallback(reason, 1)
+            self._count.fallback(reason)
             if reason != MERGED_CALL_FAILED:
                 log.info("split_fallback", batch_id=shared.batch_id, reason=reason,
                          request_id=by_id[member_id].request_id)
@@ -389,37 +358,6 @@ class Dispatcher:
         failed = {by_id[i].caller.tenant for i in settlement.fallbacks}
         for tenant in {j.caller.tenant for j in by_id.values()}:
             self._guard.record(tenant, model, bool(settlement.needed_fallback) and tenant in failed)
-
-    def _count_fallback(self, reason: str, n: int) -> None:
-        if self._metrics:
-            self._metrics.split_fallback.labels(reason).inc(n)
-
-
-async def _answer_all(jobs: list[ChatJob], work: Awaitable[None]) -> None:
-    """Await `work`, then make sure no job of `jobs` is left without an answer, whatever happened."""
-    try:
-        await work
-    except asyncio.CancelledError:  # the worker is stopping: the broker is shutting down
-        _fail_unanswered(jobs, Overloaded("The broker is shutting down.", retry_after=1))
-        raise
-    except Exception as exc:  # noqa: BLE001 - a bug must still answer every caller, at once
-        log.exception("dispatch_failed", size=len(jobs), error=type(exc).__name__)
-        _fail_unanswered(jobs, exc if isinstance(exc, BrokerError) else BrokerError(
-            f"The broker failed while dispatching the request ({type(exc).__name__}).", status=500,
-            code="dispatch_failed"))
-    else:
-        if any(not j.future.done() for j in jobs):  # the error is built only when needed (rarely)
-            _fail_unanswered(jobs, BrokerError("The broker lost track of the request.", status=500,
-                                               code="dispatch_failed"))
-            log.error("dispatch_left_jobs_unanswered", size=len(jobs))
-
-
-def _fail_unanswered(jobs: list[ChatJob], exc: BrokerError) -> int:
-    """Fail the jobs still waiting; how many there were."""
-    waiting = [j for j in jobs if not j.future.done()]
-    for job in waiting:
-        job.fail(exc)
-    return len(waiting)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -443,20 +381,3 @@ member to be re-sent alone (its read timeout, which grows with the sum of the me
 def merged_call_deadline(now: float, members_deadline: float) -> float:
     """When a merged call sent at `now` must have answered, for its members to still be re-sent alone in time."""
     return now + max(0.0, members_deadline - now) * MERGED_CALL_SHARE
-
-
-def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int], *, model: str = "") -> dict[str, Any]:
-    """A complete `chat.completion` of a member's own, cut out of a merged reply: every field an unmerged
-    answer has (the spec's required `refusal` too); `model` stands in when the reply names none."""
-    body = {
-        "id": "chatcmpl-" + uuid.uuid4().hex[:24],
-        "object": "chat.completion",
-        "created": reply.get("created") if isinstance(reply.get("created"), int) else int(time.time()),
-        "model": reply.get("model") if isinstance(reply.get("model"), str) else model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": "stop"}],
-        "usage": usage,
-    }
-    if isinstance(reply.get("system_fingerprint"), str):
-        body["system_fingerprint"] = reply["system_fingerprint"]
-    return body

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
+
+import structlog
 
 from mergebroker.broker.admission import Caller
+from mergebroker.errors import BrokerError, Overloaded
 from mergebroker.merge.shape import MergeShape
+
+log = structlog.get_logger(__name__)
 
 
 def aged_rank(priority: int, enqueued_at: float, aging_per_s: float) -> float:
@@ -83,3 +88,30 @@ class ChatJob:
         """Set the error; safe to call twice or after the caller left."""
         if not self.future.done():
             self.future.set_exception(exc)
+
+
+async def answer_all(jobs: list[ChatJob], work: Awaitable[None]) -> None:
+    """Await `work`, then make sure no job of `jobs` is left without an answer, whatever happened."""
+    try:
+        await work
+    except asyncio.CancelledError:  # the worker is stopping: the broker is shutting down
+        fail_unanswered(jobs, Overloaded("The broker is shutting down.", retry_after=1))
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug must still answer every caller, at once
+        log.exception("dispatch_failed", size=len(jobs), error=type(exc).__name__)
+        fail_unanswered(jobs, exc if isinstance(exc, BrokerError) else BrokerError(
+            f"The broker failed while dispatching the request ({type(exc).__name__}).", status=500,
+            code="dispatch_failed"))
+    else:
+        if any(not j.future.done() for j in jobs):  # the error is built only when needed (rarely)
+            fail_unanswered(jobs, BrokerError("The broker lost track of the request.", status=500,
+                                               code="dispatch_failed"))
+            log.error("dispatch_left_jobs_unanswered", size=len(jobs))
+
+
+def fail_unanswered(jobs: list[ChatJob], exc: BrokerError) -> int:
+    """Fail the jobs still waiting; how many there were."""
+    waiting = [j for j in jobs if not j.future.done()]
+    for job in waiting:
+        job.fail(exc)
+    return len(waiting)

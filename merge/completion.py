@@ -1,0 +1,24 @@
+"""A merged member's own `chat.completion`, cut out of a merged reply (pure)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+
+def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int], *, model: str = "") -> dict[str, Any]:
+    """A complete `chat.completion` of a member's own, cut out of a merged reply: every field an unmerged
+    answer has (the spec's required `refusal` too); `model` stands in when the reply names none."""
+    body = {
+        "id": "chatcmpl-" + uuid.uuid4().hex[:24],
+        "object": "chat.completion",
+        "created": reply.get("created") if isinstance(reply.get("created"), int) else int(time.time()),
+        "model": reply.get("model") if isinstance(reply.get("model"), str) else model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": None, "finish_reason": "stop"}],
+        "usage": usage,
+    }
+    if isinstance(reply.get("system_fingerprint"), str):
+        body["system_fingerprint"] = reply["system_fingerprint"]
+    return body
