@@ -243,6 +243,9 @@ class ClusterSettings(_Strict):
     prefetch: int = Field(256, gt=0, description="Jobs a worker holds at once; the rest of the backlog stays in Redis.")
     block_ms: int = Field(1000, gt=0, description="Longest blocking read on the streams.")
     fallback_probe_s: float = Field(1.0, gt=0, description="How often a front-end in fallback checks for Redis.")
+    local_without_workers: bool = Field(True, description="A front-end that sees no live worker (none renewed "
+                                        "within lease_ms) merges in-process until one is back, checked every "
+                                        "fallback_probe_s; off: jobs wait in Redis for a worker.")
     prefix: str = Field("mb:cluster", min_length=1, description="Key prefix of every cluster stream and lease.")
 
 

@@ -24,7 +24,9 @@ from mergebroker.clock import FakeClock, monotonic
 
 pytestmark = pytest.mark.redis
 
-SETTINGS = ClusterSettings(enabled=True, partitions=4, claim_idle_ms=5000, lease_ms=3000, block_ms=100, prefetch=16)
+# Most tests drive a front-end with no worker process: its no-worker fallback is tested on its own.
+SETTINGS = ClusterSettings(enabled=True, partitions=4, claim_idle_ms=5000, lease_ms=3000, block_ms=100, prefetch=16,
+                           local_without_workers=False)
 KEYS = Keys("mbt")
 
 
@@ -76,8 +78,8 @@ async def redis(redis_server):
 async def frontend(redis):
     queues = []
 
-    def make(name: str = "f1") -> ClusterQueue:
-        q = ClusterQueue(redis, FakeJobQueue(), keys=KEYS, settings=SETTINGS, partitions=SETTINGS.partitions,
+    def make(name: str = "f1", settings: ClusterSettings = SETTINGS) -> ClusterQueue:
+        q = ClusterQueue(redis, FakeJobQueue(), keys=KEYS, settings=settings, partitions=SETTINGS.partitions,
                          server_clock=ServerClock(), metrics=Metrics(), frontend_id=name)
         q.start()
         queues.append(q)
@@ -246,6 +248,26 @@ async def test_frontend_falls_back_to_local_merging_and_returns(redis_server, re
     while fe.in_fallback:
         await asyncio.sleep(0.05)  # the probe runs every fallback_probe_s
     assert fe._metrics.cluster_fallback._value.get() == 0
+
+
+async def test_with_no_live_worker_the_frontend_merges_locally_and_returns_when_one_renews(redis, frontend):
+    fe = frontend(settings=SETTINGS.model_copy(update={"local_without_workers": True, "fallback_probe_s": 0.05}))
+    waiting = fe.submit(chat_job("nobody reads this"))
+    local: FakeJobQueue = fe._local  # type: ignore[assignment]
+    moved = await next_job(local)  # no worker renewed within lease_ms: the job is served here
+    assert fe.in_fallback and fe._metrics.cluster_fallback._value.get() == 1
+    answer(moved, "served locally")
+    assert (await asyncio.wait_for(waiting, 10)).body["choices"][0]["message"]["content"] == "served locally"
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()  # a worker is alive again
+    while fe.in_fallback:
+        await asyncio.sleep(0.05)  # the probe runs every fallback_probe_s
+    future = fe.submit(chat_job("for the worker"))
+    while not await node.read():
+        pass
+    answer(await next_job(node.queue), "from the worker")
+    await node.write()
+    assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "from the worker"
 
 
 async def test_a_frontend_in_cluster_mode_queues_on_redis_and_never_loads_the_similarity_model(

@@ -5,11 +5,12 @@ the same loop turn) to its partition's stream of its tier; one reader task reads
 reply stream and completes each job's future by correlation ID. The first reply wins; a later one (a
 job answered twice after a claim, or one whose caller left) is dropped and counted.
 
-Redis down: the front-end falls back to its in-process queue (`local`, today's merge windows and
-workers, without the similarity model), logs it and exports `cluster_fallback = 1`. Jobs sent and not
-yet answered are handed to the local queue too, so no caller waits for a reply that cannot come (an
-answer may then be computed twice; the caller still gets exactly one). A probe every
-`fallback_probe_s` returns the front-end to cluster mode once Redis answers again.
+Redis down, or no live worker (none renewed its liveness within `lease_ms`; `local_without_workers`):
+the front-end falls back to its in-process queue (`local`, today's merge windows and workers, without the
+similarity model), logs it and exports `cluster_fallback = 1`. Jobs sent and not yet answered are handed
+to the local queue too, so no caller waits for a reply that cannot come (an answer may then be computed
+twice; the caller still gets exactly one). A probe every `fallback_probe_s` returns the front-end to
+cluster mode once Redis answers again and a worker is alive.
 
 Streaming jobs (a tier's `merge_streams`) always go to the local queue: their outcome is a live stream,
 which a reply stream cannot carry.
@@ -68,6 +69,7 @@ class ClusterQueue:
         self._outbox: list[ChatJob] = []
         self._outbox_ready = asyncio.Event()
         self._fallback = False
+        self._fallback_reason = ""  # "redis" | "no_workers"
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         metrics.cluster_fallback.set(0)
@@ -97,13 +99,16 @@ class ClusterQueue:
 
     def start(self) -> None:
         self._local.start()
-        for name, coro in (("send", self._send_loop()), ("replies", self._reply_loop())):
+        loops = [("send", self._send_loop()), ("replies", self._reply_loop())]
+        if self._settings.local_without_workers:
+            loops.append(("workers", self._watch_workers()))
+        for name, coro in loops:
             task = asyncio.get_running_loop().create_task(coro, name=f"cluster-{name}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     def alive(self) -> bool:
-        return self._local.alive() and len(self._tasks) == 2
+        return self._local.alive() and len(self._tasks) == (3 if self._settings.local_without_workers else 2)
 
     async def stop(self) -> None:
         """Refuse new jobs, answer the waiting ones with `Overloaded`, stop the loops and the local queue."""
@@ -132,7 +137,7 @@ class ClusterQueue:
             live = [j for j in batch if not j.future.done()]  # callers gone before sending: dropped
             unsent = await self._send(live) if live else None
             if unsent is not None:
-                self._fall_back(unsent)
+                self._fall_back(unsent, "redis")
 
     async def _send(self, jobs: list[ChatJob]) -> list[ChatJob] | None:
         """Add `jobs` to their streams in one round trip; None when sent, else the jobs left to serve locally.
@@ -185,7 +190,7 @@ class ClusterQueue:
                                                    block=self._settings.block_ms)
             except RedisError as exc:
                 log.warning("cluster_replies_failed", error=type(exc).__name__)
-                self._fall_back([])
+                self._fall_back([], "redis")
                 continue
             for _stream, entries in _pairs(response):
                 for entry_id, fields in entries:
@@ -224,11 +229,12 @@ class ClusterQueue:
         except RedisError:
             pass  # the next read notices
 
-    def _fall_back(self, unsent: list[ChatJob]) -> None:
-        """Serve `unsent` and every job awaiting a reply from the local queue, and stay local until Redis is back."""
+    def _fall_back(self, unsent: list[ChatJob], reason: str) -> None:
+        """Serve `unsent` and every job awaiting a reply from the local queue, and stay local until Redis is
+        back and a worker alive (`reason`: "redis" or "no_workers")."""
         if not self._fallback:
-            self._fallback = True
-            log.error("cluster_fallback", message="Redis is unreachable: merging in-process until it is back.")
+            self._fallback, self._fallback_reason = True, reason
+            log.error("cluster_fallback", reason=reason, message=_FALLBACK_MESSAGES[reason])
             self._metrics.cluster_fallback.set(1)
             self._metrics.cluster_fallback_transitions.labels("local").inc()
         moved = unsent + list(self._waiting.values()) + self._outbox
@@ -246,15 +252,47 @@ class ClusterQueue:
     async def _probe(self) -> None:
         await self._sleep(self._settings.fallback_probe_s)
         try:
-            await self._redis.connection_pool.disconnect()  # connections from before the outage are stale
-            await self._redis.ping()
-            await self._server_clock.sync(self._redis)
+            if self._fallback_reason == "redis":
+                await self._redis.connection_pool.disconnect()  # connections from before the outage are stale
+                await self._redis.ping()
+                await self._server_clock.sync(self._redis)
+                self._fallback_reason = "no_workers"  # Redis is back; a worker must be too
+            if self._settings.local_without_workers and not await self._workers_alive():
+                return
         except RedisError:
             return
         self._fallback = False
-        log.warning("cluster_resumed", message="Redis is back: sending jobs to the cluster again.")
+        log.warning("cluster_resumed", message="Redis and a worker are back: sending jobs to the cluster again.")
         self._metrics.cluster_fallback.set(0)
         self._metrics.cluster_fallback_transitions.labels("cluster").inc()
+
+
+    async def _watch_workers(self) -> None:
+        """Every `fallback_probe_s`: with no live worker, jobs sent to Redis would wait there until their
+        deadline, so serve locally instead (Redis trouble is noticed by the other loops)."""
+        while not self._closed:
+            await self._sleep(self._settings.fallback_probe_s)
+            if self._fallback or self._closed:
+                continue
+            try:
+                alive = await self._workers_alive()
+            except RedisError:
+                continue
+            if not alive and not self._fallback:
+                self._fall_back([], "no_workers")
+
+    async def _workers_alive(self) -> bool:
+        """Whether some worker renewed its liveness (`PartitionLeases`) within the last `lease_ms`."""
+        if not self._server_clock.synced:
+            await self._server_clock.sync(self._redis)
+        since = self._server_clock.now_ms() - self._settings.lease_ms
+        return bool(await self._redis.zcount(self._keys.workers, since, "+inf"))
+
+
+_FALLBACK_MESSAGES = {
+    "redis": "Redis is unreachable: merging in-process until it is back.",
+    "no_workers": "No cluster worker is alive: merging in-process until one is back.",
+}
 
 
 def build_cluster_queue(settings: Settings, local: JobQueue, *, metrics: Metrics, clock: Clock = monotonic,
