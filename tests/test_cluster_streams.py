@@ -220,6 +220,21 @@ async def test_the_first_reply_wins_and_later_ones_are_dropped_and_counted(redis
         await asyncio.sleep(0.01)  # the reader drops the second in its next read
 
 
+async def test_a_job_whose_callers_all_left_is_taken_back_before_a_worker_reads_it(redis, frontend):
+    fe = frontend()
+    future = fe.submit(chat_job("abandoned"))
+    while not fe._entries:
+        await asyncio.sleep(0.01)  # the send loop adds it on a later turn
+    stream, _entry = next(iter(fe._entries.values()))
+    assert await redis.xlen(stream) == 1
+    future.cancel()  # what SingleFlight does when the last caller leaves
+    while await redis.xlen(stream):
+        await asyncio.sleep(0.01)  # the send loop deletes it on a later turn
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    assert await node.read() == 0 and node.queue.jobs == []  # no upstream call for nobody
+
+
 async def test_an_expired_job_is_dropped_by_the_worker(redis, frontend):
     node = Node(redis, "w1", FakeClock())
     await node.leases.renew()
@@ -251,13 +266,18 @@ async def test_frontend_falls_back_to_local_merging_and_returns(redis_server, re
 
 
 async def test_with_no_live_worker_the_frontend_merges_locally_and_returns_when_one_renews(redis, frontend):
-    fe = frontend(settings=SETTINGS.model_copy(update={"local_without_workers": True, "fallback_probe_s": 0.05}))
+    # A long lease_ms on the front-end's side: the worker below renews once, and a loaded machine must not see
+    # it go stale before the test ends (this Redis is fresh: no other test's worker is in it).
+    fe = frontend(settings=SETTINGS.model_copy(update={"local_without_workers": True, "fallback_probe_s": 0.05,
+                                                       "lease_ms": 60_000}))
     waiting = fe.submit(chat_job("nobody reads this"))
     local: FakeJobQueue = fe._local  # type: ignore[assignment]
     moved = await next_job(local)  # no worker renewed within lease_ms: the job is served here
     assert fe.in_fallback and fe._metrics.cluster_fallback._value.get() == 1
     answer(moved, "served locally")
     assert (await asyncio.wait_for(waiting, 10)).body["choices"][0]["message"]["content"] == "served locally"
+    while sum([await redis.xlen(KEYS.jobs("batch", p)) for p in range(SETTINGS.partitions)]):
+        await asyncio.sleep(0.01)  # taken back from Redis: a worker arriving later does not run it again
     node = Node(redis, "w1", FakeClock())
     await node.leases.renew()  # a worker is alive again
     while fe.in_fallback:

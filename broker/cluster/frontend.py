@@ -66,6 +66,8 @@ class ClusterQueue:
         self._reply_stream = keys.replies(frontend_id or uuid.uuid4().hex[:16])
         self._waiting: dict[str, ChatJob] = {}  # correlation ID -> job, sent and not answered
         self._sent_at: dict[str, float] = {}  # correlation ID -> when it was sent (for the hop metric)
+        self._entries: dict[str, tuple[str, Any]] = {}  # correlation ID -> its (stream, entry ID), while awaited
+        self._withdrawn: list[tuple[str, Any]] = []  # entries of jobs whose every caller left, to delete
         self._outbox: list[ChatJob] = []
         self._outbox_ready = asyncio.Event()
         self._fallback = False
@@ -138,6 +140,8 @@ class ClusterQueue:
             unsent = await self._send(live) if live else None
             if unsent is not None:
                 self._fall_back(unsent, "redis")
+            if self._withdrawn:
+                await self._withdraw()
 
     async def _send(self, jobs: list[ChatJob]) -> list[ChatJob] | None:
         """Add `jobs` to their streams in one round trip; None when sent, else the jobs left to serve locally.
@@ -150,15 +154,21 @@ class ClusterQueue:
             if not self._server_clock.synced:
                 await self._server_clock.sync(self._redis)
             pipe = self._redis.pipeline(transaction=False)
+            streams = []
             for job in jobs:
                 wire = self._wire(job)
                 self._waiting[wire.correlation_id] = job
                 self._sent_at[wire.correlation_id] = self._clock()
                 job.future.add_done_callback(partial(self._forget, wire.correlation_id))
-                pipe.xadd(self._keys.jobs(job.tier, partition_of(job.merge_key or wire.flight_key,
-                                                                 self._partitions)), encode_job(wire))
+                streams.append(self._keys.jobs(job.tier, partition_of(job.merge_key or wire.flight_key,
+                                                                      self._partitions)))
+                pipe.xadd(streams[-1], encode_job(wire))
                 sent.append((wire.correlation_id, job))
-            await pipe.execute()
+            for (cid, job), stream, entry_id in zip(sent, streams, await pipe.execute()):
+                if job.future.cancelled():  # every caller left while it was being sent
+                    self._withdrawn.append((stream, entry_id))
+                elif not job.future.done():
+                    self._entries[cid] = (stream, entry_id)
             return None
         except RedisError as exc:
             log.warning("cluster_send_failed", error=type(exc).__name__, jobs=len(jobs))
@@ -166,9 +176,26 @@ class ClusterQueue:
                 return jobs
             return [job for cid, job in sent if self._waiting.pop(cid, None) is not None]
 
-    def _forget(self, cid: str, _future: Any) -> None:
+    def _forget(self, cid: str, future: Any) -> None:
         self._waiting.pop(cid, None)
         self._sent_at.pop(cid, None)
+        entry = self._entries.pop(cid, None)
+        if entry is not None and future.cancelled():
+            # Every caller left (SingleFlight cancelled the job): take it back from its stream, so a
+            # worker that has not read it yet never makes the upstream call (in-process, the queue drops
+            # such a job before dispatch). A worker already holding it answers into the void.
+            self._withdrawn.append(entry)
+            self._outbox_ready.set()
+
+    async def _withdraw(self) -> None:
+        batch, self._withdrawn = self._withdrawn, []
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, entry_id in batch:
+            pipe.xdel(stream, entry_id)
+        try:
+            await pipe.execute()
+        except RedisError:
+            pass  # a worker reads it and answers a caller who has left: wasted, never wrong
 
     def _wire(self, job: ChatJob) -> WireJob:
         deadline = job.mark_sent()  # its deadline leaves with it
@@ -238,8 +265,12 @@ class ClusterQueue:
             self._metrics.cluster_fallback.set(1)
             self._metrics.cluster_fallback_transitions.labels("local").inc()
         moved = unsent + list(self._waiting.values()) + self._outbox
+        if reason == "no_workers":  # Redis answers: take the moved jobs back, a worker arriving later must not run them
+            self._withdrawn.extend(self._entries.values())
+            self._outbox_ready.set()
         self._waiting.clear()
         self._sent_at.clear()
+        self._entries.clear()
         self._outbox = []
         for job in moved:
             if job.future.done():
