@@ -285,14 +285,7 @@ class Dispatcher:
             retry_alone += [asyncio.ensure_future(self.run_single(job, fallback=reason))
                             for job, reason in self._execute(tier, {}, shared, by_id, settlement)]
         else:
-            failed = {i: "streamed" for i in by_id if i not in answers}
-            self._record_guard(by_id, Settlement(fallbacks=failed, needed_fallback=bool(failed)))
-            usage = apportion_reported(reply.usage, members, answers) if reply.usage else {
-                i: counted.usage(i, text) for i, text in answers.items()}
-            settle_usage(settled, usage)
-            sent = (reply.usage or {}).get("prompt_tokens")
-            self._count.merged(tier, answered=len(answers), batch_size=len(by_id), tokens_saved=(
-                sum(m.alone_prompt_tokens for m in members) - sent if isinstance(sent, int) else 0))
+            self._streamed_to_the_end(tier, by_id, members, answers, reply, counted, settled)
         finally:
             structlog.contextvars.unbind_contextvars("batch_id")
             settle_usage(settled, {i: counted.usage(i, text) for i, text in answers.items()})  # never left open
@@ -300,6 +293,20 @@ class Dispatcher:
             self._count.first_tokens(streams.first_tokens())
             retry_alone += streams.resent
         await asyncio.gather(*retry_alone)
+
+    def _streamed_to_the_end(self, tier: str, by_id: dict[str, ChatJob], members: list[SettleMember],
+                             answers: dict[str, str], reply: StreamedReply, counted: CountedUsage,
+                             settled: dict[str, asyncio.Future[dict[str, int]]]) -> None:
+        """A streamed merged call ended: the quality guard hears which members failed, released answers'
+        usage settles with the provider's report (counted when it sent none), and the savings are counted."""
+        failed = {i: "streamed" for i in by_id if i not in answers}
+        self._record_guard(by_id, Settlement(fallbacks=failed, needed_fallback=bool(failed)))
+        usage = apportion_reported(reply.usage, members, answers) if reply.usage else {
+            i: counted.usage(i, text) for i, text in answers.items()}
+        settle_usage(settled, usage)
+        sent = (reply.usage or {}).get("prompt_tokens")
+        self._count.merged(tier, answered=len(answers), batch_size=len(by_id), tokens_saved=(
+            sum(m.alone_prompt_tokens for m in members) - sent if isinstance(sent, int) else 0))
 
     def _streamed_members(self, by_id: dict[str, ChatJob], members: list[SettleMember],
                           batch_id: str) -> StreamedMembers:
