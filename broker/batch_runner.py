@@ -39,7 +39,8 @@ from mergebroker.merge.settle import BAD_REPLY, SettleOptions, every_member, set
 from mergebroker.merge.shape import compatibility_key, merge_shape
 from mergebroker.merge.usage import largest_remainder
 from mergebroker.providers.openai_batches import BatchApi
-from mergebroker.providers.pool import ProviderPools, usage_tokens
+from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.reply_usage import usage_tokens
 
 log = structlog.get_logger(__name__)
 

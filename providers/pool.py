@@ -36,7 +36,9 @@ from mergebroker.errors import (
 )
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.providers.base import Provider
+from mergebroker.providers.held_stream import HeldStream
 from mergebroker.providers.openai_compat import read_timeout_for
+from mergebroker.providers.reply_usage import completion_tokens, usage_tokens
 from mergebroker.providers.retry import RetryPolicy, call_with_retries, remaining, retry_reason
 
 log = structlog.get_logger(__name__)
@@ -295,7 +297,7 @@ class ProviderPools:
             if used is not None:
                 u.limiter.give_back(taken - used)
         if spec.holds_slot:
-            return _HeldStream(result, lambda: self._release(u),  # type: ignore[arg-type, return-value]
+            return HeldStream(result, lambda: self._release(u),  # type: ignore[arg-type, return-value]
                                on_broken=lambda exc: self._stream_broke(u, exc, spec.tenant))
         self._release(u)
         return result
@@ -400,47 +402,6 @@ class ProviderPools:
             raise
 
 
-class _HeldStream:
-    """A stream that holds its upstream slot until it ends, fails, is closed or is dropped; releases once."""
-
-    def __init__(self, stream: AsyncIterator[bytes], release: Callable[[], None], *,
-                 on_broken: Callable[[BaseException], None] | None = None) -> None:
-        self._stream = stream
-        self._release: Callable[[], None] | None = release
-        self._on_broken = on_broken
-
-    def __aiter__(self) -> _HeldStream:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await self._stream.__anext__()
-        except (StopAsyncIteration, asyncio.CancelledError, GeneratorExit):
-            self._done()
-            raise
-        except BaseException as exc:
-            self._done()
-            if self._on_broken is not None:
-                self._on_broken(exc)
-            raise
-
-    async def aclose(self) -> None:
-        """End the stream early and give its slot back."""
-        self._done()
-        aclose = getattr(self._stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-    def _done(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-    def __del__(self) -> None:
-        # A caller that drops the stream without closing it (client gone mid-answer) must not leak the slot.
-        self._done()
-
-
 def _first_chunk_opener(body: dict[str, Any]) -> Attempt[AsyncIterator[bytes]]:
     """An attempt that succeeds once the upstream sent its first chunk, returning the rest as an iterator."""
 
@@ -464,29 +425,6 @@ def _first_chunk_opener(body: dict[str, Any]) -> Attempt[AsyncIterator[bytes]]:
         return relay()
 
     return attempt
-
-
-def usage_tokens(reply: Any) -> int | None:
-    """Total tokens an upstream reply says it used (`usage.total_tokens`, else prompt + completion), or None."""
-    usage = reply.get("usage") if isinstance(reply, dict) else None
-    if not isinstance(usage, dict):
-        return None
-    total = usage.get("total_tokens")
-    if _is_count(total):
-        return total
-    parts = [usage.get("prompt_tokens"), usage.get("completion_tokens", 0)]
-    return sum(parts) if all(_is_count(p) for p in parts) else None
-
-
-def completion_tokens(reply: Any) -> int:
-    """The output tokens a reply reports (0 when it reports none, or is not a reply body)."""
-    usage = reply.get("usage") if isinstance(reply, dict) else None
-    count = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return count if _is_count(count) else 0
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _read_timeout(body: dict[str, Any], token_rate: float) -> float:
