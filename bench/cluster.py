@@ -119,6 +119,16 @@ async def deployed(layout: Layout, sim_url: str, redis_url: str) -> AsyncIterato
         yield started[:layout.workers], started[layout.workers:]
 
 
+async def _in_cluster_mode(frontends: list[Process], timeout_s: float = 60.0) -> None:
+    """Wait until every front-end sends to the workers: one up before them serves locally until its next probe."""
+    deadline = time.monotonic() + timeout_s
+    for frontend in frontends:
+        while total(await scrape(frontend.url), "mergebroker_cluster_fallback") != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{frontend.url} stayed in its in-process fallback")
+            await asyncio.sleep(0.1)  # another process's state: no event to wait on
+
+
 def checked_request(url: str, items: Sequence[ChatItem]) -> Any:
     """Like `tolerant_chat_request`, keeping the answer's text (`body["content"]`) to check it against the tag."""
     body_for = body_source(items, TIER)
@@ -199,6 +209,8 @@ async def measure(layout: Layout, plan: Plan, sim: Process, redis_url: str,
     await client.flushall()
     await client.aclose()
     async with deployed(layout, sim.url, redis_url) as (workers, frontends):
+        if workers:
+            await _in_cluster_mode(frontends)
         sends = [checked_request(f.url, items) for f in frontends]
         warm = [ChatItem("support", f"Warm-up question {i}: is the service answering?", "warmup") for i in range(8)]
         async with aiohttp.ClientSession() as session:

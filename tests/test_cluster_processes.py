@@ -130,6 +130,11 @@ async def cluster(redis_server):
         for child in workers + frontends:
             await wait_ready(session, child)
         await wait_for_lease_holders(redis_server.url, 2)
+        for fe in frontends:  # a front-end up before the workers serves locally until its next probe sees them
+            deadline = time.monotonic() + 30
+            while await metric(session, fe, "mergebroker_cluster_fallback") != 0:
+                assert time.monotonic() < deadline, fe.tail()
+                await asyncio.sleep(0.05)  # another process's state: no event to wait on
         yield {"sim": sim, "workers": workers, "frontends": frontends, "session": session}
     finally:
         await session.close()

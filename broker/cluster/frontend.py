@@ -165,10 +165,10 @@ class ClusterQueue:
                 pipe.xadd(streams[-1], encode_job(wire))
                 sent.append((wire.correlation_id, job))
             for (cid, job), stream, entry_id in zip(sent, streams, await pipe.execute()):
-                if job.future.cancelled():  # every caller left while it was being sent
-                    self._withdrawn.append((stream, entry_id))
-                elif not job.future.done():
+                if cid in self._waiting and not job.future.done():
                     self._entries[cid] = (stream, entry_id)
+                else:  # while it was being sent, every caller left or a fallback moved it to the local queue
+                    self._withdrawn.append((stream, entry_id))  # (or a worker answered it: deleting is harmless)
             return None
         except RedisError as exc:
             log.warning("cluster_send_failed", error=type(exc).__name__, jobs=len(jobs))
@@ -261,7 +261,9 @@ class ClusterQueue:
         back and a worker alive (`reason`: "redis" or "no_workers")."""
         if not self._fallback:
             self._fallback, self._fallback_reason = True, reason
-            log.error("cluster_fallback", reason=reason, message=_FALLBACK_MESSAGES[reason])
+            # Redis lost is an outage; no worker yet is also what a deployment starting up looks like.
+            (log.error if reason == "redis" else log.warning)("cluster_fallback", reason=reason,
+                                                              message=_FALLBACK_MESSAGES[reason])
             self._metrics.cluster_fallback.set(1)
             self._metrics.cluster_fallback_transitions.labels("local").inc()
         moved = unsent + list(self._waiting.values()) + self._outbox
@@ -301,16 +303,14 @@ class ClusterQueue:
     async def _watch_workers(self) -> None:
         """Every `fallback_probe_s`: with no live worker, jobs sent to Redis would wait there until their
         deadline, so serve locally instead (Redis trouble is noticed by the other loops)."""
-        while not self._closed:
+        while not self._closed:  # checked at once on start: a front-end up before its workers serves locally
+            if not self._fallback:
+                try:
+                    if not await self._workers_alive() and not self._fallback:
+                        self._fall_back([], "no_workers")
+                except RedisError:
+                    pass  # the send and reply loops notice Redis trouble
             await self._sleep(self._settings.fallback_probe_s)
-            if self._fallback or self._closed:
-                continue
-            try:
-                alive = await self._workers_alive()
-            except RedisError:
-                continue
-            if not alive and not self._fallback:
-                self._fall_back([], "no_workers")
 
     async def _workers_alive(self) -> bool:
         """Whether some worker renewed its liveness (`PartitionLeases`) within the last `lease_ms`."""
