@@ -119,7 +119,8 @@ class Metrics:
         self.cluster_claims = Counter(p + "cluster_claims", "Jobs claimed from a dead worker after claim_idle_ms.",
                                       registry=r)
         self.cluster_jobs = Counter(p + "cluster_jobs", "Jobs a worker finished, by outcome (answered, failed, "
-                                    "expired: dropped past its deadline, coalesced, unreadable).",
+                                    "expired: dropped past its deadline, coalesced, unreadable, withdrawn: every caller left before "
+                                    "it was sent).",
                                     ["outcome"], registry=r)
         self.cluster_duplicates_dropped = Counter(p + "cluster_duplicates_dropped", "Replies a front-end dropped: "
                                                   "a later reply for a job already answered or no longer awaited.",

@@ -235,6 +235,22 @@ async def test_a_job_whose_callers_all_left_is_taken_back_before_a_worker_reads_
     assert await node.read() == 0 and node.queue.jobs == []  # no upstream call for nobody
 
 
+async def test_a_worker_drops_a_held_job_whose_front_end_took_it_back_before_it_is_sent(redis, frontend):
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    fe = frontend()
+    future = fe.submit(chat_job("waiting in a window"))
+    while not await node.read():
+        pass
+    job = await next_job(node.queue)  # held by the worker, not yet sent upstream
+    future.cancel()  # its every caller left: the front-end deletes the entry
+    while sum([await redis.xlen(KEYS.jobs("batch", p)) for p in range(SETTINGS.partitions)]):
+        await asyncio.sleep(0.01)  # deleted on the front-end's next send-loop turn
+    await node.consumer.heartbeat_once()  # the heartbeat finds the entry gone
+    assert job.future.cancelled() and node.consumer.held == 0
+    assert node.metrics.cluster_jobs.labels("withdrawn")._value.get() == 1
+
+
 async def test_an_expired_job_is_dropped_by_the_worker(redis, frontend):
     node = Node(redis, "w1", FakeClock())
     await node.leases.renew()

@@ -87,7 +87,7 @@ class StreamConsumer:
         self._wrote = asyncio.Event()  # a reply was written: room to read again
         self._outbox_ready = asyncio.Event()
         self._jobs = {o: metrics.cluster_jobs.labels(o) for o in
-                      ("answered", "failed", "expired", "coalesced", "unreadable")}
+                      ("answered", "failed", "expired", "coalesced", "unreadable", "withdrawn")}
 
     @property
     def tier_names(self) -> list[str]:
@@ -247,7 +247,11 @@ class StreamConsumer:
         self._wrote.set()
 
     async def heartbeat_once(self) -> None:
-        """Reset the idle time of every job held, so none is claimed while it is being answered."""
+        """Reset the idle time of every job held, so none is claimed while it is being answered.
+
+        An entry the heartbeat no longer finds was deleted by its front-end, whose callers all left
+        (`XCLAIM` skips deleted entries): its job is dropped here too if it has not been sent upstream.
+        """
         by_stream: dict[str, list[bytes]] = {}
         for stream, entry_id in list(self._held):
             by_stream.setdefault(stream, []).append(entry_id)
@@ -256,7 +260,20 @@ class StreamConsumer:
         pipe = self._redis.pipeline(transaction=False)
         for stream, ids in by_stream.items():
             pipe.xclaim(stream, GROUP, self._id, 0, ids, justid=True)
-        await pipe.execute(raise_on_error=False)
+        for (stream, ids), kept in zip(by_stream.items(), await pipe.execute(raise_on_error=False)):
+            if isinstance(kept, list):
+                for entry_id in set(ids) - set(kept):
+                    self._withdrawn(stream, entry_id)
+
+    def _withdrawn(self, stream: str, entry_id: bytes) -> None:
+        held = self._held.pop((stream, entry_id), None)
+        flight = self._flights.get(held.job.flight_key) if held is not None else None
+        if flight is None or held not in flight.entries:
+            return  # answered meanwhile (this worker deleted it), or never part of a live flight
+        flight.entries.remove(held)
+        if not flight.entries and not flight.job.dispatched:
+            self._jobs["withdrawn"].inc()
+            flight.job.future.cancel()  # the queue drops a cancelled job before dispatch
 
     async def claim_once(self) -> int:
         """Take over the jobs of the held partitions that idled past `claim_idle_ms` (a dead worker's), and
