@@ -299,7 +299,6 @@ class ClusterQueue:
         self._metrics.cluster_fallback.set(0)
         self._metrics.cluster_fallback_transitions.labels("cluster").inc()
 
-
     async def _watch_workers(self) -> None:
         """Every `fallback_probe_s`: with no live worker, jobs sent to Redis would wait there until their
         deadline, so serve locally instead (Redis trouble is noticed by the other loops)."""
