@@ -122,6 +122,25 @@ async def test_the_worker_counts_a_jobs_window_from_when_its_front_end_queued_it
     assert job.enqueued_at <= monotonic() - 0.25
 
 
+async def test_an_answer_released_early_gets_the_providers_usage_at_the_front_end_when_it_arrives(redis, frontend):
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    future = frontend().submit(chat_job("released early"))
+    while not await node.read():
+        pass
+    job = await next_job(node.queue)
+    reported = asyncio.get_running_loop().create_future()
+    FakeJobQueue().answer(job, ChatOutcome({"choices": [{"message": {"content": "early"}}]}, "sim", 0.01,
+                                           batch_size=3, settled_usage=reported))
+    await node.write()
+    outcome = await asyncio.wait_for(future, 10)
+    assert outcome.settled_usage is not None and not outcome.settled_usage.done()  # the merged call goes on
+    usage = {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52}
+    reported.set_result(usage)  # the merged call ended: the provider's usage, apportioned to this member
+    await node.write()
+    assert await asyncio.wait_for(outcome.settled_usage, 10) == usage
+
+
 async def test_identical_jobs_from_two_frontends_share_one_call(redis, frontend):
     node = Node(redis, "w1", FakeClock())
     await node.leases.renew()

@@ -44,6 +44,15 @@ def test_outcome_round_trips():
     assert decode_reply(encode_reply(WireReply("c", outcome=outcome))).outcome == outcome
 
 
+def test_an_early_released_outcome_says_its_usage_follows_and_the_usage_message_round_trips():
+    outcome = ChatOutcome({"choices": []}, "sim", 0.25, 3, "b_1", None)
+    back = decode_reply(encode_reply(WireReply("c", outcome=outcome, settles=True)))
+    assert back.settles and back.outcome == outcome
+    usage = {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52}
+    later = decode_reply(encode_reply(WireReply("c", settled=usage)))
+    assert (later.correlation_id, later.settled, later.outcome) == ("c", usage, None)
+
+
 @pytest.mark.parametrize("fields", [{}, {b"j": b"not json"}, {b"j": b'{"v": 99}'}, {b"j": b'{"v": 1}'}])
 def test_unreadable_entries_raise_value_error(fields):
     with pytest.raises(ValueError):

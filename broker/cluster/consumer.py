@@ -84,6 +84,7 @@ class StreamConsumer:
         self._streams_of: frozenset[int] | None = None
         self._streams: dict[str, list[str]] = {}
         self._outbox: list[tuple[_Held, WireReply]] = []
+        self._notes: list[tuple[str, dict[bytes, bytes]]] = []  # (reply stream, fields) of settled usages
         self._wrote = asyncio.Event()  # a reply was written: room to read again
         self._outbox_ready = asyncio.Event()
         self._jobs = {o: metrics.cluster_jobs.labels(o) for o in
@@ -212,10 +213,23 @@ class StreamConsumer:
             error = exc if isinstance(exc, BrokerError) or exc is None else BrokerError(
                 f"The worker failed ({type(exc).__name__}).")
             outcome = None if exc is not None else future.result()
+        settles = outcome is not None and outcome.settled_usage is not None
         for held in flight.entries:
             self._jobs["failed" if error else "answered"].inc()
             self._finish(held, WireReply(held.job.correlation_id, outcome=outcome, error=error,
-                                         worker_s=self._clock() - held.read_at))
+                                         worker_s=self._clock() - held.read_at, settles=settles))
+        if settles:  # released early: the provider's usage follows when the merged call ends
+            targets = [(h.job.reply_to, h.job.correlation_id) for h in flight.entries]
+            outcome.settled_usage.add_done_callback(partial(self._settled, targets))  # type: ignore[union-attr]
+
+    def _settled(self, targets: list[tuple[str, str]], usage: asyncio.Future[dict[str, int]]) -> None:
+        """Send the usage the provider reported for an answer released early (none if it never came: the
+        front-end's ledger then keeps the counted usage)."""
+        if usage.cancelled() or usage.exception() is not None:
+            return
+        for reply_to, cid in targets:
+            self._notes.append((reply_to, encode_reply(WireReply(cid, settled=usage.result()))))
+        self._outbox_ready.set()
 
     def _finish(self, held: _Held, reply: WireReply | None) -> None:
         """Queue the reply (None: none) and the acknowledgement for the writer."""
@@ -228,10 +242,13 @@ class StreamConsumer:
         On a Redis error they stay queued (and held, so heartbeated) for the next try.
         """
         batch, self._outbox = self._outbox, []
+        notes, self._notes = self._notes, []
         self._outbox_ready.clear()
-        if not batch:
+        if not batch and not notes:
             return
         pipe = self._redis.pipeline(transaction=False)
+        for reply_to, fields in notes:
+            pipe.xadd(reply_to, fields, maxlen=REPLY_MAXLEN, approximate=True)
         for held, reply in batch:
             if reply is not None:
                 pipe.xadd(held.job.reply_to, encode_reply(reply), maxlen=REPLY_MAXLEN, approximate=True)
@@ -241,6 +258,7 @@ class StreamConsumer:
             await pipe.execute()
         except RedisError:
             self._outbox = batch + self._outbox
+            self._notes = notes + self._notes
             raise
         for held, _reply in batch:
             self._held.pop((held.stream, held.entry_id), None)
@@ -369,7 +387,7 @@ class StreamConsumer:
 
     async def wait_for_replies(self) -> None:
         """Return when a reply (or an acknowledgement) is waiting to be written."""
-        if not self._outbox:
+        if not self._outbox and not self._notes:
             await self._outbox_ready.wait()
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -42,6 +43,7 @@ log = structlog.get_logger(__name__)
 
 REPLY_TTL_MS = 60_000  # a dead front-end's reply stream disappears after this; a live one renews it
 TRIM_EVERY = 256  # replies read between two trims of the reply stream (a trim costs a round trip)
+SETTLE_GRACE_S = 5.0  # how long past a job's deadline its early-released answer's usage may still arrive
 
 
 class ClusterQueue:
@@ -68,6 +70,7 @@ class ClusterQueue:
         self._sent_at: dict[str, float] = {}  # correlation ID -> when it was sent (for the hop metric)
         self._entries: dict[str, tuple[str, Any]] = {}  # correlation ID -> its (stream, entry ID), while awaited
         self._withdrawn: list[tuple[str, Any]] = []  # entries of jobs whose every caller left, to delete
+        self._settling: dict[str, asyncio.Future[dict[str, int]]] = {}  # correlation ID -> usage to come
         self._outbox: list[ChatJob] = []
         self._outbox_ready = asyncio.Event()
         self._fallback = False
@@ -121,6 +124,8 @@ class ClusterQueue:
             job.fail(Overloaded("The broker is shutting down.", retry_after=1))
         self._outbox.clear()
         self._waiting.clear()
+        for settling in list(self._settling.values()):
+            settling.cancel()  # the ledger keeps the counted usage
         await self._local.stop()
         try:
             await self._redis.delete(self._reply_stream)
@@ -234,6 +239,11 @@ class ClusterQueue:
         except ValueError as exc:
             log.warning("cluster_reply_unreadable", error=str(exc))
             return
+        if reply.settled is not None:  # the reported usage of an answer released early, delivered before
+            settling = self._settling.pop(reply.correlation_id, None)
+            if settling is not None and not settling.done():
+                settling.set_result(reply.settled)
+            return
         job = self._waiting.pop(reply.correlation_id, None)
         if job is None or job.future.done():
             self._metrics.cluster_duplicates_dropped.inc()
@@ -242,9 +252,24 @@ class ClusterQueue:
         if sent_at is not None:
             self._metrics.cluster_hop.observe(max(0.0, self._clock() - sent_at - reply.worker_s))
         if reply.outcome is not None:
-            job.resolve(reply.outcome)
+            outcome = reply.outcome
+            if reply.settles:
+                outcome = replace(outcome, settled_usage=self._settles_later(reply.correlation_id, job.deadline))
+            job.resolve(outcome)
         else:
             job.fail(reply.error)  # type: ignore[arg-type]
+
+    def _settles_later(self, cid: str, deadline: float) -> asyncio.Future[dict[str, int]]:
+        """A future for the usage a `settled` message will bring (the ledger waits for it, as in-process).
+
+        The merged call ends by the job's deadline; past it and `SETTLE_GRACE_S`, the future is cancelled
+        and the ledger keeps the counted usage, so a worker that died mid-call leaves nothing waiting.
+        """
+        settling: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
+        self._settling[cid] = settling
+        timer = self._clock.call_at(deadline + SETTLE_GRACE_S, settling.cancel)
+        settling.add_done_callback(lambda _f: (timer.cancel(), self._settling.pop(cid, None)))
+        return settling
 
     async def _trim(self, last_id: Any) -> None:
         """Drop what was read (later ones stay) and keep the stream's expiry renewed while this front-end lives."""

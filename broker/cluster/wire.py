@@ -40,12 +40,15 @@ class WireJob:
 
 @dataclass(frozen=True)
 class WireReply:
-    """A worker's answer for one correlation ID: an outcome or an error."""
+    """A worker's answer for one correlation ID: an outcome or an error; or, later, the usage the provider
+    reported for an outcome released early (`settled`, a message of its own)."""
 
     correlation_id: str
     outcome: ChatOutcome | None = None
     error: BrokerError | None = None
     worker_s: float = 0.0  # from the worker's read to its reply: the rest of the round trip is the hop
+    settles: bool = False  # the outcome was released early: a `settled` message for it follows
+    settled: dict[str, int] | None = None
 
 
 def encode_job(job: WireJob) -> dict[bytes, bytes]:
@@ -75,9 +78,13 @@ def decode_job(fields: dict[bytes, bytes]) -> WireJob:
 def encode_reply(reply: WireReply) -> dict[bytes, bytes]:
     """Stream-entry fields for `reply`."""
     doc: dict[str, Any] = {"v": WIRE_VERSION, "cid": reply.correlation_id, "ws": round(reply.worker_s, 6)}
-    if reply.outcome is not None:
+    if reply.settled is not None:
+        doc["settled"] = reply.settled
+    elif reply.outcome is not None:
         o = reply.outcome
         doc["ok"] = [o.body, o.provider, o.upstream_s, o.batch_size, o.batch_id, o.fallback]
+        if reply.settles:
+            doc["settles"] = True
     else:
         e = reply.error or BrokerError("The worker gave no answer.")
         doc["err"] = [type(e).__name__, e.status, e.type, e.code, e.message, e.param, e.retry_after]
@@ -89,10 +96,13 @@ def decode_reply(fields: dict[bytes, bytes]) -> WireReply:
     doc = _document(fields)
     try:
         cid = str(doc["cid"])
+        if "settled" in doc:
+            return WireReply(cid, settled={k: int(v) for k, v in dict(doc["settled"]).items()})
         if "ok" in doc:
             body, provider, upstream_s, batch_size, batch_id, fallback = doc["ok"]
             return WireReply(cid, outcome=ChatOutcome(body, provider, float(upstream_s), int(batch_size),
-                                                      batch_id, fallback), worker_s=float(doc.get("ws", 0.0)))
+                                                      batch_id, fallback), worker_s=float(doc.get("ws", 0.0)),
+                             settles=bool(doc.get("settles", False)))
         return WireReply(cid, error=_error(*doc["err"]), worker_s=float(doc.get("ws", 0.0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"unreadable reply entry: {type(exc).__name__}") from exc
