@@ -46,6 +46,17 @@ async def next_job(queue: FakeJobQueue, seen: int = 0) -> ChatJob:
     return (await asyncio.wait_for(queue.wait_for(seen + 1), 10))[seen]
 
 
+async def read_by_a_worker(redis, fe: ClusterQueue, text: str) -> tuple["Node", asyncio.Future, ChatJob]:
+    """A fresh worker holding every partition, the future of a job submitted at `fe`, and that job as the
+    worker read it."""
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    future = fe.submit(chat_job(text))
+    while not await node.read():
+        pass
+    return node, future, await next_job(node.queue)
+
+
 class Node:
     """One worker's parts, driven by hand: leases renewed and reads, writes, claims called by the test."""
 
@@ -123,12 +134,7 @@ async def test_the_worker_counts_a_jobs_window_from_when_its_front_end_queued_it
 
 
 async def test_an_answer_released_early_gets_the_providers_usage_at_the_front_end_when_it_arrives(redis, frontend):
-    node = Node(redis, "w1", FakeClock())
-    await node.leases.renew()
-    future = frontend().submit(chat_job("released early"))
-    while not await node.read():
-        pass
-    job = await next_job(node.queue)
+    node, future, job = await read_by_a_worker(redis, frontend(), "released early")
     reported = asyncio.get_running_loop().create_future()
     FakeJobQueue().answer(job, ChatOutcome({"choices": [{"message": {"content": "early"}}]}, "sim", 0.01,
                                            batch_size=3, settled_usage=reported))
@@ -255,13 +261,7 @@ async def test_a_job_whose_callers_all_left_is_taken_back_before_a_worker_reads_
 
 
 async def test_a_worker_drops_a_held_job_whose_front_end_took_it_back_before_it_is_sent(redis, frontend):
-    node = Node(redis, "w1", FakeClock())
-    await node.leases.renew()
-    fe = frontend()
-    future = fe.submit(chat_job("waiting in a window"))
-    while not await node.read():
-        pass
-    job = await next_job(node.queue)  # held by the worker, not yet sent upstream
+    node, future, job = await read_by_a_worker(redis, frontend(), "waiting in a window")  # not yet sent upstream
     future.cancel()  # its every caller left: the front-end deletes the entry
     while sum([await redis.xlen(KEYS.jobs("batch", p)) for p in range(SETTINGS.partitions)]):
         await asyncio.sleep(0.01)  # deleted on the front-end's next send-loop turn
@@ -336,12 +336,7 @@ async def test_a_frontend_in_cluster_mode_queues_on_redis_and_never_loads_the_si
 
 
 async def test_an_identical_job_read_right_after_an_answer_does_not_take_that_answer_from_its_caller(redis, frontend):
-    node = Node(redis, "w1", FakeClock())
-    await node.leases.renew()
-    first = frontend().submit(chat_job("same question"))
-    while not await node.read():
-        pass
-    job = await next_job(node.queue)
+    node, first, job = await read_by_a_worker(redis, frontend(), "same question")
     (stream, _entry), held = next(iter(node.consumer._held.items()))
     answer(job, "first")  # the answer is set; the consumer hears of it only on the loop's next turn
     twin = replace(held.job, correlation_id="twin")
