@@ -46,15 +46,19 @@ async def next_job(queue: FakeJobQueue, seen: int = 0) -> ChatJob:
     return (await asyncio.wait_for(queue.wait_for(seen + 1), 10))[seen]
 
 
-async def read_by_a_worker(redis, fe: ClusterQueue, text: str) -> tuple["Node", asyncio.Future, ChatJob]:
-    """A fresh worker holding every partition, the future of a job submitted at `fe`, and that job as the
-    worker read it."""
-    node = Node(redis, "w1", FakeClock())
-    await node.leases.renew()
+async def read_by(node: "Node", fe: ClusterQueue, text: str) -> tuple[asyncio.Future, ChatJob]:
+    """The future of a job submitted at `fe`, and that job as `node` (holding its partition) read it."""
     future = fe.submit(chat_job(text))
     while not await node.read():
         pass
-    return node, future, await next_job(node.queue)
+    return future, await next_job(node.queue)
+
+
+async def read_by_a_worker(redis, fe: ClusterQueue, text: str) -> tuple["Node", asyncio.Future, ChatJob]:
+    """A fresh worker holding every partition, and `read_by` it."""
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    return (node, *await read_by(node, fe, text))
 
 
 class Node:
@@ -183,11 +187,7 @@ async def test_held_jobs_are_heartbeated_and_a_dead_workers_jobs_are_claimed(red
     clock = FakeClock()
     a, b = Node(redis, "wa", clock), Node(redis, "wb", clock)
     await a.leases.renew()
-    fe = frontend()
-    future = fe.submit(chat_job("long call"))
-    while not await a.read():
-        pass
-    await next_job(a.queue)  # in progress at a, never answered: a is about to die
+    future, _job = await read_by(a, frontend(), "long call")  # in progress at a, never answered: a is about to die
     stream, entry = next(iter(a.consumer._held))
     await redis.xclaim(stream, GROUP, "wa", 0, [entry], idle=SETTINGS.claim_idle_ms * 2, justid=True)
     await a.consumer.heartbeat_once()  # a is alive: its heartbeat makes the job fresh again
@@ -207,11 +207,7 @@ async def test_a_departed_workers_jobs_are_claimed_before_claim_idle_and_a_live_
     clock = FakeClock()
     a, b = Node(redis, "wa", clock), Node(redis, "wb", clock)
     await a.leases.renew()
-    fe = frontend()
-    future = fe.submit(chat_job("orphan"))
-    while not await a.read():
-        pass
-    await next_job(a.queue)  # in progress at a when a dies
+    future, _job = await read_by(a, frontend(), "orphan")  # in progress at a when a dies
     stream, entry = next(iter(a.consumer._held))
     not_yet_claimable = SETTINGS.claim_idle_ms * 3 // 4  # past two heartbeat periods, short of claim_idle_ms
     await redis.xclaim(stream, GROUP, "wa", 0, [entry], idle=not_yet_claimable, justid=True)
