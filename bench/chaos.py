@@ -25,7 +25,7 @@ import aiohttp
 
 from bench.harness import (Process, TimedSample, cpu_probe_ms, format_table, get_json, latency_summary, open_loop_for,
                            passthrough_config, processes_together, results_path, run_meta, set_faults, sim_base_url,
-                           start_broker, start_simulator, tolerant_chat_request, warm_up, write_results)
+                           start_broker, start_simulator, tolerant_chat_request, warm_up, publish)
 
 FAST_FAIL_CODE = "upstream_unavailable"
 
@@ -210,9 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rate:
         plan = Plan(plan.phases, args.rate, plan.poll_s, plan.breaker)
     result = asyncio.run(run(plan))
-    print(report(result))
-    write_results(args.out, result)
-    print(f"\nwrote {args.out}")
+    publish(result, report(result), args.out)
     return 0 if result["accounting"]["exactly_one_each"] else 1
 
 

@@ -428,6 +428,13 @@ def write_results(path: str | Path, data: Any) -> None:
     write_json(path, _json_safe(data))
 
 
+def publish(result: dict[str, Any], table: str, out: str | Path) -> None:
+    """A benchmark's ending: print its tables, write its JSON to `out`, say where."""
+    print(table)
+    write_results(out, result)
+    print(f"\nwrote {out}")
+
+
 async def warm_up(url: str, body_for: Callable[[int], tuple[dict[str, Any], dict[str, str], str]],
                   requests: int = 8) -> None:
     """Send `requests` chat requests at once and ignore the answers, so first-call costs stay out of a measurement."""

@@ -31,7 +31,7 @@ import aiohttp
 
 from bench.harness import (Process, chat_request, closed_loop, cpu_probe_ms, format_table, passthrough_config,
                            percentile, processes_together, results_path, run_meta, sim_base_url, start_broker,
-                           start_simulator, summarize, write_results)
+                           start_simulator, summarize, publish)
 from bench.merging import RunSpec, bursts, measure, poisson
 from bench.merging import broker_config as merging_config
 from bench.workloads import hot_question_topics, hot_question_versions, mixed_workload
@@ -304,9 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=str(results_path("latency.json")), help="JSON output file")
     args = parser.parse_args(argv)
     result = asyncio.run(run(QUICK if args.quick else FULL, args.part or PARTS))
-    print(report(result))
-    write_results(args.out, result)
-    print(f"\nwrote {args.out}")
+    publish(result, report(result), args.out)
     return 0
 
 

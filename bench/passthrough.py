@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 from bench.harness import (CpuWindow, Process, chat_request, closed_loop, cpu_probe_ms, format_table, latency_summary,
                            open_loop_for, passthrough_config, processes_together, results_path, run_meta, sim_base_url,
-                           start_broker, start_proxy, start_simulator, summarize, write_results)
+                           start_broker, start_proxy, start_simulator, summarize, publish)
 
 TARGETS = ("direct", "proxy", "broker")
 THROUGHPUT_RATIO_TARGET = 0.7
@@ -210,9 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = Plan(plan.concurrencies, plan.requests, plan.warmup, args.rounds or plan.rounds,
                     args.open_rate or plan.open_rate, plan.open_s)
     result = asyncio.run(run(plan))
-    print(report(result))
-    write_results(args.out, result)
-    print(f"\nwrote {args.out}")
+    publish(result, report(result), args.out)
     return 0
 
 

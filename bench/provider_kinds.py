@@ -23,7 +23,7 @@ import aiohttp
 
 from bench.harness import (CpuWindow, Process, RequestFn, Sample, chat_request, closed_loop, cpu_probe_ms,
                            format_table, processes_together, results_path, run_meta, sim_base_url, start_broker,
-                           start_simulator, summarize, write_results)
+                           start_simulator, summarize, publish)
 from bench.passthrough import _median  # the one NaN-skipping median of the paired benchmarks
 
 KINDS = ("openai", "anthropic", "azure")
@@ -140,9 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=str(results_path("provider_kinds.json")), help="JSON output file")
     args = parser.parse_args(argv)
     result = asyncio.run(run(QUICK if args.quick else FULL))
-    print(report(result))
-    write_results(args.out, result)
-    print(f"\nwrote {args.out}")
+    publish(result, report(result), args.out)
     return 0
 
 

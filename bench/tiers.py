@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from bench.harness import (CpuWindow, Process, Sample, closed_loop_until, cpu_probe_ms, format_table, latency_summary,
                            open_loop_for, passthrough_config, processes_together, results_path, run_meta, sim_base_url,
-                           start_broker, start_simulator, tolerant_chat_request, warm_up, write_results)
+                           start_broker, start_simulator, tolerant_chat_request, warm_up, publish)
 
 QUEUE_OVERHEAD_TARGET_MS = 0.3
 NEAR_INTERVALS = 3  # see the module docstring
@@ -181,9 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rpm:
         plan = replace(plan, rpm=args.rpm)
     result = asyncio.run(run(plan))
-    print(report(result))
-    write_results(args.out, result)
-    print(f"\nwrote {args.out}")
+    publish(result, report(result), args.out)
     return 0
 
 
