@@ -33,10 +33,10 @@ class ServerClock:
     def synced(self) -> bool:
         return self._offset_ms is not None
 
-    async def sync(self, redis: Any, *, samples: int = 1) -> None:
-        """Measure the offset with `samples` `TIME` round trips (more on a first sync); raises the client's
-        error when Redis is down."""
-        for _ in range(max(samples, FIRST_SYNC_SAMPLES if not self._samples else 1)):
+    async def sync(self, redis: Any) -> None:
+        """Measure the offset with one `TIME` round trip (a few on the first sync); raises the client's error
+        when Redis is down."""
+        for _ in range(1 if self._samples else FIRST_SYNC_SAMPLES):
             before = self._clock()
             seconds, micros = await redis.time()
             after = self._clock()
