@@ -15,7 +15,7 @@ WORKDIR /app
 ARG TORCH_INDEX_URL=""
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; \
     else pip install torch==2.13.0; fi
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY core ./core
 COPY broker ./broker
 COPY merge ./merge

@@ -32,7 +32,7 @@ import openai
 
 from bench.harness import (Process, cpu_probe_ms, get_json, post_json, processes_together, results_path, run_meta,
                            sim_base_url, start_broker, start_simulator, write_results)
-from mergebroker.providers.simulator import answer_for
+from mergebroker.providers.simulator.server import answer_for
 
 MODEL = "sim-small"
 SIM_OPTIONS = ("--latency-base-ms", "200", "--latency-per-token-ms", "1")

@@ -315,7 +315,7 @@ class EchoQueue:
     """A worker-side `JobQueue` that answers every job at once: what is left of a round trip is the hop."""
 
     def submit(self, job: Any) -> Any:
-        from mergebroker.broker.jobs import ChatOutcome
+        from mergebroker.broker.engine.chat.jobs import ChatOutcome
 
         asyncio.get_running_loop().call_soon(job.resolve, ChatOutcome({"choices": []}, "echo", 0.0))
         return job.future
@@ -341,8 +341,8 @@ async def hop_floor(redis_url: str, *, rate: float, count: int, **overrides: Any
     """
     import random
 
-    from mergebroker.broker.admission import Caller
-    from mergebroker.broker.jobs import ChatJob
+    from mergebroker.broker.engine.limits.admission import Caller
+    from mergebroker.broker.engine.chat.jobs import ChatJob
 
     frontend, worker, leases, worker_redis = _echo_pair(redis_url, **overrides)
     started = time.monotonic()
@@ -389,8 +389,8 @@ def _echo_pair(redis_url: str, **overrides: Any) -> tuple[Any, Any, Any, Any]:
     from mergebroker.broker.cluster.partition import Keys
     from mergebroker.broker.cluster.server_time import ServerClock
     from mergebroker.broker.cluster.worker import ClusterWorker
-    from mergebroker.broker.metrics import Metrics
-    from mergebroker.broker.settings import ClusterSettings, default_tiers
+    from mergebroker.broker.engine.metrics import Metrics
+    from mergebroker.broker.engine.settings import ClusterSettings, default_tiers
 
     settings = ClusterSettings(**{**CLUSTER, "block_ms": 1000, **overrides})
     keys, server_clock, metrics = Keys("mb:floor"), ServerClock(), Metrics()

@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.harness import (Process, RequestFn, Sample, chat_request, cpu_probe_ms, off_loop_seconds, open_loop,
                            percentile, post_json, run_meta, start_broker, start_simulator, write_json)
 from bench.workloads import ChatItem, hot_question_topics, hot_question_versions, mixed_workload
-from mergebroker.broker.settings import default_tiers
-from mergebroker.providers.simulator import answer_for
+from mergebroker.broker.engine.settings import default_tiers
+from mergebroker.providers.simulator.server import answer_for
 
 RESULTS_PATH = Path(__file__).parent / "results" / "merging.json"
 SIM_OPTIONS = ("--latency-base-ms", "300", "--latency-per-token-ms", "2")

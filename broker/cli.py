@@ -31,19 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="OpenAI-compatible base URL (e.g. https://api.example.com/v1) serving every model; "
                             "repeat for a pool with failover. API key from $MERGEBROKER_UPSTREAM_API_KEY.")
 
-    from mergebroker.providers.simulator_cli import add_simulate_arguments
+    from mergebroker.providers.simulator.cli import add_simulate_arguments
 
     simulate = sub.add_parser("simulate", help="run the simulated OpenAI-compatible upstream",
                               description="Run the simulated upstream used by tests, demos and benchmarks.")
     add_simulate_arguments(simulate)
 
-    from mergebroker.broker.report import add_report_arguments
+    from mergebroker.broker.engine.accounting.report import add_report_arguments
 
     report = sub.add_parser("report", help="summarise the usage ledger",
                             description="Requests, merge rate, cache rates, tokens and calls saved, cost per tenant.")
     add_report_arguments(report)
 
-    from mergebroker.broker.eval_cli import add_eval_arguments
+    from mergebroker.broker.eval.cli import add_eval_arguments
 
     evaluate = sub.add_parser("eval", help="measure merged answers against alone answers on an upstream",
                               description="Run a request set (or the built-in questions) alone and in merged "
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--metrics-port", type=int, default=9100, help="port of /metrics, /healthz and /readyz "
                                                                         "(default: %(default)s; 0: any free port)")
     worker.add_argument("--host", help="listen address of that port (default from config: 127.0.0.1)")
-    from mergebroker.broker.mcp_cli import add_mcp_arguments
+    from mergebroker.broker.mcp.cli import add_mcp_arguments
 
     mcp = sub.add_parser("mcp", help="serve the broker to agents over MCP (stdio or streamable HTTP)",
                          description="An MCP server with the tools chat, embed, count_tokens and broker_stats, "
@@ -105,11 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "worker":
-        from mergebroker.broker.cluster_worker import run_worker
+        from mergebroker.broker.http.worker_app import run_worker
 
         return run_worker(args)
     if args.command == "simulate":
-        from mergebroker.providers.simulator_cli import serve_simulator
+        from mergebroker.providers.simulator.cli import serve_simulator
 
         try:
             asyncio.run(serve_simulator(args))
@@ -117,15 +117,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 0
     if args.command == "report":
-        from mergebroker.broker.report import run_report
+        from mergebroker.broker.engine.accounting.report import run_report
 
         return run_report(args)
     if args.command == "mcp":
-        from mergebroker.broker.mcp_cli import run_mcp
+        from mergebroker.broker.mcp.cli import run_mcp
 
         return run_mcp(args)
     if args.command == "eval":
-        from mergebroker.broker.eval_cli import run_eval
+        from mergebroker.broker.eval.cli import run_eval
 
         return run_eval(args)
     if args.command == "warm-cache":
@@ -151,11 +151,11 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _serve(args: argparse.Namespace) -> int:
     import structlog
 
-    from mergebroker.broker.app import create_app
-    from mergebroker.broker.eventloop import loop_kind, new_event_loop
-    from mergebroker.broker.logging import configure_logging
-    from mergebroker.broker.server import serve
-    from mergebroker.broker.settings import settings_for_command
+    from mergebroker.broker.http.app import create_app
+    from mergebroker.eventloop import loop_kind, new_event_loop
+    from mergebroker.broker.engine.logging import configure_logging
+    from mergebroker.broker.http.server import serve
+    from mergebroker.broker.engine.config import settings_for_command
 
     settings = settings_for_command(args.config, overrides=serve_overrides(args))
     if settings is None:

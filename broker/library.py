@@ -5,12 +5,12 @@
         vectors = await broker.embed(["a text", "another"], model="all-MiniLM-L6-v2")
         print(broker.stats())
 
-Every call takes the path an HTTP request takes (`broker.handling`): validation, admission (tier and key
+Every call takes the path an HTTP request takes (`engine.handling`): validation, admission (tier and key
 limits), the chat cache and coalescing, the tier's merge window and queue, merging and splitting, the
 embedding caches and window batching; it is counted in the same metrics and usage ledger. Callers in one
 process share one engine, so concurrent callers of one text share one computation.
 
-Named `Broker` for its users; the running engine inside it is `mergebroker.broker.state.Broker`.
+Named `Broker` for its users; the running engine inside it is `mergebroker.broker.engine.broker.Broker`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mergebroker.broker import handling
-from mergebroker.broker.admission import Caller
-from mergebroker.broker.app import build_broker, stop_broker
-from mergebroker.broker.chat import CacheControl
-from mergebroker.broker.middleware import RequestInfo, record_request
-from mergebroker.broker.schemas import BrokerOptions, parse_chat, parse_embeddings
-from mergebroker.broker.settings import Settings, load_settings
-from mergebroker.broker.state import Broker as Engine
+from mergebroker.broker.engine import handling
+from mergebroker.broker.engine.limits.admission import Caller
+from mergebroker.broker.cluster.frontend import front_end_queue
+from mergebroker.broker.engine.assemble import assemble, stop_engine
+from mergebroker.broker.engine.chat.service import CacheControl
+from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
+from mergebroker.broker.engine.schemas import BrokerOptions, parse_chat, parse_embeddings
+from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.config import load_settings
+from mergebroker.broker.engine.broker import Broker as Engine
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import BrokerError, Forbidden, InvalidRequest
 
@@ -76,13 +78,14 @@ class Broker:
     async def __aenter__(self) -> Broker:
         if self._engine is not None:
             raise RuntimeError("this Broker is already running")
-        self._engine = await build_broker(self.settings, clock=self._clock, sleep=self._sleep)
+        self._engine = await assemble(self.settings, queue=front_end_queue(self.settings), clock=self._clock,
+                                      sleep=self._sleep)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
-            await stop_broker(engine)
+            await stop_engine(engine)
 
     @property
     def engine(self) -> Engine:
@@ -144,9 +147,9 @@ class Broker:
         try:
             reply = await answer(engine, info)
         except BrokerError as exc:
-            record_request(engine, info, endpoint, exc.status, time.perf_counter() - info.started)
+            record_request(engine.metrics, engine.ledger, info, endpoint, exc.status, time.perf_counter() - info.started)
             raise
-        record_request(engine, info, endpoint, 200, time.perf_counter() - info.started)
+        record_request(engine.metrics, engine.ledger, info, endpoint, 200, time.perf_counter() - info.started)
         return Reply(reply.body, {**reply.headers, "X-Request-ID": request_id})
 
     @staticmethod

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mergebroker.broker.app import build_broker, stop_broker
+from mergebroker.broker.engine.assemble import assemble, stop_engine
 from mergebroker.errors import BrokerError
-from mergebroker.broker.settings import settings_for_command
+from mergebroker.broker.engine.config import settings_for_command
 
 
 def run_warm_cache(args: argparse.Namespace) -> int:
@@ -28,7 +28,7 @@ def run_warm_cache(args: argparse.Namespace) -> int:
 
 
 async def _warm(settings, texts: list[str], model: str, batch: int) -> int:
-    broker = await build_broker(settings)
+    broker = await assemble(settings)
     try:
         if not broker.embeddings.serves(model):
             print(f"mergebroker: no provider serves embedding model '{model}'", file=sys.stderr)
@@ -46,4 +46,4 @@ async def _warm(settings, texts: list[str], model: str, batch: int) -> int:
         print(f"mergebroker: {exc.message}", file=sys.stderr)
         return 1
     finally:
-        await stop_broker(broker)
+        await stop_engine(broker)

@@ -1,4 +1,4 @@
-"""Settling a merged call: one pure decision per member, which `broker.dispatch` then carries out.
+"""Settling a merged call: one pure decision per member, which `broker.engine.chat.dispatch` then carries out.
 
 Every member ends in exactly one of three places of a `Settlement`:
     answers    its own answer, cut out of the merged reply (stop sequences applied, usage apportioned)

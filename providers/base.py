@@ -53,7 +53,7 @@ class Provider(Protocol):
 
 
 class Pool(Protocol):
-    """The provider pools as the chat path (`broker.chat`, `broker.dispatch`) sees them.
+    """The provider pools as the chat path (`broker.engine.chat.service`, `broker.engine.chat.dispatch`) sees them.
 
     Real: `providers.pool.ProviderPools`; fake: `providers.fake.FakePool`.
     Contract:

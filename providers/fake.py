@@ -1,6 +1,6 @@
 """Fakes of the provider-layer seams for unit tests: `FakeProvider` (a `Provider`) and `FakePool` (a `Pool`).
 
-Integration tests use the real ones over the simulated upstream (`providers.simulator`), a real server.
+Integration tests use the real ones over the simulated upstream (`providers.simulator.server`), a real server.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any, AsyncIterator, Callable
 
-from mergebroker.providers.simulator_content import answer_for
+from mergebroker.providers.simulator.content import answer_for
 
 
 class FakeProvider:

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Checks the layer contracts in .importlinter (lint-imports).
-# grimp finds the layers by walking the `mergebroker` package's folder, `core/`; the links core/broker,
-# core/merge, core/breaker and core/providers point at the repository's top-level folders, so it sees them
-# under the names they are installed with. (The wheel is built from the package-dir mapping, not the links.)
+# Checks the layer contracts in .importlinter (lint-imports) on a real tree: the package as `pip install .`
+# builds it (the wheel, unpacked), so what is checked is what ships. Custom contract types live in
+# scripts/contracts/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/lint-imports --no-cache
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+rm -rf build  # setuptools keeps stale modules in build/lib and would ship them
+.venv/bin/pip wheel -q --no-deps --no-build-isolation -w "$tmp/wheel" . >"$tmp/build.log" 2>&1 ||
+  { cat "$tmp/build.log"; exit 1; }
+.venv/bin/python -m zipfile -e "$tmp"/wheel/*.whl "$tmp/tree"
+cd "$tmp/tree"
+PYTHONPATH="$tmp/tree:$OLDPWD/scripts/contracts" exec "$OLDPWD/.venv/bin/lint-imports" --no-cache \
+  --config "$OLDPWD/.importlinter"

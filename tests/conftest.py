@@ -82,7 +82,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 async def simulator():
     """The simulated upstream as a real server on a free loopback port."""
-    from mergebroker.providers.simulator import start_simulator
+    from mergebroker.providers.simulator.server import start_simulator
 
     sim = await start_simulator()
     try:
@@ -94,11 +94,12 @@ async def simulator():
 class BrokerUnderTest:
     """A broker running as a real aiohttp server on 127.0.0.1, with an HTTP session and an OpenAI client."""
 
-    def __init__(self, runner, broker, port: int) -> None:
+    def __init__(self, runner, broker, port: int, batches=None) -> None:
         import aiohttp
         import openai
 
         self.runner, self.broker, self.port = runner, broker, port
+        self.batches = batches  # the Batch API's service, when enabled
         self.url = f"http://127.0.0.1:{port}"
         self.http = aiohttp.ClientSession(base_url=self.url)
         self.openai = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="test-key", max_retries=0)
@@ -122,8 +123,9 @@ async def start_broker():
     """Factory: `await start_broker(settings_dict)` runs a broker on a free port; all are stopped at the end."""
     from aiohttp import web
 
-    from mergebroker.broker.app import BROKER, create_app
-    from mergebroker.broker.settings import load_settings
+    from mergebroker.broker.http.app import create_app
+    from mergebroker.broker.http.keys import BATCHES, BROKER
+    from mergebroker.broker.engine.config import load_settings
 
     started: list[BrokerUnderTest] = []
 
@@ -135,7 +137,7 @@ async def start_broker():
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        b = BrokerUnderTest(runner, app[BROKER], port)
+        b = BrokerUnderTest(runner, app[BROKER], port, app.get(BATCHES))
         started.append(b)
         return b
 

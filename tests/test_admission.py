@@ -7,9 +7,9 @@ import hashlib
 import pytest
 from pydantic import SecretStr
 
-from mergebroker.broker.admission import Authenticator
+from mergebroker.broker.engine.limits.admission import Authenticator
 from mergebroker.errors import Forbidden, Unauthorized
-from mergebroker.broker.settings import ApiKeySettings, AuthSettings
+from mergebroker.broker.engine.settings import ApiKeySettings, AuthSettings
 
 TIERS = ("realtime", "standard", "batch")
 

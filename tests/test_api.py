@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mergebroker.clock import FakeClock
-from mergebroker.providers.simulator import answer_for
+from mergebroker.providers.simulator.server import answer_for
 from tests.conftest import provider_for
 
 PASSTHROUGH = {"merge": {"enabled": False}}
@@ -55,7 +55,7 @@ async def test_models_list_asks_the_upstream_once_per_minute(simulator, start_br
 
 
 async def test_the_upstream_model_list_is_fetched_again_after_its_ttl():
-    from mergebroker.broker.routes import UpstreamModels
+    from mergebroker.broker.http.routes import UpstreamModels
 
     calls = []
 

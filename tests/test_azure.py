@@ -11,7 +11,7 @@ from aiohttp import web
 from mergebroker.errors import UpstreamHTTPError
 from mergebroker.providers.azure import AzureOpenAIProvider
 from mergebroker.providers.openai_compat import HttpProviderSettings
-from mergebroker.providers.simulator import answer_for
+from mergebroker.providers.simulator.server import answer_for
 
 API_VERSION = "2024-10-21"
 

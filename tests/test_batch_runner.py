@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 
-from mergebroker.broker.admission import Caller
-from mergebroker.broker.batch_runner import Limits
-from mergebroker.broker.batches import build_batch_service
-from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.ratelimit import RateLimiter
-from mergebroker.broker.settings import load_settings
+from mergebroker.broker.engine.limits.admission import Caller
+from mergebroker.broker.bulk.runner import Limits
+from mergebroker.broker.bulk.batches import build_batch_service
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.limits.ratelimit import RateLimiter
+from mergebroker.broker.engine.config import load_settings
 from mergebroker.clock import FakeClock, monotonic
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pool import ProviderPools, Upstream

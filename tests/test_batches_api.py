@@ -9,8 +9,8 @@ import json
 import openai
 import pytest
 
-from mergebroker.providers.simulator import answer_for
-from mergebroker.providers.simulator_batches import BATCHES_KEY
+from mergebroker.providers.simulator.server import answer_for
+from mergebroker.providers.simulator.batches import BATCHES_KEY
 from tests.conftest import provider_for
 
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -41,7 +41,7 @@ async def run_batch(client, broker, rows: list[dict]) -> str:
 
 
 async def finished(client, broker, batch_id: str):
-    await broker.broker.batches.wait_until(batch_id, lambda d: d["status"] in FINAL)
+    await broker.batches.wait_until(batch_id, lambda d: d["status"] in FINAL)
     return await client.batches.retrieve(batch_id)
 
 
@@ -91,7 +91,7 @@ async def test_restart_mid_batch_resumes_without_resending_finished_work(simulat
     rows = [line(f"q{n}", f"question {n}", system=f"System {n // 2}") for n in range(12)]  # 6 calls of 2
     first = await start_broker(config(simulator, tmp_path, concurrency=1))
     batch_id = await run_batch(first.openai, first, rows)
-    seen = await first.broker.batches.wait_until(batch_id, lambda d: d["request_counts"]["completed"] >= 4)
+    seen = await first.batches.wait_until(batch_id, lambda d: d["request_counts"]["completed"] >= 4)
     await first.close()
     done_before = seen["request_counts"]["completed"]
     calls_before = simulator.stats()["chat_calls"]
@@ -110,7 +110,7 @@ async def test_restart_polls_the_upstream_batch_already_submitted(simulator, sta
     first = await start_broker(config(simulator, tmp_path, batch_api=True))
     batch_id = await run_batch(first.openai, first, rows)
     for _ in range(3000):  # until the broker has submitted its round upstream and recorded it
-        if upstream.counters["batches_created"] and await first.broker.batches._store.open_rounds(batch_id):
+        if upstream.counters["batches_created"] and await first.batches._store.open_rounds(batch_id):
             break
         await asyncio.sleep(0.01)
     await first.close()
@@ -127,7 +127,7 @@ async def test_cancel_stops_unsent_work_and_accounts_for_every_line(simulator, s
     rows = [line(f"q{n}", f"question {n}", system=f"System {n}") for n in range(10)]  # 10 calls of 1
     b = await start_broker(config(simulator, tmp_path, concurrency=1))
     batch_id = await run_batch(b.openai, b, rows)
-    await b.broker.batches.wait_until(batch_id, lambda d: d["request_counts"]["completed"] >= 1)
+    await b.batches.wait_until(batch_id, lambda d: d["request_counts"]["completed"] >= 1)
     cancelling = await b.openai.batches.cancel(batch_id)
     assert cancelling.status in ("cancelling", "cancelled")
     batch = await finished(b.openai, b, batch_id)

@@ -13,7 +13,7 @@ import time
 import openai
 import yaml
 
-from mergebroker.providers.simulator import answer_for
+from mergebroker.providers.simulator.server import answer_for
 from tests.conftest import free_port
 
 LINES = 12

@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from mergebroker.broker.body import depth_exceeds, inflate, parse_json
+from mergebroker.broker.http.body import depth_exceeds, inflate, parse_json
 from mergebroker.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from tests.conftest import NO_MERGE_MODEL, provider_for
 

@@ -24,9 +24,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from mergebroker.broker.cluster.partition import GROUP
-from mergebroker.providers.simulator import start_simulator
-from mergebroker.providers.simulator_content import answer_for
-from mergebroker.providers.simulator_faults import SimulatorConfig
+from mergebroker.providers.simulator.server import start_simulator
+from mergebroker.providers.simulator.content import answer_for
+from mergebroker.providers.simulator.faults import SimulatorConfig
 from tests.conftest import RedisServer, free_port
 
 # One cluster for the module (starting six processes is most of the time): the kill test runs first and

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from mergebroker.broker.admission import Caller
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.cluster.consumer import StreamConsumer
 from mergebroker.broker.cluster.frontend import ClusterQueue
@@ -16,10 +16,10 @@ from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireReply, encode_job, encode_reply
-from mergebroker.broker.job_queue import FakeJobQueue
-from mergebroker.broker.jobs import ChatJob, ChatOutcome
-from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.settings import ClusterSettings, default_tiers
+from mergebroker.broker.engine.chat.job_queue import FakeJobQueue
+from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.settings import ClusterSettings, default_tiers
 from mergebroker.clock import FakeClock, monotonic
 
 pytestmark = pytest.mark.redis

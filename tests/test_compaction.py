@@ -10,7 +10,7 @@ from mergebroker.merge.compaction import BulkItem, CompactionRules, PlannedCall,
 from mergebroker.merge.fingerprint import chat_fingerprint
 from mergebroker.merge.settle import SettleOptions, settle
 from mergebroker.merge.shape import compatibility_key, merge_shape
-from mergebroker.providers.simulator_content import answer_for
+from mergebroker.providers.simulator.content import answer_for
 
 RULES = CompactionRules(threshold=0.0, max_batch=4, budget=lambda model: 100_000)
 

@@ -19,10 +19,10 @@ from structlog.testing import capture_logs
 import yaml
 from aiohttp import web
 
-from mergebroker.broker.app import create_app
-from mergebroker.broker.connections import Conn, ConnectionLimits, eviction_order, expired
-from mergebroker.broker.server import CONNECTIONS, AcceptErrorLog, GuardedSite, runner_for
-from mergebroker.broker.settings import load_settings
+from mergebroker.broker.http.app import create_app
+from mergebroker.broker.http.connections import Conn, ConnectionLimits, eviction_order, expired
+from mergebroker.broker.http.server import CONNECTIONS, AcceptErrorLog, GuardedSite, runner_for
+from mergebroker.broker.engine.config import load_settings
 from mergebroker.clock import FakeClock
 from tests.conftest import free_port, provider_for
 

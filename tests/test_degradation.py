@@ -11,7 +11,7 @@ import pytest
 
 from mergebroker.breaker.circuit import BreakerState
 from mergebroker.clock import FakeClock
-from mergebroker.providers.simulator import SimulatorConfig, answer_for, start_simulator
+from mergebroker.providers.simulator.server import SimulatorConfig, answer_for, start_simulator
 from tests.conftest import provider_for
 
 BATCH = {"X-Broker-Tier": "batch"}

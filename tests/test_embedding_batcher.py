@@ -11,11 +11,11 @@ import pytest
 import redis.asyncio as redis_asyncio
 
 from mergebroker.errors import Overloaded, UpstreamBadResponse, UpstreamHTTPError, UpstreamTimeout
-from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.merge.cache import LruCache, RedisCache, TwoLevelCache, make_redis_client
 from mergebroker.merge.embedder import fake_vector
 from mergebroker.providers.base import EmbedResult
-from mergebroker.broker.embedding_engine import (EmbeddingBatcher, TimerHandle, cache_metrics_hook, share_tokens,
+from mergebroker.broker.engine.embeddings.batcher import (EmbeddingBatcher, TimerHandle, cache_metrics_hook, share_tokens,
                                      window_decision)
 
 DIM = 16

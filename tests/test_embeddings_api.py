@@ -8,8 +8,8 @@ import hashlib
 
 import numpy as np
 
-from mergebroker.providers.simulator import start_simulator
-from mergebroker.providers.simulator_faults import SimulatorConfig
+from mergebroker.providers.simulator.server import start_simulator
+from mergebroker.providers.simulator.faults import SimulatorConfig
 from mergebroker.clock import FakeClock
 from tests.conftest import provider_for
 from tests.test_degradation import eventually

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 from mergebroker.broker.cli import build_parser
-from mergebroker.broker.eval_cli import eval_command
-from mergebroker.broker.eval_report import recommend
-from mergebroker.broker.evaluate import builtin_requests, load_requests, plan_batches
-from mergebroker.providers.simulator import SimulatorConfig, start_simulator
+from mergebroker.broker.eval.cli import eval_command
+from mergebroker.broker.eval.report import recommend
+from mergebroker.broker.eval.run import builtin_requests, load_requests, plan_batches
+from mergebroker.providers.simulator.server import SimulatorConfig, start_simulator
 
 
 def _args(sim, out, *extra: str):

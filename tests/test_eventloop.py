@@ -7,7 +7,7 @@ import builtins
 
 import pytest
 
-from mergebroker.broker.eventloop import loop_kind, new_event_loop
+from mergebroker.eventloop import loop_kind, new_event_loop
 
 
 @pytest.mark.parametrize("choice, kind", [("auto", "uvloop"), ("uvloop", "uvloop"), ("asyncio", "asyncio")])

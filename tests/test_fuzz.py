@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mergebroker.broker.app import create_app
-from mergebroker.broker.server import CONNECTIONS, GuardedSite, runner_for
-from mergebroker.broker.settings import load_settings
-from mergebroker.providers.simulator import start_simulator
+from mergebroker.broker.http.app import create_app
+from mergebroker.broker.http.server import CONNECTIONS, GuardedSite, runner_for
+from mergebroker.broker.engine.config import load_settings
+from mergebroker.providers.simulator.server import start_simulator
 
 EXAMPLES = 150  # each is one real request: about two seconds in all
 ENVELOPE = {"message", "type", "param", "code"}

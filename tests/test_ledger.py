@@ -9,8 +9,8 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from mergebroker.broker.ledger import Ledger, LedgerRecord, MemoryLedgerStore, saved_tokens
-from mergebroker.broker.ledger_store import LedgerStoreError, SqliteLedgerStore, open_store
+from mergebroker.broker.engine.accounting.ledger import Ledger, LedgerRecord, MemoryLedgerStore, saved_tokens
+from mergebroker.broker.engine.accounting.store import LedgerStoreError, SqliteLedgerStore, open_store
 from mergebroker.merge.usage import apportion_usage
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from mergebroker.broker import Broker
-from mergebroker.broker.admission import Caller
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import Forbidden, InvalidRequest, Unauthorized
 from tests.conftest import provider_for
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mergebroker.errors import InvalidRequest, NotFound
-from mergebroker.broker.embedding_engine import EmbeddingBatcher
+from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
 from mergebroker.vectors import normalize_rows
 from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
 from mergebroker.providers.local_embeddings import LocalEmbeddingBackend

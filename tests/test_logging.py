@@ -6,7 +6,7 @@ import json
 
 from structlog.testing import capture_logs
 
-from mergebroker.broker.logging import redact_secrets
+from mergebroker.broker.engine.logging import redact_secrets
 from tests.conftest import provider_for
 
 API_KEY = "sk-test-never-logged-123456"
@@ -36,7 +36,7 @@ def test_redaction_processor_drops_secret_and_prompt_fields():
 
 
 def test_provider_settings_never_show_the_key():
-    from mergebroker.broker.settings import load_settings
+    from mergebroker.broker.engine.config import load_settings
 
     settings = load_settings(None, environ={"K": API_KEY},
                              overrides={"providers": [{"name": "p", "base_url": "http://x/v1", "api_key_env": "K"}]})

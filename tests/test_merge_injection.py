@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 
-from mergebroker.providers.simulator import INJECTION_MARKER, answer_for
+from mergebroker.providers.simulator.server import INJECTION_MARKER, answer_for
 from tests.conftest import provider_for
 
 BATCH = {"X-Broker-Tier": "batch"}

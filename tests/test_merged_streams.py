@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from mergebroker.providers.simulator import answer_for
+from mergebroker.providers.simulator.server import answer_for
 from tests.test_early_release import gated  # noqa: F401 - the gated upstream fixture
 
 Q1 = "first question: how do tides form along a long rocky coast"

@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 
 from mergebroker.clock import FakeClock
-from mergebroker.providers.simulator import answer_for
+from mergebroker.providers.simulator.server import answer_for
 from tests.conftest import provider_for
 from tests.test_tiers_api import SubmitSpy
 

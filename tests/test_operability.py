@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
-from mergebroker.broker.settings import ConfigError, load_settings
+from mergebroker.broker.engine.config import ConfigError, load_settings
 from mergebroker.errors import UpstreamConnectionError
 from mergebroker.providers.pool import ProviderPools, Upstream
 from tests.conftest import NO_MERGE_MODEL, provider_for

@@ -8,7 +8,7 @@ from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBr
 from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.clock import FakeClock
 from mergebroker.errors import UpstreamHTTPError
-from mergebroker.broker.metrics import Metrics, merging_listener
+from mergebroker.broker.engine.metrics import Metrics, merging_listener
 
 SETTINGS = BreakerSettings()
 

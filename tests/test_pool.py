@@ -11,7 +11,7 @@ import pytest
 from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
 from mergebroker.clock import FakeClock
 from mergebroker.errors import DeadlineExceeded, UpstreamError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
-from mergebroker.broker.metrics import Metrics, PoolMetrics
+from mergebroker.broker.engine.metrics import Metrics, PoolMetrics
 from mergebroker.providers.fake import FakeProvider
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.providers.openai_compat import read_timeout_for

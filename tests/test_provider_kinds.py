@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from mergebroker.breaker.circuit import BreakerState
-from mergebroker.providers.simulator import answer_for, start_simulator
+from mergebroker.providers.simulator.server import answer_for, start_simulator
 from tests.conftest import provider_for
 
 ENV = {"ANTHROPIC_KEY": "sk-ant-test", "AZURE_KEY": "az-test"}

@@ -11,9 +11,9 @@ from structlog.testing import capture_logs
 
 from mergebroker.clock import FakeClock
 from mergebroker.errors import Overloaded
-from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.queue import MergeQueue, TierWindow
-from mergebroker.broker.settings import TierSettings
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.chat.merge_queue import MergeQueue, TierWindow
+from mergebroker.broker.engine.settings import TierSettings
 
 
 @dataclass(eq=False)
@@ -215,7 +215,7 @@ async def test_close_returns_every_waiting_item_and_refuses_new_ones(fake_clock)
 
 
 def test_aged_rank_orders_like_aging_priority_at_any_time():
-    from mergebroker.broker.jobs import aged_rank
+    from mergebroker.broker.engine.chat.jobs import aged_rank
 
     fresh_realtime = aged_rank(100, enqueued_at=1000.0, aging_per_s=10)
     assert aged_rank(0, enqueued_at=1000.0 - 9.9, aging_per_s=10) < fresh_realtime

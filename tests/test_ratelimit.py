@@ -8,7 +8,7 @@ import pytest
 
 from mergebroker.clock import FakeClock
 from mergebroker.errors import RateLimited
-from mergebroker.broker.ratelimit import LimitSpec, RateLimiter, TokenBucket, format_duration
+from mergebroker.broker.engine.limits.ratelimit import LimitSpec, RateLimiter, TokenBucket, format_duration
 
 TIER = LimitSpec("tier:standard", rpm=5, tpm=1000)
 KEY = LimitSpec("key:ab12cd", rpm=60, tpm=600)

@@ -13,8 +13,8 @@ from structlog.testing import capture_logs
 
 from mergebroker.clock import FakeClock
 from mergebroker.errors import RateLimited
-from mergebroker.broker.ratelimit import LimitSpec, RateLimiter
-from mergebroker.broker.ratelimit_redis import RedisRateLimiter
+from mergebroker.broker.engine.limits.ratelimit import LimitSpec, RateLimiter
+from mergebroker.broker.engine.limits.redis_limiter import RedisRateLimiter
 
 pytestmark = pytest.mark.redis
 

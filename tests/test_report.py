@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from mergebroker.broker.ledger import LedgerRecord
-from mergebroker.broker.ledger_store import SqliteLedgerStore
-from mergebroker.broker.report import (ModelPrice, add_report_arguments, build_report, parse_duration, render_json,
+from mergebroker.broker.engine.accounting.ledger import LedgerRecord
+from mergebroker.broker.engine.accounting.store import SqliteLedgerStore
+from mergebroker.broker.engine.accounting.report import (ModelPrice, add_report_arguments, build_report, parse_duration, render_json,
                            render_table, run_report)
 from mergebroker.merge.usage import largest_remainder
 

@@ -10,17 +10,17 @@ from typing import Any
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from mergebroker.broker.admission import Caller
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.clock import FakeClock
-from mergebroker.broker.dispatch import Dispatcher, MergeOptions, TierMergePolicy
+from mergebroker.broker.engine.chat.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.errors import BrokerError, DeadlineExceeded, NotFound
-from mergebroker.broker.jobs import ChatJob, ChatOutcome
-from mergebroker.broker.queue import ReleasedGroup
+from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.shape import MergeShape
 from mergebroker.providers.fake import FakePool, completion
-from mergebroker.providers.simulator import answer_for, start_simulator
-from mergebroker.providers.simulator_faults import SimulatorConfig
+from mergebroker.providers.simulator.server import answer_for, start_simulator
+from mergebroker.providers.simulator.faults import SimulatorConfig
 from tests.conftest import BrokerUnderTest, provider_for
 from tests.test_degradation import Gate
 from tests.test_tiers_api import SubmitSpy

@@ -6,17 +6,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mergebroker.broker.admission import Caller
-from mergebroker.broker.jobs import ChatJob
-from mergebroker.broker.ledger_store import SqliteLedgerStore
-from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.report import build_report
-from mergebroker.broker.shadow import ShadowRunner
+from mergebroker.broker.engine.limits.admission import Caller
+from mergebroker.broker.engine.chat.jobs import ChatJob
+from mergebroker.broker.engine.accounting.store import SqliteLedgerStore
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.accounting.report import build_report
+from mergebroker.broker.engine.chat.shadow import ShadowRunner
 from mergebroker.clock import FakeClock
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.shape import MergeShape
-from mergebroker.providers.quiz import builtin_set
-from mergebroker.providers.simulator import SimulatorConfig, start_simulator
+from mergebroker.providers.simulator.quiz_set import builtin_set
+from mergebroker.providers.simulator.server import SimulatorConfig, start_simulator
 from tests.conftest import provider_for
 
 BATCH = {"X-Broker-Tier": "batch"}

@@ -17,10 +17,10 @@ import numpy as np
 import openai
 import pytest
 
-from mergebroker.providers.simulator import (RunningSimulator, SimulatorConfig, answer_for, count_tokens, prompt_tokens,
+from mergebroker.providers.simulator.server import (RunningSimulator, SimulatorConfig, answer_for, count_tokens, prompt_tokens,
                                  start_simulator)
-from mergebroker.providers.simulator_cli import add_simulate_arguments, config_from_args, serve_simulator
-from mergebroker.providers.simulator_faults import CHATTER_AFTER, CHATTER_BEFORE, CallFault, decide_call_fault, render_blocks
+from mergebroker.providers.simulator.cli import add_simulate_arguments, config_from_args, serve_simulator
+from mergebroker.providers.simulator.faults import CHATTER_AFTER, CHATTER_BEFORE, CallFault, decide_call_fault, render_blocks
 from tests.conftest import free_port
 
 QUESTION = "What is the capital of France?"

@@ -7,7 +7,7 @@ import aiohttp
 import anthropic
 import pytest
 
-from mergebroker.providers.simulator import answer_for
+from mergebroker.providers.simulator.server import answer_for
 
 USER = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -9,7 +9,7 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from mergebroker.clock import FakeClock
-from mergebroker.providers.simulator import answer_for
+from mergebroker.providers.simulator.server import answer_for
 from tests.conftest import BrokerUnderTest, provider_for
 
 LIMITED = {"name": "limited", "priority": 50, "window_ms": 0, "rpm": 2}

@@ -6,8 +6,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.workers import WorkerPool
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.chat.workers import WorkerPool
 
 
 class _Groups:
@@ -75,7 +75,7 @@ class _ByItem:
 
 
 async def test_released_requests_are_dispatched_in_order_within_max_dispatching():
-    from mergebroker.broker.queue import MergeQueue, TierWindow
+    from mergebroker.broker.engine.chat.merge_queue import MergeQueue, TierWindow
 
     queue: MergeQueue[Any] = MergeQueue([TierWindow("t", 50, 0.0, 1, 100, 200)], clock=lambda: 0.0)  # type: ignore
     dispatcher = _ByItem()

@@ -24,15 +24,15 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError, ResponseError
 
-from mergebroker.broker.admission import Caller
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireJob, WireReply, decode_job, encode_reply
-from mergebroker.broker.job_queue import JobQueue
-from mergebroker.broker.jobs import ChatJob, ChatOutcome, aged_rank
-from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.settings import ClusterSettings, TierSettings
+from mergebroker.broker.engine.chat.job_queue import JobQueue
+from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.settings import ClusterSettings, TierSettings
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError
 from mergebroker.merge.shape import merge_shape

@@ -19,6 +19,7 @@ which a reply stream cannot carry.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from dataclasses import replace
 from functools import partial
@@ -30,11 +31,12 @@ from redis.exceptions import RedisError
 from mergebroker.broker.cluster.partition import Keys, flight_key, partition_of
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireJob, decode_reply, encode_job
-from mergebroker.broker.job_queue import JobQueue
-from mergebroker.broker.jobs import ChatJob, ChatOutcome
-from mergebroker.broker.metrics import Metrics
+from mergebroker.broker.engine.chat.job_queue import JobQueue
+from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.cluster.client import make_stream_client
-from mergebroker.broker.settings import ClusterSettings, Settings
+from mergebroker.broker.engine.assemble import QueueChoice
+from mergebroker.broker.engine.settings import ClusterSettings, Settings
 from mergebroker.tasks import stop_loops
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import Overloaded
@@ -49,7 +51,7 @@ SETTLE_GRACE_S = 5.0  # how long past a job's deadline its early-released answer
 class ClusterQueue:
     """Sends jobs to the workers through Redis Streams; falls back to `local` while Redis is unreachable.
 
-    A `JobQueue` (contract in `broker.job_queue`). `owns_client`: `stop()` closes `redis` too.
+    A `JobQueue` (contract in `broker.engine.chat.job_queue`). `owns_client`: `stop()` closes `redis` too.
     """
 
     def __init__(self, redis: Any, local: JobQueue, *, keys: Keys, settings: ClusterSettings, partitions: int,
@@ -357,6 +359,14 @@ def build_cluster_queue(settings: Settings, local: JobQueue, *, metrics: Metrics
     return ClusterQueue(make_stream_client(settings.redis.url or "", block_ms=c.block_ms), local,
                         keys=Keys(c.prefix), settings=c, partitions=c.partitions, server_clock=ServerClock(clock),
                         metrics=metrics, sleep=sleep, owns_client=True, clock=clock)
+
+
+def front_end_queue(settings: Settings) -> QueueChoice | None:
+    """How a way in (HTTP, the library) queues its jobs: through the cluster when cluster mode is on, else in
+    process (None). The in-process queue stays the cluster queue's fallback while Redis or workers are away."""
+    if not settings.cluster.enabled:
+        return None
+    return functools.partial(build_cluster_queue, settings)
 
 
 async def stop_tasks(tasks: set[asyncio.Task[None]], block_ms: int) -> None:

@@ -17,8 +17,8 @@ from redis.exceptions import RedisError
 from mergebroker.broker.cluster.consumer import HEARTBEAT_SHARE, StreamConsumer
 from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.partition import GROUP, Keys
-from mergebroker.broker.metrics import Metrics
-from mergebroker.broker.settings import ClusterSettings
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.settings import ClusterSettings
 from mergebroker.tasks import stop_loops
 from mergebroker.clock import Clock, Sleep, monotonic
 

@@ -1,0 +1,107 @@
+"""One request's account: what handling learns about it (`RequestInfo`), and the one place it is counted
+(metrics), logged (the `request` event) and written to the usage ledger (`LedgerRecord`, built only in
+`ledger_record`). HTTP and the library record through here alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from mergebroker.broker.engine.accounting.ledger import Ledger, LedgerRecord, saved_tokens
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.errors import BrokerError
+
+log = structlog.get_logger("mergebroker.access")
+
+
+@dataclass
+class RequestInfo:
+    """What handlers learn about a request, for its headers, log event and metrics."""
+
+    request_id: str  # the caller's X-Request-ID when usable, else `broker_request_id`
+    broker_request_id: str  # generated here for every request: unique, the ledger's key
+    started: float = 0.0  # perf_counter at arrival
+    upstream_s: float = 0.0
+    tenant: str | None = None
+    tier: str = ""
+    model: str | None = None
+    batch_size: int | None = None
+    batch_id: str | None = None
+    cache: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    alone_prompt_tokens: int = 0
+    usage_settles: asyncio.Future[dict[str, int]] | None = None  # released early: its reported usage, later
+    stream_error: BrokerError | None = None  # what ended a stream whose headers were already sent
+
+
+def record_request(metrics: Metrics | None, ledger: Ledger | None, info: RequestInfo, endpoint: str, status: int,
+                   elapsed: float, *, sent_status: int | None = None) -> None:
+    """Count one answered request (metrics, usage ledger) and log its event; HTTP and the library alike."""
+    if metrics is not None:
+        requests, latency = _request_metrics(metrics, endpoint, info.tier, status)
+        requests.inc()
+        latency.observe(elapsed)
+    if ledger is not None and endpoint != "models":
+        _record(ledger, info, endpoint, status, elapsed)
+    log.info("request", endpoint=endpoint, status=sent_status or status, tenant=info.tenant, tier=info.tier,
+             model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
+             batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache,
+             stream_error=(info.stream_error.code or info.stream_error.type) if info.stream_error else None)
+
+
+_CHILDREN: weakref.WeakKeyDictionary[Metrics, dict[tuple[str, str, int], tuple[Any, Any]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _request_metrics(metrics: Metrics, endpoint: str, tier: str, status: int) -> tuple[Any, Any]:
+    """The request counter and latency histogram children for these labels.
+
+    `labels()` costs more than the observation itself, so each child is looked up once per broker
+    (weakly keyed, so a stopped broker's metrics are not kept alive).
+    """
+    children = _CHILDREN.get(metrics)
+    if children is None:
+        children = _CHILDREN[metrics] = {}
+    key = (endpoint, tier, status)
+    pair = children.get(key)
+    if pair is None:
+        pair = children[key] = (metrics.requests.labels(endpoint, tier, str(status)),
+                                metrics.request_latency.labels(endpoint, tier))
+    return pair
+
+
+def _record(ledger: Ledger, info: RequestInfo, endpoint: str, status: int, elapsed: float, *_: Any) -> None:
+    """Write the request's ledger record; a member released early waits for the merged call's reported usage."""
+    settles = info.usage_settles
+    if settles is not None and not settles.done():
+        settles.add_done_callback(functools.partial(_record, ledger, info, endpoint, status, elapsed))
+        return
+    if settles is not None and not settles.cancelled() and settles.exception() is None:
+        usage = settles.result()
+        info.prompt_tokens, info.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+    ledger.record(ledger_record(info, endpoint, status, elapsed))
+
+
+def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float) -> LedgerRecord:
+    """The ledger's account of one answered request (token rules in `broker.engine.accounting.ledger`)."""
+    cache = info.cache if info.cache in ("hit", "coalesced") else "miss"
+    reused = cache != "miss"
+    prompt = 0 if reused else info.prompt_tokens
+    completion = 0 if reused else info.completion_tokens
+    batch_size = 0 if reused or status >= 400 and not info.batch_size else (info.batch_size or 1)
+    saved = saved_tokens(cache, batch_size, info.alone_prompt_tokens, prompt,  # type: ignore[arg-type]
+                         info.completion_tokens if reused else 0, status)
+    return LedgerRecord(
+        request_id=info.broker_request_id, ts=time.time(), tenant=info.tenant or "", tier=info.tier, model=info.model or "",
+        batch_id=None if reused else info.batch_id, batch_size=batch_size, cache=cache,  # type: ignore[arg-type]
+        prompt_tokens=prompt, completion_tokens=completion, alone_prompt_tokens=info.alone_prompt_tokens,
+        tokens_saved=saved, status=status, latency_ms=round(elapsed * 1000, 3),
+        endpoint="embeddings" if endpoint == "embeddings" else "chat")

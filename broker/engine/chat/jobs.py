@@ -1,0 +1,117 @@
+"""The unit of work that travels from the HTTP handler through the queue to dispatch, and its outcome."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable
+
+import structlog
+
+from mergebroker.broker.engine.limits.admission import Caller
+from mergebroker.errors import BrokerError, Overloaded
+from mergebroker.merge.shape import MergeShape
+
+log = structlog.get_logger(__name__)
+
+
+def aged_rank(priority: int, enqueued_at: float, aging_per_s: float) -> float:
+    """A time-invariant rank with the same order as `priority + aging_per_s * (now - enqueued_at)` at any `now`.
+
+    Waiters that are ordered once (the upstream limiter's heap) keep the aging bound this way: a request
+    that has waited (p_high - p_low) / aging_per_s longer outranks a fresh higher-priority one.
+    """
+    if aging_per_s <= 0:
+        return float(priority)
+    return priority / aging_per_s - enqueued_at
+
+
+@dataclass(frozen=True)
+class ChatOutcome:
+    """What a caller receives: its own completion body plus how it was produced."""
+
+    body: dict[str, Any]
+    provider: str | None
+    upstream_s: float
+    batch_size: int = 1
+    batch_id: str | None = None
+    fallback: str | None = None  # why a merged member was re-sent alone, if it was
+    # Released early (before the merged reply ended): the usage apportioned from the provider's report,
+    # once it arrives; the body's usage is counted. The ledger waits for it (broker.middleware).
+    settled_usage: asyncio.Future[dict[str, int]] | None = field(default=None, compare=False, repr=False)
+    # A streaming request's answer: SSE event bytes to relay (its own upstream stream, or its block of a
+    # merged one, `broker.engine.chat.member_stream`); `body` is empty then.
+    stream: AsyncIterator[bytes] | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(eq=False)
+class ChatJob:
+    """One admitted chat request waiting for an answer. Exactly one of result/exception is set."""
+
+    request_id: str
+    caller: Caller
+    body: dict[str, Any]
+    model: str
+    priority: float  # rank at the upstream limiter: tier priority aged by queue time (aged_rank)
+    shape: MergeShape | None
+    merge_key: str | None
+    prompt_tokens: int
+    max_tokens: int
+    deadline: float  # only `extend_deadline` changes it, and only until `mark_sent`
+    enqueued_at: float
+    dispatched: bool = False  # only `mark_sent` sets it
+    stream: bool = False  # a streaming request (merged streams): its outcome carries a stream
+    future: asyncio.Future[ChatOutcome] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def tier(self) -> str:
+        return self.caller.tier
+
+    def extend_deadline(self, deadline: float) -> bool:
+        """Let the job run until the later `deadline` (a coalesced follower's); False once it was sent."""
+        if self.dispatched:
+            return False
+        self.deadline = max(self.deadline, deadline)
+        return True
+
+    def mark_sent(self) -> float:
+        """Freeze the deadline as the job goes upstream; returns the deadline the call runs under."""
+        self.dispatched = True
+        return self.deadline
+
+    def resolve(self, outcome: ChatOutcome) -> None:
+        """Set the answer; safe to call twice or after the caller left."""
+        if not self.future.done():
+            self.future.set_result(outcome)
+
+    def fail(self, exc: BaseException) -> None:
+        """Set the error; safe to call twice or after the caller left."""
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+async def answer_all(jobs: list[ChatJob], work: Awaitable[None]) -> None:
+    """Await `work`, then make sure no job of `jobs` is left without an answer, whatever happened."""
+    try:
+        await work
+    except asyncio.CancelledError:  # the worker is stopping: the broker is shutting down
+        fail_unanswered(jobs, Overloaded("The broker is shutting down.", retry_after=1))
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug must still answer every caller, at once
+        log.exception("dispatch_failed", size=len(jobs), error=type(exc).__name__)
+        fail_unanswered(jobs, exc if isinstance(exc, BrokerError) else BrokerError(
+            f"The broker failed while dispatching the request ({type(exc).__name__}).", status=500,
+            code="dispatch_failed"))
+    else:
+        if any(not j.future.done() for j in jobs):  # the error is built only when needed (rarely)
+            fail_unanswered(jobs, BrokerError("The broker lost track of the request.", status=500,
+                                               code="dispatch_failed"))
+            log.error("dispatch_left_jobs_unanswered", size=len(jobs))
+
+
+def fail_unanswered(jobs: list[ChatJob], exc: BrokerError) -> int:
+    """Fail the jobs still waiting; how many there were."""
+    waiting = [j for j in jobs if not j.future.done()]
+    for job in waiting:
+        job.fail(exc)
+    return len(waiting)

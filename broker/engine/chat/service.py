@@ -1,0 +1,301 @@
+"""The chat-completions path after validation: limits, cache, coalescing, queue, deadline.
+
+Each accepted request gets exactly one outcome or one error before its deadline. Identical requests
+in flight share one queued job (singleflight) when they also share the tier and the merge opt-out; a
+caller that leaves or times out does not cancel it for the others, a job nobody waits for any more is
+dropped before dispatch, and every caller keeps its own deadline (see `ChatService._share`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from typing import Any, AsyncIterator, Callable
+
+import structlog
+
+from mergebroker.broker.engine.limits.admission import Caller
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import DeadlineExceeded, UpstreamUnavailable
+from mergebroker.broker.engine.chat.job_queue import JobQueue
+from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
+from mergebroker.broker.engine.limits.limiter import Limiter
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.limits.ratelimit import LimitSpec, Reservation
+from mergebroker.broker.engine.settings import Settings, TierSettings
+from mergebroker.broker.engine.tokens import estimate_prompt_tokens
+from mergebroker.merge.cache import TwoLevelCache
+from mergebroker.merge.coalesce import SingleFlight
+from mergebroker.merge.fingerprint import chat_fingerprint
+from mergebroker.merge.shape import compatibility_key, merge_shape
+from mergebroker.providers.base import Pool
+
+log = structlog.get_logger(__name__)
+
+_STREAM_FIELDS = ("stream", "stream_options")
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """A finished chat request: the outcome, how the cache took part, and the rate-limit headers."""
+
+    outcome: ChatOutcome
+    cache: str  # "hit" | "coalesced" | "miss"
+    limit_headers: dict[str, str]
+    prompt_estimate: int = 0  # estimated prompt tokens had it been sent alone
+
+
+@dataclass(frozen=True)
+class CacheControl:
+    read: bool = True
+    write: bool = True
+
+    @classmethod
+    def from_header(cls, value: str | None) -> "CacheControl":
+        if not value:
+            return _READ_WRITE
+        directives = {d.strip().lower() for d in value.split(",")}
+        return cls(read="no-cache" not in directives, write="no-store" not in directives)
+
+
+_READ_WRITE = CacheControl()
+
+
+@lru_cache(maxsize=4096)
+def _json_name(name: str) -> str:
+    """`name` JSON-encoded for a scope (remembered: the same few tenants and tiers ask on every request)."""
+    return json.dumps(name)
+
+
+class ChatService:
+    """Admits, caches, coalesces and queues chat requests."""
+
+    def __init__(self, settings: Settings, *, queue: JobQueue, pools: Pool, limiter: Limiter,
+                 cache: TwoLevelCache | None, metrics: Metrics, clock: Clock = monotonic) -> None:
+        self._settings = settings
+        self._queue = queue
+        self._pools = pools
+        self._limiter = limiter
+        self._cache = cache
+        self._metrics = metrics
+        self._clock = clock
+        self._flights: SingleFlight[str, ChatOutcome] = SingleFlight()
+        self._pending: dict[str, tuple[ChatJob, asyncio.Future[ChatOutcome]]] = {}  # flight key -> its job
+        # and future until answered, for followers' deadlines
+        self._tiers = {t.name: t for t in settings.tiers}
+        self._tier_limits = {t.name: LimitSpec(f"tier:{t.name}", t.rpm, t.tpm) for t in settings.tiers}
+        self._estimate_prompts = prompt_estimate_needed(settings)
+        self._cache_events: dict[str, Any] = {}  # labelled children by result, looked up once
+
+    def limit_specs(self, caller: Caller) -> list[LimitSpec]:
+        """The admission limits that apply to `caller`: its tier's, and its API key's when it has any."""
+        return caller.limits(self._tier_limits[caller.tier])
+
+    async def admit(self, caller: Caller, body: dict[str, Any]) -> tuple[Reservation, int, int]:
+        """Reserve rate-limit budget: estimated prompt tokens plus the output budget.
+
+        The prompt estimate is 0 when nothing would read it (see `prompt_estimate_needed`).
+        """
+        prompt_tokens = estimate_prompt_tokens(body.get("messages") or []) if self._estimate_prompts else 0
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens")
+                         or self._settings.merge.default_max_tokens)
+        try:
+            reservation = await self._limiter.reserve(self.limit_specs(caller), prompt_tokens + max_tokens)
+        except Exception:
+            self._metrics.rejected.labels(caller.tier, "rate_limited").inc()
+            raise
+        return reservation, prompt_tokens, max_tokens
+
+    def check_fast_fail(self, model: str) -> None:
+        retry_after = self._pools.fast_fail_after(model)
+        if retry_after is not None:
+            self._metrics.fast_fail.labels(self._metrics.model_label(model)).inc()
+            raise UpstreamUnavailable(retry_after)
+
+    async def complete(self, caller: Caller, request_id: str, body: dict[str, Any], *, timeout_s: float | None,
+                       merge_opt_out: bool, cache_control: CacheControl) -> ChatResult:
+        """Answer one non-streaming chat request."""
+        tier = self._tiers[caller.tier]
+        if tier.omitted_temperature_is_zero and body.get("temperature") is None:
+            body = {**body, "temperature": 0}
+        limit_s = tier.timeout_for(timeout_s)
+        deadline = self._clock() + limit_s
+        self.check_fast_fail(body["model"])
+        reservation, prompt_tokens, max_tokens = await self.admit(caller, body)
+        try:
+            result = await self._answer(caller, tier, request_id, body, (deadline, limit_s), prompt_tokens,
+                                        max_tokens, merge_opt_out, cache_control, reservation)
+        except BaseException:
+            await reservation.settle(0)
+            raise
+        usage = result.outcome.body.get("usage") or {}
+        spent = 0 if result.cache == "hit" else int(usage.get("total_tokens") or prompt_tokens + max_tokens)
+        await reservation.settle(spent)
+        return result
+
+    async def _answer(self, caller: Caller, tier: TierSettings, request_id: str, body: dict[str, Any],
+                      time_limit: tuple[float, float], prompt_tokens: int, max_tokens: int, merge_opt_out: bool,
+                      cache_control: CacheControl, reservation: Reservation) -> ChatResult:
+        deadline, limit_s = time_limit
+        scope = self._scope(caller, tier)
+        key = scope + ":" + chat_fingerprint(
+            body, lowercase=self._settings.merge.lowercase, collapse_whitespace=self._settings.merge.collapse_whitespace,
+            cache_version=self._settings.merge.cache_version)
+        cacheable = self._cache is not None and self._cacheable(body)
+        if cacheable and cache_control.read:
+            cached = await self._cache.get(key)  # type: ignore[union-attr]
+            if cached is not None:
+                self._count_cache("hit")
+                self._metrics.upstream_calls_saved.inc()
+                outcome = ChatOutcome(json.loads(cached), None, 0.0)
+                return ChatResult(outcome, "hit", reservation.headers(), prompt_tokens)
+
+        # A follower shares the leader's job: its tier (window, priority) and its merge opt-out must match.
+        flight = f"{key}|{tier.name}|{'alone' if merge_opt_out else 'mergeable'}"
+
+        def submit() -> asyncio.Future[ChatOutcome]:
+            # Only the first of identical requests queues a job; SingleFlight cancels its future (the
+            # queue then drops the job before dispatch) once every caller waiting for it has left.
+            job = self._job(caller, tier, scope, request_id, body, deadline, prompt_tokens, max_tokens,
+                            merge_opt_out)
+            future = self._queue.submit(job)
+            self._pending[flight] = (job, future)
+            future.add_done_callback(partial(self._untrack, flight, job))
+            return future
+
+        try:
+            # A timeout context, not wait_for: no extra task per request.
+            async with self._clock.timeout_at(deadline):
+                outcome, shared = await self._share(flight, submit, deadline)
+        except TimeoutError:
+            self._metrics.rejected.labels(caller.tier, "deadline").inc()
+            raise DeadlineExceeded(f"The request did not complete within its deadline "
+                                   f"({limit_s:g} s in tier '{tier.name}').") from None
+        cache = "coalesced" if shared else "miss"
+        self._count_cache(cache)
+        if shared:
+            self._metrics.upstream_calls_saved.inc()
+        if cacheable and cache_control.write and _complete(outcome.body):
+            await self._cache.set(key, json.dumps(outcome.body).encode())  # type: ignore[union-attr]
+        return ChatResult(outcome, cache, reservation.headers(), prompt_tokens)
+
+    async def _share(self, flight: str, submit: Callable[[], asyncio.Future[ChatOutcome]],
+                     deadline: float) -> tuple[ChatOutcome, bool]:
+        """The outcome of the pending job for `flight` (or of a new one), and whether it was shared.
+
+        A follower asks the queue to extend a job not yet sent to its own deadline. A job already sent
+        runs on the deadline it was sent with; when that earlier deadline cuts it short, this caller,
+        still in time, starts over with a job of its own.
+        """
+        while True:
+            pending = self._pending.get(flight)
+            # An answered job whose clean-up callback has not run yet is no one to join: `join` starts afresh.
+            joined = pending[0] if pending is not None and not pending[1].done() else None
+            if joined is not None:
+                self._queue.extend(joined, deadline)
+            try:
+                return await self._flights.join(flight, submit)
+            except DeadlineExceeded:  # the pool's error when the job's deadline, not the upstream, ran out
+                if joined is None or joined.deadline >= deadline or self._clock() >= deadline:
+                    raise
+                log.info("coalesced_retry", reason="shared_job_deadline")
+
+    def _untrack(self, flight: str, job: ChatJob, _future: asyncio.Future[ChatOutcome]) -> None:
+        # A newer job may own the key already (the old one was cancelled as its callers left).
+        if (self._pending.get(flight) or (None,))[0] is job:
+            del self._pending[flight]
+
+    def _count_cache(self, result: str) -> None:
+        # `labels()` costs more than the increment itself, so each child is looked up once.
+        child = self._cache_events.get(result)
+        if child is None:
+            child = self._cache_events[result] = self._metrics.cache_events.labels(result)
+        child.inc()
+
+    def _job(self, caller: Caller, tier: TierSettings, scope: str, request_id: str, body: dict[str, Any],
+             deadline: float, prompt_tokens: int, max_tokens: int, merge_opt_out: bool, *,
+             stream: bool = False) -> ChatJob:
+        # A stream is judged as the same request without its delivery fields; it merges only with streams.
+        shaped = {k: v for k, v in body.items() if k not in _STREAM_FIELDS} if stream else body
+        shape = None if merge_opt_out or not tier.merge or not self._settings.merge.enabled else merge_shape(shaped)
+        merge_key = None
+        if shape is not None:
+            merge_key = compatibility_key(shaped, shape, scope_value=scope,
+                                          include_system=tier.system_prompts == "exact") + ("|stream" if stream else "")
+        now = self._clock()
+        return ChatJob(request_id=request_id, caller=caller, body=body, model=body["model"],
+                       priority=aged_rank(tier.priority, now, self._settings.server.aging_per_s),
+                       shape=shape, merge_key=merge_key, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                       deadline=deadline, enqueued_at=now, stream=stream)
+
+    def _scope(self, caller: Caller, tier: TierSettings) -> str:
+        # Names are JSON-encoded: a tenant or user containing ':' must not spell another's scope.
+        scope = self._settings.merge.scope
+        if scope == "global":
+            return "global"
+        if scope == "tier":
+            return "tier:" + _json_name(tier.name)
+        if scope == "user":
+            return "user:" + json.dumps([caller.tenant, caller.user or ""])
+        return "tenant:" + _json_name(caller.tenant)
+
+    def _cacheable(self, body: dict[str, Any]) -> bool:
+        return body.get("temperature") == 0 or self._settings.cache.cache_nondeterministic
+
+    async def stream(self, caller: Caller, body: dict[str, Any], *, timeout_s: float | None,
+                     request_id: str = "", merge_opt_out: bool = False
+                     ) -> tuple[AsyncIterator[bytes], ChatOutcome, Reservation]:
+        """Open a stream for a streaming request: its own upstream stream, or, in a tier with
+        `merge_streams`, its block of a merged call (queued like any mergeable request)."""
+        tier = self._tiers[caller.tier]
+        deadline = self._clock() + tier.timeout_for(timeout_s)
+        self.check_fast_fail(body["model"])
+        reservation, prompt_tokens, max_tokens = await self.admit(caller, body)
+        try:
+            if not merge_opt_out and self._streams_merge(tier, body):
+                job = self._job(caller, tier, self._scope(caller, tier), request_id, body, deadline, prompt_tokens,
+                                 max_tokens, False, stream=True)
+                async with self._clock.timeout_at(deadline):
+                    outcome = await self._queue.submit(job)
+                return outcome.stream, outcome, reservation  # type: ignore[return-value]
+            chunks, provider = await self._pools.stream_chat(body["model"], body, deadline=deadline,
+                                                             priority=aged_rank(tier.priority, self._clock(),
+                                                                                self._settings.server.aging_per_s),
+                                                             tokens=prompt_tokens + max_tokens, tenant=caller.tenant)
+        except TimeoutError:
+            await reservation.settle(0)
+            self._metrics.rejected.labels(caller.tier, "deadline").inc()
+            raise DeadlineExceeded(f"The stream did not start within its deadline in tier '{tier.name}'.") from None
+        except BaseException:
+            await reservation.settle(0)
+            raise
+        return chunks, ChatOutcome({}, provider, 0.0), reservation
+
+    def _streams_merge(self, tier: TierSettings, body: dict[str, Any]) -> bool:
+        """Whether a streaming request may wait for merge partners: the tier allows it, the upstreams take
+        merged calls as streams, no stop sequences (they would have to be held back too), not cluster mode."""
+        return (tier.streams_merge and tier.merge and self._settings.merge.enabled
+                and not self._settings.cluster.enabled and not body.get("stop")
+                and self._pools.streams_merged(body["model"]))
+
+
+def prompt_estimate_needed(settings: Settings) -> bool:
+    """Whether some part of the broker reads a chat request's prompt-token estimate under `settings`.
+
+    Its readers: token-per-minute limits (a tier's, an API key's, a provider's), merge planning (the
+    context budget and the tokens-saved count) and the usage ledger (`alone_prompt_tokens`). With
+    none of them configured, counting the prompt's tokens on every request would be wasted work.
+    """
+    ledger = settings.ledger.path or settings.ledger.postgres_dsn
+    merging = settings.merge.enabled and any(t.merge for t in settings.tiers)
+    tpm = (any(t.tpm for t in settings.tiers) or any(k.tpm for k in settings.auth.keys)
+           or any(p.tpm for p in settings.providers))
+    return bool(ledger or merging or tpm)
+
+
+def _complete(body: dict[str, Any]) -> bool:
+    """Only whole answers are cached: no truncated (`length`) or filtered choices."""
+    choices = body.get("choices") or []
+    return bool(choices) and all(c.get("finish_reason") == "stop" for c in choices)

@@ -1,0 +1,107 @@
+"""One request's handling apart from its transport: admission, the model check, the service call, its headers.
+
+The HTTP handlers (`routes`) and the in-process library (`library`) both answer through here, so a
+request gets the same authentication, limits, cache, coalescing, queue and merging whichever way it came.
+Each function notes what it learns in the request's `RequestInfo` (log event, metrics, ledger).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from mergebroker.broker.engine.limits.admission import TIER_HEADER, Caller
+from mergebroker.broker.engine.chat.service import CacheControl, ChatResult
+from mergebroker.broker.engine.embeddings.service import EmbeddingResponse
+from mergebroker.broker.engine.accounting.request_record import RequestInfo
+from mergebroker.broker.engine.schemas import BrokerOptions, ChatRequest, EmbeddingRequest
+from mergebroker.broker.engine.broker import Broker
+from mergebroker.errors import NotFound
+
+
+def authenticate(broker: Broker, info: RequestInfo, headers: Mapping[str, str], options: BrokerOptions | None,
+                 user: str | None) -> Caller:
+    """The caller named by `headers` (and the body's `broker.tier` / `user`); refusals are counted by tier."""
+    try:
+        caller = broker.auth.authenticate(headers, body_tier=options.tier if options else None, body_user=user)
+    except Exception as exc:
+        reason = "unauthorized" if getattr(exc, "status", 0) == 401 else "forbidden"
+        broker.metrics.rejected.labels(_tier_label(broker, headers.get(TIER_HEADER)), reason).inc()
+        raise
+    info.tenant, info.tier = caller.tenant, caller.tier
+    return caller
+
+
+def with_body_options(broker: Broker, info: RequestInfo, headers: Mapping[str, str], known: Caller,
+                      parsed: ChatRequest | EmbeddingRequest) -> Caller:
+    """The caller once the body is read: its `broker.tier` and `user` may still choose (and be refused).
+
+    Callers are first authenticated from the headers alone, so an unknown caller costs no body parsing.
+    """
+    if (parsed.broker is None or parsed.broker.tier is None) and parsed.user is None:
+        return known
+    return authenticate(broker, info, headers, parsed.broker, parsed.user)
+
+
+def _tier_label(broker: Broker, requested: str | None) -> str:
+    """A metric label for a tier named by an unauthenticated request: only configured names, never junk."""
+    return requested if any(t.name == requested for t in broker.settings.tiers) else "unknown"
+
+
+def model_not_found(model: str) -> NotFound:
+    """The 404 for a model no upstream (or local model) serves."""
+    return NotFound(f"The model '{model}' does not exist or you do not have access to it.", param="model",
+                    code="model_not_found")
+
+
+def check_chat_model(broker: Broker, info: RequestInfo, parsed: ChatRequest) -> None:
+    """404 unless an upstream serves the model (a local embedding model cannot chat)."""
+    info.model = parsed.model
+    if not broker.pools.serves(parsed.model):
+        raise model_not_found(parsed.model)
+
+
+async def complete_chat(broker: Broker, info: RequestInfo, caller: Caller, parsed: ChatRequest,
+                        body: dict[str, Any], cache_control: CacheControl) -> ChatResult:
+    """Answer one non-streaming chat request (validated, authenticated, model checked)."""
+    options = parsed.broker
+    result = await broker.chat.complete(
+        caller, info.request_id, body, timeout_s=options.timeout_s if options else None,
+        merge_opt_out=bool(options and options.merge is False), cache_control=cache_control)
+    outcome = result.outcome
+    info.upstream_s, info.batch_size, info.batch_id, info.cache = (outcome.upstream_s, outcome.batch_size,
+                                                                   outcome.batch_id, result.cache)
+    usage = outcome.body.get("usage") or {}
+    info.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    info.completion_tokens = int(usage.get("completion_tokens") or 0)
+    info.usage_settles = outcome.settled_usage
+    info.alone_prompt_tokens = result.prompt_estimate
+    return result
+
+
+def chat_headers(result: ChatResult) -> dict[str, str]:
+    """The broker's response headers for a chat answer: batch size and id, cache, fallback, limits."""
+    outcome = result.outcome
+    headers = {"X-Broker-Batch-Size": str(outcome.batch_size), "X-Broker-Cache": result.cache,
+               **result.limit_headers}
+    if outcome.batch_id:
+        headers["X-Broker-Batch-Id"] = outcome.batch_id
+    if outcome.fallback:
+        headers["X-Broker-Fallback"] = outcome.fallback
+    return headers
+
+
+async def create_embeddings(broker: Broker, info: RequestInfo, caller: Caller, parsed: EmbeddingRequest,
+                            body: dict[str, Any]) -> EmbeddingResponse:
+    """Answer one embeddings request (validated, authenticated) through the batcher and its caches."""
+    info.model = parsed.model
+    if not broker.pools.serves(parsed.model) and not broker.embeddings.serves(parsed.model):
+        raise model_not_found(parsed.model)
+    result = await broker.embeddings.create(caller, parsed, body)
+    info.cache, info.batch_size, info.upstream_s = result.cache_summary, 1, result.upstream_s
+    info.prompt_tokens = info.alone_prompt_tokens = int(result.body["usage"]["prompt_tokens"])
+    return result
+
+
+def embedding_headers(result: EmbeddingResponse) -> dict[str, str]:
+    """The broker's response headers for an embeddings answer."""
+    return {"X-Broker-Cache": result.cache_summary, "X-Broker-Batch-Size": "1", **result.limit_headers}

@@ -1,0 +1,1 @@
+"""`mergebroker eval`: merged answers measured against alone answers on one upstream."""

@@ -1,0 +1,216 @@
+"""`mergebroker eval`: run a request set against one upstream alone and in merged batches, as production would.
+
+Every request is sent once alone; then, for each batch size, the set is cut into batches (shuffled by the
+seed: same seed, same batches; only requests allowed to share a call in production share one, by
+`merge.shape.compatibility_key`) and each batch goes out as one merged call built by `merge.prompt`, split
+by `merge.split` and checked by `merge.leak`. A member whose block fails is answered by its alone call,
+as production re-sends it alone, and that call is counted. What the runs observed (`Observation`s) is
+summarised and rendered by `broker.eval.report`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterable, Sequence
+
+from mergebroker.errors import BrokerError
+from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
+from mergebroker.merge.shape import MergeShape, compatibility_key, merge_shape
+from mergebroker.merge.settle import BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, reply_text, settle
+from mergebroker.providers.simulator.quiz_set import builtin_set
+
+Chat = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+"""One upstream chat call: body -> the parsed completion (raises `BrokerError` on failure)."""
+
+DEFAULT_MAX_TOKENS = 256
+BUILTIN_MAX_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """One request of the set: its chat body (without `expected`), its merge shape and its expected answer."""
+
+    body: dict[str, Any]
+    shape: MergeShape
+    expected: str | None
+    kind: str = "custom"
+
+    @property
+    def max_tokens(self) -> int:
+        value = self.body.get("max_tokens") or self.body.get("max_completion_tokens")
+        return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """One upstream call: its text (None when it failed), usage, latency and the reply itself."""
+
+    text: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    latency_s: float
+    error: str | None = None
+    reply: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class MemberResult:
+    """What one request got in a merged run: its block's answer, or the failure that sent it alone."""
+
+    index: int
+    block_answer: str | None
+    failure: str | None
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class MergedRun:
+    """One batch size's run: every member's result and every merged call made."""
+
+    batch_size: int
+    members: tuple[MemberResult, ...]
+    calls: tuple[CallResult, ...]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything the runs saw, for `broker.eval.report.summarise`."""
+
+    requests: tuple[EvalRequest, ...]
+    alone: tuple[CallResult, ...]
+    merged: tuple[MergedRun, ...]
+
+
+def builtin_requests(model: str, n: int = 200, *, seed: int = 0) -> list[EvalRequest]:
+    """The built-in question set (`providers.simulator.quiz_set`) as requests at temperature 0."""
+    out = []
+    for item in builtin_set(n, seed=seed):
+        body = {"model": model, "messages": [{"role": "user", "content": item.question}], "temperature": 0,
+                "max_tokens": BUILTIN_MAX_TOKENS}
+        out.append(EvalRequest(body, MergeShape(None, item.question), item.expected, item.kind))
+    return out
+
+
+def load_requests(lines: Iterable[str], model: str) -> list[EvalRequest]:
+    """Requests from JSONL chat bodies with an optional `expected`; raises ValueError naming a bad line."""
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            body = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"line {number}: not JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise ValueError(f"line {number}: not a JSON object")
+        expected = body.pop("expected", None)
+        for field in ("stream", "stream_options"):  # the evaluation reads whole answers; streams never merge
+            body.pop(field, None)
+        body["model"] = model
+        shape = merge_shape(body)
+        if shape is None:
+            raise ValueError(f"line {number}: not a mergeable request (one optional system message and one "
+                             "user message of text, no tools, n=1)")
+        out.append(EvalRequest(body, shape, None if expected is None else str(expected)))
+    if not out:
+        raise ValueError("the request set is empty")
+    return out
+
+
+def plan_batches(requests: Sequence[EvalRequest], batch_size: int, *, seed: int) -> list[list[int]]:
+    """Indices of `requests` cut into batches of at most `batch_size`, shuffled by `seed` (same seed, same
+    batches); only requests that production would let share a call (same compatibility key) share one."""
+    order = list(range(len(requests)))
+    random.Random(f"{seed}:{batch_size}").shuffle(order)
+    groups: dict[str, list[int]] = {}
+    for i in order:
+        groups.setdefault(compatibility_key(requests[i].body, requests[i].shape, scope_value="eval"), []).append(i)
+    return [members[k:k + batch_size] for members in groups.values() for k in range(0, len(members), batch_size)]
+
+
+async def call(chat: Chat, body: dict[str, Any], clock: Callable[[], float] = time.perf_counter) -> CallResult:
+    """Make one call and record its text, usage and latency; a failure is recorded, never raised."""
+    started = clock()
+    try:
+        reply = await chat(body)
+    except BrokerError as exc:
+        return CallResult(None, 0, 0, clock() - started, error=type(exc).__name__)
+    read = reply_text(reply)
+    usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+    if read is None:
+        return CallResult(None, 0, 0, clock() - started, error=BAD_REPLY)
+    return CallResult(read[0], _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")),
+                      clock() - started, reply=reply)
+
+
+def merged_body(requests: Sequence[EvalRequest], ids: Sequence[str], *, header: str | None) -> dict[str, Any]:
+    """The merged call of these requests, built by the dispatcher's own rule."""
+    members = [MergeMember(i, r.shape.user_text, r.max_tokens) for i, r in zip(ids, requests)]
+    return merged_request_body(requests[0].body, members, system_prompt=requests[0].shape.system_prompt,
+                               header=header)
+
+
+def settle_batch(result: CallResult, ids: Sequence[str], requests: Sequence[EvalRequest], *,
+                 leak_min_words: int) -> dict[str, tuple[str | None, str | None]]:
+    """Each member's (answer, None), or (None, the reason production would re-send it alone), by the
+    dispatcher's own rule (`merge.settle`)."""
+    if result.reply is None:
+        return {i: (None, BAD_REPLY if result.error == BAD_REPLY else MERGED_CALL_FAILED) for i in ids}
+    members = [SettleMember(i, r.shape.user_text, 0, 0, r.body.get("stop")) for i, r in zip(ids, requests)]
+    settlement = settle(result.reply, members, SettleOptions(leak_min_words))
+    return {i: (settlement.answers[i].text, None) if i in settlement.answers else (None, settlement.fallbacks[i])
+            for i in ids}
+
+
+class Evaluator:
+    """Runs a request set alone and merged against one upstream (`chat`), `concurrency` calls at a time."""
+
+    def __init__(self, chat: Chat, requests: Sequence[EvalRequest], *, seed: int = 0, concurrency: int = 8,
+                 header: str | None = None, leak_min_words: int = 8,
+                 progress: Callable[[int], None] = lambda n: None) -> None:
+        self._chat = chat
+        self._requests = list(requests)
+        self._seed = seed
+        self._limit = asyncio.Semaphore(concurrency)
+        self._header = header
+        self._leak_min_words = leak_min_words
+        self._progress = progress
+
+    def total_calls(self, batch_sizes: Sequence[int]) -> int:
+        """How many calls `run` makes at least (fallbacks reuse the alone answers and make none here)."""
+        return len(self._requests) + sum(len(plan_batches(self._requests, n, seed=self._seed)) for n in batch_sizes)
+
+    async def run(self, batch_sizes: Sequence[int]) -> Observation:
+        """Every request alone, then merged at every batch size."""
+        alone = await asyncio.gather(*(self._call(r.body) for r in self._requests))
+        merged = [await self._merged(n) for n in batch_sizes]
+        return Observation(tuple(self._requests), tuple(alone), tuple(merged))
+
+    async def _call(self, body: dict[str, Any]) -> CallResult:
+        async with self._limit:
+            result = await call(self._chat, body)
+        self._progress(1)
+        return result
+
+    async def _merged(self, batch_size: int) -> MergedRun:
+        rng = random.Random(f"ids:{self._seed}:{batch_size}")
+        batches = plan_batches(self._requests, batch_size, seed=self._seed)
+        ids = [new_batch_ids(len(b), rng) for b in batches]
+        calls = await asyncio.gather(*(
+            self._call(merged_body([self._requests[i] for i in b], i_ds, header=self._header))
+            for b, i_ds in zip(batches, ids)))
+        members = []
+        for batch, batch_ids, result in zip(batches, ids, calls):
+            settled = settle_batch(result, batch_ids, [self._requests[i] for i in batch],
+                                   leak_min_words=self._leak_min_words)
+            for index, member_id in zip(batch, batch_ids):
+                members.append(MemberResult(index, *settled[member_id], result.latency_s))
+        return MergedRun(batch_size, tuple(sorted(members, key=lambda m: m.index)), tuple(calls))
+
+
+def _count(value: Any) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0

@@ -1,0 +1,82 @@
+"""`create_app(settings)`: the HTTP way in. Builds the engine (`assemble`) and the Batch API when the app
+starts, and wires the request path; nothing reads globals.
+
+Components are built at start-up inside the app's cleanup context (the simulated upstream, when no
+provider is configured, has to be listening before the pools can point at it) and stored under typed
+`web.AppKey`s (`http.keys`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from mergebroker.broker.bulk.batches import BatchService, build_batch_service
+from mergebroker.broker.bulk.runner import Limits
+from mergebroker.broker.cluster.frontend import front_end_queue
+from mergebroker.broker.engine.assemble import assemble, freeze_startup_objects, stop_engine
+from mergebroker.broker.engine.broker import Broker
+from mergebroker.broker.engine.metrics import connections_listener
+from mergebroker.broker.engine.settings import HTTP_PROVIDER_KINDS, Settings
+from mergebroker.broker.http.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
+from mergebroker.broker.http.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
+from mergebroker.broker.http.drain import DRAIN, Drain
+from mergebroker.broker.http.keys import BATCHES, BROKER, SETTINGS_MAX_BODY
+from mergebroker.broker.http.middleware import error_middleware
+from mergebroker.broker.http.routes import add_routes
+from mergebroker.broker.http.server import CONNECTIONS
+from mergebroker.clock import Clock, Sleep, monotonic
+
+
+def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None) -> web.Application:
+    """The aiohttp application for `settings`; components are built when it starts."""
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware],
+                          handler_args=HANDLER_ARGS)
+    app[SETTINGS_MAX_BODY] = settings.server.max_body_bytes
+    app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
+                                  settings.server.max_json_depth)
+    app[CONNECTIONS] = guard = ConnectionGuard(connection_limits(settings), clock=clock)
+    app[DRAIN] = drain = Drain(settings.server.drain_timeout_s)
+    app.on_shutdown.append(drain.drain)
+    add_routes(app)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        broker = await assemble(settings, queue=front_end_queue(settings), clock=clock, sleep=sleep)
+        app[BROKER] = broker
+        batches = batch_service(broker)
+        if batches is not None:
+            app[BATCHES] = batches
+            await batches.start()
+            freeze_startup_objects()
+        guard.observe(connections_listener(broker.metrics, guard.__len__))
+        sweeper = asyncio.create_task(guard.run())  # real time: it only acts on connections a GuardedSite tracks
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            if batches is not None:
+                await batches.stop()
+            await stop_engine(broker)
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def batch_service(broker: Broker) -> BatchService | None:
+    """The Batch API over the engine's pools, limits and similarity model (None when disabled)."""
+    limiter = broker.limiter
+    assert limiter is not None, "assemble() sets the limiter"
+    return build_batch_service(broker.settings, pools=broker.pools, providers=list(broker.providers),
+                               limits=Limits(limiter, broker.chat.limit_specs), embedder=broker.embedder,
+                               merging_allowed=broker.policy.merging_allowed, metrics=broker.metrics,
+                               clock=broker.clock, sleep=broker.sleep or broker.clock.sleep)
+
+
+def connection_limits(settings: Settings) -> ConnectionLimits:
+    """The client-connection bounds; the default cap leaves descriptors for every provider's connections."""
+    s = settings.server
+    upstream_fds = sum(p.max_connections for p in settings.providers if p.kind in HTTP_PROVIDER_KINDS) or 100
+    cap = s.max_connections or auto_max_connections(s.reserved_fds + upstream_fds)
+    return ConnectionLimits(cap, s.header_timeout_s, s.body_timeout_s, s.idle_timeout_s)

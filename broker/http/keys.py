@@ -1,0 +1,18 @@
+"""The typed `web.AppKey`s the HTTP handlers read the application's state by.
+
+A leaf of `http` (as in aiohttp's background-tasks example): `app`, `routes` and `middleware` all import
+the keys from here, so none of them imports another to find its state.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from mergebroker.broker.bulk.batches import BatchService
+from mergebroker.broker.engine.broker import Broker
+
+BROKER = web.AppKey("broker", Broker)
+BATCHES = web.AppKey("batches", BatchService)
+"""The Batch API's service; absent when `batches.enabled` is off."""
+SETTINGS_MAX_BODY = web.AppKey("max_body_bytes", int)
+"""Set before the broker is built, so a body over the limit is refused even during start-up."""

@@ -1,0 +1,125 @@
+"""The one place HTTP errors leave the service, in OpenAI's envelope; request IDs; per-request log events.
+
+Every response carries `X-Request-ID` (the caller's, or a generated one) and `X-Broker-Overhead-Ms`
+(time in the broker minus time waiting on upstreams, which handlers note in `request[INFO].upstream_s`).
+The ledger keys its records by a broker-generated ID, never the caller's: a client can neither reuse
+nor claim another's. Once a handler has sent a response's headers (a stream), no error response
+follows it: the handler ends the stream itself and notes the error in `request[INFO].stream_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from typing import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
+from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
+from mergebroker.broker.http.drain import DRAIN
+from mergebroker.broker.http.server import CONNECTIONS
+from mergebroker.broker.http.keys import BROKER, SETTINGS_MAX_BODY
+
+log = structlog.get_logger("mergebroker.access")
+
+
+INFO = web.RequestKey("info", RequestInfo)
+RESPONSE = web.RequestKey("response", web.StreamResponse)
+"""A handler's own (streamed) response, once created: the middleware never answers twice."""
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+CLIENT_CLOSED = 499
+"""The status a request aborted by its client is counted with (nginx's convention; nothing is sent)."""
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings", "/v1/models": "models"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    started = time.perf_counter()
+    broker_request_id = "req_" + secrets.token_hex(16)
+    given = request.headers.get("X-Request-ID", "")
+    request_id = given if 0 < len(given) <= 128 and given.isprintable() else broker_request_id
+    info = request[INFO] = RequestInfo(request_id, broker_request_id, started)
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=request_id, broker_request_id=broker_request_id)
+    guard = request.app.get(CONNECTIONS)
+    if guard is not None:
+        guard.request_started(request.protocol, request.content.is_eof)
+    drain = request.app.get(DRAIN)
+    try:
+        with drain.track() if drain is not None else contextlib.nullcontext():
+            response = await handler(request)
+    except Exception as exc:  # noqa: BLE001 - every failure leaves in the one envelope (or, mid-stream, not at all)
+        response = _failure_response(request, info, exc)
+    except asyncio.CancelledError:
+        if drain is None or not drain.expired or _streaming(request):
+            # The client went away (handler cancellation): counted, never answered.
+            _observe(request, info, CLIENT_CLOSED, time.perf_counter() - started)
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]  # cut off by the shutdown drain: answer 503
+        response = _error_response(drain.refusal())
+    finally:
+        if guard is not None:
+            guard.request_finished(request.protocol)
+    elapsed = time.perf_counter() - started
+    if not response.prepared:
+        response.headers["X-Request-ID"] = request_id
+        response.headers["X-Broker-Overhead-Ms"] = f"{max(0.0, elapsed - info.upstream_s) * 1000:.2f}"
+    # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
+    _observe(request, info, info.stream_error.status if info.stream_error is not None else response.status, elapsed,
+             sent_status=response.status)
+    return response
+
+
+def _failure_response(request: web.Request, info: RequestInfo, exc: Exception) -> web.StreamResponse:
+    """The response for a handler that raised `exc`: the OpenAI envelope, or the stream already begun."""
+    if _streaming(request):
+        # The status line is out: a second response would be written into the stream's body.
+        if isinstance(exc, ConnectionError):
+            log.info("client_gone", path=request.path)
+        else:
+            log.exception("stream_aborted", path=request.path, error=type(exc).__name__)
+            info.stream_error = info.stream_error or BrokerError("The stream failed.", status=500,
+                                                                 code="stream_failed")
+        return request[RESPONSE]
+    if isinstance(exc, BrokerError):
+        return _error_response(exc)
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return _error_response(PayloadTooLarge(
+            f"Request body too large: the limit is {request.app[SETTINGS_MAX_BODY]} bytes."))
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return _error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}; "
+                                                f"use {', '.join(sorted(exc.allowed_methods))}."))
+    if isinstance(exc, web.HTTPNotFound):
+        return _error_response(NotFound(f"Unknown route: {request.method} {request.path}."))
+    if isinstance(exc, web.HTTPException):
+        return _error_response(BrokerError(exc.reason, status=exc.status))
+    log.exception("unhandled_error", path=request.path)  # never a traceback to the client
+    return _error_response(BrokerError("The broker failed to handle the request.", status=500))
+
+
+def _error_response(exc: BrokerError) -> web.Response:
+    response = web.json_response(exc.body(), status=exc.status, headers=exc.headers())
+    for name, value in getattr(exc, "extra_headers", {}).items():
+        response.headers[name] = value
+    return response
+
+
+def _observe(request: web.Request, info: RequestInfo, status: int, elapsed: float, *,
+             sent_status: int | None = None) -> None:
+    endpoint = _ENDPOINTS.get(request.path)
+    if endpoint is None:
+        return
+    broker = request.app.get(BROKER)
+    metrics, ledger = (broker.metrics, broker.ledger) if broker is not None else (None, None)
+    record_request(metrics, ledger, info, endpoint, status, elapsed, sent_status=sent_status)
+
+
+def _streaming(request: web.Request) -> bool:
+    """Whether the handler's own response has gone out (its status line is sent)."""
+    response = request.get(RESPONSE)
+    return response is not None and response.prepared

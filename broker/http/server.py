@@ -1,0 +1,130 @@
+"""Serving the app: a listening site whose connections the `ConnectionGuard` bounds, and `serve` for the CLI.
+
+`web.run_app` cannot wrap the protocol factory, so `serve` does what it does (runner, site, signals,
+graceful cleanup) with a `GuardedSite`. Accept errors for lack of descriptors (EMFILE and kin) already
+make asyncio pause accepting for a second; `AcceptErrorLog` makes them one log line per interval,
+with the count, instead of one traceback each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+import structlog
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from mergebroker.broker.http.connections import ConnectionGuard
+from mergebroker.broker.engine.settings import ServerSettings
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import error_body
+
+log = structlog.get_logger(__name__)
+
+CONNECTIONS = web.AppKey("connections", ConnectionGuard)
+"""The app's connection guard (set by `create_app`, used by the site and the middleware)."""
+
+_ACCEPT_RESOURCE_ERROR = "socket.accept() out of system resource"
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP site whose every connection passes through `guard` (a `web.TCPSite` otherwise)."""
+
+    __slots__ = ("_host", "_port", "_guard")
+
+    def __init__(self, runner: web.BaseRunner, guard: ConnectionGuard, host: str, port: int, *,
+                 backlog: int = 128) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host, self._port, self._guard = host, port, guard
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful when 0 was asked for)."""
+        if self._server is not None and self._server.sockets:
+            return int(self._server.sockets[0].getsockname()[1])
+        return self._port
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+        # aiohttp's Server builds a plain RequestHandler; ours differs only in how it answers what the
+        # HTTP parser rejects, so it is built with the same arguments (aiohttp keeps them in `_kwargs`).
+        kwargs = getattr(server, "_kwargs", {})
+        self._server = await loop.create_server(
+            self._guard.protocol_factory(lambda: EnvelopeRequestHandler(server, loop=loop, **kwargs)),
+            self._host, self._port, backlog=self._backlog, reuse_address=True)
+
+
+class EnvelopeRequestHandler(RequestHandler):
+    """aiohttp's request handler, except that requests its HTTP parser rejects (a header over 8,190 bytes,
+    invalid characters, a duplicated Content-Type...) are answered in the OpenAI error envelope and logged
+    as one line, not a traceback."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # part of a response is out: nothing valid can follow
+            raise ConnectionError("Response is sent already, cannot send an error response")
+        detail = (message or getattr(exc, "message", None) or "").strip().splitlines()
+        text = f"The request could not be read: {detail[-1][:200] if detail else 'malformed HTTP'}."
+        log.info("http_rejected", status=status, error=type(exc).__name__ if exc else None)
+        error_type = "invalid_request_error" if status < 500 else "server_error"
+        response = web.json_response(error_body(text, error_type, None, "malformed_request"), status=status)
+        response.force_close()
+        return response
+
+
+class AcceptErrorLog:
+    """A loop exception handler: accept errors for lack of resources log once per `interval_s`."""
+
+    def __init__(self, interval_s: float, *, clock: Clock = monotonic) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._next = float("-inf")
+        self.suppressed = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != _ACCEPT_RESOURCE_ERROR:
+            loop.default_exception_handler(context)
+            return
+        now = self._clock()
+        if now < self._next:
+            self.suppressed += 1
+            return
+        exc = context.get("exception")
+        log.error("accept_failed", error=str(exc), suppressed_since_last=self.suppressed,
+                  message="Out of file descriptors: not accepting for 1 s. Lower server.max_connections "
+                          "or raise the open-file limit.")
+        self.suppressed, self._next = 0, now + self._interval_s
+
+
+def runner_for(app: web.Application, settings: ServerSettings) -> web.AppRunner:
+    """The app runner `serve` uses; aiohttp's own keep-alive timer doubles the guard's idle timeout."""
+    return web.AppRunner(app, access_log=None, handler_cancellation=True,  # a gone client leaves its window
+                         keepalive_timeout=settings.idle_timeout_s,
+                         shutdown_timeout=settings.drain_timeout_s + 5)  # the drain (broker.drain) answers first
+
+
+async def serve(app: web.Application, settings: ServerSettings, *, stop: asyncio.Event | None = None) -> None:
+    """Serve `app` on `settings.host:port` until SIGINT/SIGTERM (or `stop` is set), then clean up."""
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(AcceptErrorLog(settings.accept_error_log_interval_s))
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = runner_for(app, settings)
+    await runner.setup()
+    try:
+        site = GuardedSite(runner, app[CONNECTIONS], settings.host, settings.port, backlog=settings.backlog)
+        await site.start()
+        log.info("listening", url=site.name, max_connections=app[CONNECTIONS].limits.max_connections)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,362 @@
+"""The simulated upstream: a real aiohttp server speaking the OpenAI endpoints the broker calls.
+
+It serves `/v1/chat/completions` (plain and SSE), `/v1/embeddings` and `/v1/models` (also without
+the `/v1` prefix), plus `/stats` and `/control/faults` for tests and benchmarks. What it answers
+(`answer_for`, merged calls block by block, token counts, embeddings) comes from
+`providers.simulator.content`; faults (see `providers.simulator.faults`) are injected with a seeded
+RNG and can be changed at run time; `providers.simulator.cli` is the `mergebroker simulate` command.
+This module re-exports the names other code imports from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import structlog
+from aiohttp import web
+
+from mergebroker.clock import Sleep
+from mergebroker.errors import BrokerError, InvalidRequest
+from mergebroker.providers.simulator.injection import INJECTION_MARKER
+from mergebroker.providers.simulator.content import (Reply, answer_for, block_answers, compose_reply,
+                                         count_tokens, embedding_vector, parse_request_blocks, prompt_tokens,
+                                         question_text, stream_pieces)
+from mergebroker.providers.simulator.anthropic import anthropic_routes
+from mergebroker.providers.simulator.azure import azure_routes
+from mergebroker.providers.simulator.batches import add_batch_routes
+from mergebroker.providers.simulator.faults import MAX_EMBEDDING_DIM, FaultInjector, SimulatorConfig, error_response, is_int
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["SimulatorConfig", "answer_for", "block_answers", "INJECTION_MARKER",
+           "count_tokens", "prompt_tokens", "create_simulator_app", "start_simulator",
+           "RunningSimulator", "Simulator", "SimulatorStats", "SIMULATOR_KEY"]
+
+
+@dataclass
+class SimulatorStats:
+    """Counters since start or the last reset.
+
+    `calls` counts every request per API endpoint; `chat_calls`, `embedding_calls` and `merged_calls`
+    count well-formed calls, faulted or not; token counters count answered calls only
+    (`prompt_tokens`/`completion_tokens` for chat, `embedding_tokens` for embeddings).
+    """
+
+    calls: Counter[str] = field(default_factory=Counter)
+    chat_calls: int = 0
+    stream_calls: int = 0
+    embedding_calls: int = 0
+    embedding_inputs: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    embedding_tokens: int = 0
+    merged_calls: int = 0
+    faults_injected: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+
+    def record_faults(self, *names: str) -> None:
+        """Count injected faults, each by name."""
+        self.faults_injected += len(names)
+        self.faults.update(names)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        data = asdict(self)
+        data["calls"], data["faults"] = dict(self.calls), dict(self.faults)
+        return data
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("request body is not valid JSON") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _chat_params(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise InvalidRequest("every message needs a string 'role'", param="messages")
+    limits = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    if not all(is_int(v) and v > 0 for v in limits):
+        raise InvalidRequest("'max_tokens' must be a positive integer", param="max_tokens")
+    return messages, min(limits, default=None)
+
+
+def _embedding_params(body: Mapping[str, Any]) -> tuple[list[str], int | None, str]:
+    raw = body.get("input")
+    items = [raw] if isinstance(raw, str) or (isinstance(raw, list) and raw and is_int(raw[0])) else raw
+    if not isinstance(items, list) or not items:
+        raise InvalidRequest("'input' must be a string or a non-empty array", param="input")
+    texts = [" ".join(map(str, i)) if isinstance(i, list) and all(map(is_int, i)) else i for i in items]
+    if not all(isinstance(t, str) for t in texts):
+        raise InvalidRequest("'input' items must be strings or token arrays", param="input")
+    dim = body.get("dimensions")
+    if dim is not None and not (is_int(dim) and 1 <= dim <= MAX_EMBEDDING_DIM):
+        raise InvalidRequest(f"'dimensions' must be an integer in [1, {MAX_EMBEDDING_DIM}]", param="dimensions")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise InvalidRequest("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    return texts, dim, encoding
+
+
+@web.middleware
+async def _error_envelope(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error leaves as an OpenAI error envelope, including the router's 404 and 405."""
+    try:
+        return await handler(request)
+    except BrokerError as exc:
+        return web.json_response(exc.body(), status=exc.status, headers=exc.headers())
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, exc.reason, "invalid_request_error", None)
+
+
+class Simulator:
+    """The simulated upstream's state (config, seeded RNG, counters) and its request handlers."""
+
+    def __init__(self, config: SimulatorConfig, *, sleep: Sleep = asyncio.sleep) -> None:
+        self._faults = FaultInjector(config)
+        self._sleep = sleep
+        self.stats = SimulatorStats()
+        self.last_request_body: dict[str, Any] | None = None
+
+    @property
+    def config(self) -> SimulatorConfig:
+        """The current configuration (fault fields as changed at run time)."""
+        return self._faults.config
+
+    def set_faults(self, **fields: Any) -> dict[str, Any]:
+        """Change fault/latency fields now; returns them all. Raises ValueError for bad fields."""
+        return self._faults.update(**fields)
+
+    def reset_stats(self) -> None:
+        """Zero every counter."""
+        self.stats = SimulatorStats()
+
+    def close(self) -> None:
+        """End hanging calls now, so that shutdown does not wait `hang_s` for them."""
+        self._faults.close()
+
+    def routes(self) -> list[web.RouteDef]:
+        """The OpenAI routes, with and without the /v1 prefix, then those of the Anthropic and Azure modes."""
+        table = [("POST", "/chat/completions", self.chat), ("POST", "/embeddings", self.embeddings),
+                 ("GET", "/models", self.models), ("GET", "/stats", self.get_stats),
+                 ("POST", "/stats/reset", self.post_stats_reset), ("GET", "/control/faults", self.get_faults),
+                 ("POST", "/control/faults", self.post_faults)]
+        openai_routes = [web.route(method, prefix + path, handler)
+                         for prefix in ("", "/v1") for method, path, handler in table]
+        return openai_routes + anthropic_routes(self) + azure_routes(self)
+
+    async def _injected_fault(self, request: web.Request, *, chat: bool, stream: bool = False,
+                              random_faults: bool = True) -> web.StreamResponse | None:
+        """Decide, count and carry out this call's fault: a response to send instead, or None to answer."""
+        fault = self._faults.take(chat=chat, random_faults=random_faults)
+        if fault is not None:
+            self.stats.record_faults(fault.value)
+        return await self._faults.act(fault, request, stream=stream)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        """POST /chat/completions: answer, answer every block of a merged call, or inject a fault."""
+        self.stats.calls["chat_completions"] += 1
+        body = self.last_request_body = await _json_object(request)
+        messages, max_tokens = _chat_params(body)
+        stream = bool(body.get("stream"))
+        self.stats.chat_calls += 1
+        self.stats.stream_calls += int(stream)
+        self.stats.merged_calls += int(bool(parse_request_blocks(question_text(messages))))
+        if (early := await self._injected_fault(request, chat=True, stream=stream)) is not None:
+            return early
+        config = self.config
+        reply = compose_reply(messages, max_tokens=max_tokens, config=config, rng=self._faults.rng)
+        self.stats.record_faults(*reply.faults)
+        usage = {"prompt_tokens": prompt_tokens(messages), "completion_tokens": reply.completion_tokens}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        self.stats.prompt_tokens += usage["prompt_tokens"]
+        self.stats.completion_tokens += reply.completion_tokens
+        meta = {"id": f"chatcmpl-sim-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                "model": body.get("model") or config.models[0]}
+        if stream:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._stream(request, meta, reply, usage if include_usage else None)
+        await self._pause(config.latency_base_ms + config.latency_per_token_ms * reply.completion_tokens)
+        message = {"role": "assistant", "content": reply.content, "refusal": None}
+        return web.json_response({**meta, "object": "chat.completion", "system_fingerprint": "sim", "usage": usage,
+                                  "choices": [{"index": 0, "message": message, "logprobs": None,
+                                               "finish_reason": reply.finish_reason}]})
+
+    async def _pause(self, milliseconds: float) -> None:
+        if milliseconds > 0:
+            await self._sleep(milliseconds / 1000)
+
+    async def _stream(self, request: web.Request, meta: dict[str, Any], reply: Reply,
+                      usage: dict[str, int] | None) -> web.StreamResponse:
+        """SSE: a role chunk, content chunks of a few words, a finish chunk, the usage chunk if asked, [DONE].
+
+        The base latency comes before the first chunk; the per-token latency is spread over the
+        content chunks in proportion to their length.
+        """
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            chunk = {**meta, "object": "chat.completion.chunk", "system_fingerprint": "sim", "choices": choices,
+                     **({"usage": None} if usage is not None else {}), **extra}
+            return f"data: {json.dumps(chunk)}\n\n".encode()
+
+        def choice(delta: dict[str, Any], finish_reason: str | None = None) -> list[dict[str, Any]]:
+            return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await self._pause(self.config.latency_base_ms)
+        await response.write(event(choice({"role": "assistant", "content": ""})))
+        per_token_ms = self.config.latency_per_token_ms * reply.completion_tokens
+        for piece in stream_pieces(reply.content):
+            await self._pause(per_token_ms * len(piece) / len(reply.content))
+            await response.write(event(choice({"content": piece})))
+        await response.write(event(choice({}, reply.finish_reason)))
+        if usage is not None:
+            await response.write(event([], usage=usage))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """POST /embeddings: deterministic unit vectors per input, as float lists or base64 float32."""
+        self.stats.calls["embeddings"] += 1
+        body = self.last_request_body = await _json_object(request)
+        texts, dim, encoding = _embedding_params(body)
+        self.stats.embedding_calls += 1
+        self.stats.embedding_inputs += len(texts)
+        if (early := await self._injected_fault(request, chat=False)) is not None:
+            return early
+        tokens = sum(count_tokens(t) for t in texts)
+        self.stats.embedding_tokens += tokens
+        await self._pause(self.config.latency_base_ms)
+        vectors = [embedding_vector(t, dim or self.config.embedding_dim) for t in texts]
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.tobytes()).decode() if encoding == "base64" else v.tolist()}
+                for i, v in enumerate(vectors)]
+        return web.json_response({"object": "list", "data": data, "model": body.get("model") or self.config.models[-1],
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """GET /models: the configured model names (only `down` and `status_override` apply here)."""
+        self.stats.calls["models"] += 1
+        if (early := await self._injected_fault(request, chat=False, random_faults=False)) is not None:
+            return early
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "simulator"} for m in self.config.models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def get_stats(self, request: web.Request) -> web.StreamResponse:
+        """GET /stats: the counters."""
+        return web.json_response(self.stats.as_dict())
+
+    async def post_stats_reset(self, request: web.Request) -> web.StreamResponse:
+        """POST /stats/reset: zero the counters."""
+        self.reset_stats()
+        return web.json_response(self.stats.as_dict())
+
+    async def get_faults(self, request: web.Request) -> web.StreamResponse:
+        """GET /control/faults: the fault and latency fields."""
+        return web.json_response(self.config.runtime_fields())
+
+    async def post_faults(self, request: web.Request) -> web.StreamResponse:
+        """POST /control/faults: change the fields given in the JSON body; answers with all of them."""
+        body = await _json_object(request)
+        try:
+            return web.json_response(self.set_faults(**body))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+
+SIMULATOR_KEY = web.AppKey("simulator", Simulator)
+
+
+def create_simulator_app(config: SimulatorConfig, *, sleep: Sleep = asyncio.sleep) -> web.Application:
+    """The simulator as an aiohttp application; `app[SIMULATOR_KEY]` is its `Simulator`.
+
+    `sleep` is what simulated latency awaits (inject a recorder in tests).
+    """
+    simulator = Simulator(config, sleep=sleep)
+    app = web.Application(middlewares=[_error_envelope])
+    app[SIMULATOR_KEY] = simulator
+    app.add_routes(simulator.routes())
+    add_batch_routes(app)  # /files and /batches (providers.simulator.batches)
+
+    async def end_hangs(_: web.Application) -> None:
+        simulator.close()
+
+    app.on_shutdown.append(end_hangs)
+    return app
+
+
+class RunningSimulator:
+    """A simulator serving on a loopback port; direct access to its counters and faults (no HTTP)."""
+
+    def __init__(self, runner: web.AppRunner, simulator: Simulator, host: str, port: int) -> None:
+        self._runner = runner
+        self._simulator = simulator
+        self.host = host
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL, e.g. "http://127.0.0.1:PORT/v1"."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def config(self) -> SimulatorConfig:
+        """The current configuration."""
+        return self._simulator.config
+
+    def stats(self) -> dict[str, Any]:
+        """The counters, as GET /stats shows them."""
+        return self._simulator.stats.as_dict()
+
+    def set_faults(self, **fields: Any) -> dict[str, Any]:
+        """Change fault/latency fields now (ValueError for bad ones); returns them all."""
+        return self._simulator.set_faults(**fields)
+
+    def last_request_body(self) -> dict[str, Any] | None:
+        """The JSON body of the last chat or embeddings call received (to check what a broker forwarded)."""
+        return self._simulator.last_request_body
+
+    def reset_stats(self) -> None:
+        """Zero every counter."""
+        self._simulator.reset_stats()
+
+    async def close(self) -> None:
+        """Stop serving; hanging calls end at once."""
+        self._simulator.close()
+        await self._runner.cleanup()
+
+    async def __aenter__(self) -> RunningSimulator:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+async def start_simulator(config: SimulatorConfig | None = None, host: str = "127.0.0.1", port: int = 0,
+                          *, sleep: Sleep = asyncio.sleep) -> RunningSimulator:
+    """Start a simulator on host:port (port 0 picks a free one) and return it running."""
+    app = create_simulator_app(config or SimulatorConfig(), sleep=sleep)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_port = runner.addresses[0][1]
+    log.info("simulator_started", host=host, port=bound_port)
+    return RunningSimulator(runner, app[SIMULATOR_KEY], host, bound_port)
