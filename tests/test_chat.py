@@ -38,7 +38,7 @@ def ask(chat: ChatService, request_id: str, timeout_s: float | None = None) -> a
 
 def outcome(text: str) -> ChatOutcome:
     return ChatOutcome({"choices": [{"message": {"content": text}, "finish_reason": "stop"}],
-                        "usage": {"total_tokens": 7}}, "fake", 0.1)
+                        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}, "fake", 0.1)
 
 
 async def test_identical_requests_in_flight_share_one_queued_job():

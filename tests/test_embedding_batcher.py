@@ -15,8 +15,9 @@ from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.merge.cache import LruCache, RedisCache, TwoLevelCache, make_redis_client
 from mergebroker.merge.embedder import fake_vector
 from mergebroker.providers.base import EmbedResult
-from mergebroker.broker.engine.embeddings.batcher import (EmbeddingBatcher, TimerHandle, cache_metrics_hook, share_tokens,
-                                     window_decision)
+from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
+from mergebroker.broker.engine.embeddings.window_rules import (TimerHandle, cache_metrics_hook, share_tokens,
+                                                                window_decision)
 
 DIM = 16
 

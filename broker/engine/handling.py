@@ -70,9 +70,8 @@ async def complete_chat(broker: Broker, info: RequestInfo, caller: Caller, parse
     outcome = result.outcome
     info.upstream_s, info.batch_size, info.batch_id, info.cache = (outcome.upstream_s, outcome.batch_size,
                                                                    outcome.batch_id, result.cache)
-    usage = outcome.body.get("usage") or {}
-    info.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    info.completion_tokens = int(usage.get("completion_tokens") or 0)
+    if outcome.usage is not None:
+        info.prompt_tokens, info.completion_tokens = outcome.usage.prompt_tokens, outcome.usage.completion_tokens
     info.usage_settles = outcome.settled_usage
     info.alone_prompt_tokens = result.prompt_estimate
     return result

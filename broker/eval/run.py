@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from mergebroker.errors import BrokerError
+from mergebroker.merge.budget import token_budget
 from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.shape import MergeShape, compatibility_key, merge_shape
 from mergebroker.merge.settle import BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, reply_text, settle
@@ -41,8 +42,7 @@ class EvalRequest:
 
     @property
     def max_tokens(self) -> int:
-        value = self.body.get("max_tokens") or self.body.get("max_completion_tokens")
-        return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_TOKENS
+        return token_budget(self.body, DEFAULT_MAX_TOKENS)
 
 
 @dataclass(frozen=True)

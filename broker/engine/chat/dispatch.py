@@ -129,7 +129,7 @@ class Dispatcher:
             if vectors is None:
                 return [[j] for j in jobs]
         budget = self._options.context_tokens.get(model, self._options.default_context_tokens)
-        costs = [j.prompt_tokens + j.max_tokens for j in jobs]
+        costs = [j.reserved_tokens for j in jobs]
         plan = group_by_similarity(vectors, threshold=policy.threshold, max_batch=policy.max_batch,
                                    costs=costs, budget=budget)
         return [[jobs[i] for i in batch] for batch in plan]
@@ -176,7 +176,7 @@ class Dispatcher:
             return
         try:
             body, provider = await self._pools.chat(job.model, job.body, deadline=deadline,
-                                                    priority=job.priority, tokens=job.prompt_tokens + job.max_tokens,
+                                                    priority=job.priority, tokens=job.reserved_tokens,
                                                     tenant=job.caller.tenant)
             job.resolve(ChatOutcome(body, provider, self._clock() - started, fallback=fallback))
         except BrokerError as exc:
@@ -191,7 +191,7 @@ class Dispatcher:
         try:
             chunks, provider = await self._pools.stream_chat(job.model, job.body, deadline=deadline,
                                                              priority=job.priority,
-                                                             tokens=job.prompt_tokens + job.max_tokens)
+                                                             tokens=job.reserved_tokens)
         except BrokerError as exc:
             job.fail(exc)
             return
@@ -324,7 +324,7 @@ class Dispatcher:
         """Re-send a streamed member alone and switch its stream over to the new one."""
         try:
             chunks, _ = await self._pools.stream_chat(job.model, job.body, deadline=job.deadline,
-                                                      priority=job.priority, tokens=job.prompt_tokens + job.max_tokens)
+                                                      priority=job.priority, tokens=job.reserved_tokens)
         except BrokerError as exc:
             stream.fail(exc)
             return

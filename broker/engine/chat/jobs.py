@@ -10,6 +10,7 @@ import structlog
 
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import BrokerError, Overloaded
+from mergebroker.token_usage import TokenUsage
 from mergebroker.merge.shape import MergeShape
 
 log = structlog.get_logger(__name__)
@@ -42,6 +43,12 @@ class ChatOutcome:
     # A streaming request's answer: SSE event bytes to relay (its own upstream stream, or its block of a
     # merged one, `broker.engine.chat.member_stream`); `body` is empty then.
     stream: AsyncIterator[bytes] | None = field(default=None, compare=False, repr=False)
+    # The body's usage, read once here so nothing parses it back out of the JSON (None: none reported).
+    usage: TokenUsage | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.usage is None and self.body:
+            object.__setattr__(self, "usage", TokenUsage.from_body(self.body))
 
 
 @dataclass(eq=False)
@@ -66,6 +73,11 @@ class ChatJob:
     @property
     def tier(self) -> str:
         return self.caller.tier
+
+    @property
+    def reserved_tokens(self) -> int:
+        """What the job may cost at most: its estimated prompt plus its output budget."""
+        return self.prompt_tokens + self.max_tokens
 
     def extend_deadline(self, deadline: float) -> bool:
         """Let the job run until the later `deadline` (a coalesced follower's); False once it was sent."""

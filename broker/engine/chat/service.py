@@ -19,6 +19,7 @@ import structlog
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import DeadlineExceeded, UpstreamUnavailable
+from mergebroker.merge.budget import token_budget
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
 from mergebroker.broker.engine.limits.limiter import Limiter
@@ -99,8 +100,7 @@ class ChatService:
         The prompt estimate is 0 when nothing would read it (see `prompt_estimate_needed`).
         """
         prompt_tokens = estimate_prompt_tokens(body.get("messages") or []) if self._estimate_prompts else 0
-        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens")
-                         or self._settings.merge.default_max_tokens)
+        max_tokens = token_budget(body, self._settings.merge.default_max_tokens)
         try:
             reservation = await self._limiter.reserve(self.limit_specs(caller), prompt_tokens + max_tokens)
         except Exception:
@@ -130,8 +130,8 @@ class ChatService:
         except BaseException:
             await reservation.settle(0)
             raise
-        usage = result.outcome.body.get("usage") or {}
-        spent = 0 if result.cache == "hit" else int(usage.get("total_tokens") or prompt_tokens + max_tokens)
+        usage = result.outcome.usage
+        spent = 0 if result.cache == "hit" else (usage.total_tokens if usage else prompt_tokens + max_tokens)
         await reservation.settle(spent)
         return result
 

@@ -73,7 +73,7 @@ class ShadowRunner:
         if len(self._tasks) >= self._max_in_flight:
             self._count("busy")
             return
-        reserved = job.prompt_tokens + job.max_tokens
+        reserved = job.reserved_tokens
         if not self._budget.try_take(reserved):  # type: ignore[union-attr]
             self._count("over_budget")
             return

@@ -26,16 +26,17 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Awaitable, Callable, Iterable, Protocol, Sequence
+from typing import Awaitable, Callable, Iterable, Sequence
 
 import numpy as np
 import structlog
 
-from mergebroker.errors import (BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamHTTPError,
-                           UpstreamTimeout)
+from mergebroker.errors import (BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamTimeout)
 from mergebroker.broker.engine.embeddings.stats import CoalescerStats
+from mergebroker.broker.engine.embeddings.window_rules import (CallLater, TimerHandle, caller_fault, share_tokens,
+                                                                window_decision)
 from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.merge.cache import MetricsHook, TwoLevelCache
+from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.providers.base import EmbedResult, still_wanted
 from mergebroker.merge.fingerprint import embedding_fingerprint
 from mergebroker.merge.vector_codec import VectorDtype, decode_vector, encode_vector
@@ -45,53 +46,6 @@ log = structlog.get_logger(__name__)
 
 Backend = Callable[[str, list[str], int | None], Awaitable[EmbedResult]]
 """`backend(model, texts, dimensions)`: one vector per text, in order; raises `BrokerError` subclasses."""
-
-
-class TimerHandle(Protocol):
-    """What a scheduled callback returns: something that can be cancelled (`asyncio.TimerHandle`)."""
-
-    def cancel(self) -> None: ...
-
-
-CallLater = Callable[[float, Callable[[], None]], TimerHandle]
-"""Schedules `callback` after `delay` seconds; the default is the running loop's `call_later`."""
-
-
-def window_decision(items: int, tokens: int, new_tokens: int, *, max_batch_size: int,
-                    max_batch_tokens: int) -> tuple[bool, bool]:
-    """Where a new text of `new_tokens` goes: (close the open window before adding it, close it after).
-
-    The open window holds `items` texts of `tokens` tokens. A text that would push a non-empty
-    window past `max_batch_tokens` starts a new one; a window closes once either limit is reached.
-    """
-    close_before = items > 0 and tokens + new_tokens > max_batch_tokens
-    if close_before:
-        items, tokens = 0, 0
-    close_after = items + 1 >= max_batch_size or tokens + new_tokens >= max_batch_tokens
-    return close_before, close_after
-
-
-def share_tokens(total: int, weights: Sequence[int]) -> list[float]:
-    """`total` split in proportion to `weights` (all equal when every weight is 0)."""
-    if not weights:
-        return []
-    weight_sum = sum(weights)
-    if weight_sum <= 0:
-        return [total / len(weights)] * len(weights)
-    return [total * w / weight_sum for w in weights]
-
-
-def _caller_fault(exc: BrokerError) -> bool:
-    """Whether the upstream blamed the request's input (a 4xx such as 400 or 413), not its own state.
-
-    A 404 is left out: an unknown model fails every text alike, so retrying them one by one cannot help.
-    """
-    return isinstance(exc, UpstreamHTTPError) and exc.caller_fault and exc.upstream_status != 404
-
-
-def cache_metrics_hook(metrics: Metrics) -> MetricsHook:
-    """The `TwoLevelCache` hook that counts `embedding_cache_events{level,result}`."""
-    return lambda level, result: metrics.embedding_cache_events.labels(level=level, result=result).inc()
 
 
 @dataclass(eq=False, slots=True)
@@ -305,7 +259,7 @@ class EmbeddingBatcher:
             raise
         except BrokerError as exc:
             log.warning("embedding_batch_failed", model=model, size=len(items), error_type=type(exc).__name__)
-            if _caller_fault(exc) and len(items) > 1:
+            if caller_fault(exc) and len(items) > 1:
                 # One caller's bad text (too long, rejected) must not fail everyone sharing its window:
                 # each text is tried alone, so only the callers of the bad one get the error.
                 await asyncio.gather(*(self._run_batch(group, [item]) for item in items))

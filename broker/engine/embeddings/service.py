@@ -25,7 +25,8 @@ from mergebroker.broker.engine.settings import EmbeddingSettings, ProviderSettin
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_embedding_tokens
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.broker.engine.embeddings.stats import CoalescerStats
-from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher, cache_metrics_hook
+from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
+from mergebroker.broker.engine.embeddings.window_rules import cache_metrics_hook
 from mergebroker.providers.base import EmbedResult
 from mergebroker.providers.local_model import SentenceModelHost
 from mergebroker.merge.lru import LruCache
