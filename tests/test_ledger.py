@@ -243,3 +243,27 @@ async def test_record_drops_and_counts_beyond_max_pending() -> None:
     assert [e["event"] for e in logs] == ["ledger_full"]
     assert await ledger.flush() == 3
     assert set(store.rows) == {"r0", "r1", "r2"}
+
+
+async def test_a_ledger_written_by_an_older_broker_gains_the_new_columns_and_keeps_its_rows(tmp_path) -> None:
+    """Upgrading the broker never loses the old ledger: missing columns are added with their defaults."""
+    import sqlite3
+
+    from mergebroker.broker.engine.accounting.store import SqliteLedgerStore
+
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)
+    old.execute("CREATE TABLE ledger (request_id TEXT PRIMARY KEY, ts REAL NOT NULL, tenant TEXT NOT NULL, "
+                "tier TEXT NOT NULL, model TEXT NOT NULL, batch_id TEXT, batch_size INTEGER NOT NULL, "
+                "cache TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, "
+                "alone_prompt_tokens INTEGER NOT NULL, tokens_saved INTEGER NOT NULL, status INTEGER NOT NULL, "
+                "latency_ms REAL NOT NULL, endpoint TEXT NOT NULL)")
+    old.execute("INSERT INTO ledger VALUES ('r1', 1.0, 't', 'batch', 'm', NULL, 1, 'miss', 10, 5, 10, 0, 200, "
+                "3.0, 'chat')")
+    old.commit()
+    old.close()
+    store = SqliteLedgerStore(str(path))
+    (record,) = await store.query()
+    assert (record.request_id, record.prompt_tokens, record.cached_tokens, record.actual_usd) == ("r1", 10, 0, None)
+    assert record.usage_counted is False
+    await store.close()

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from mergebroker.broker.engine.limits.admission import TIER_HEADER, Caller
 from mergebroker.broker.engine.chat.service import CacheControl, ChatResult
 from mergebroker.broker.engine.embeddings.service import EmbeddingResponse
-from mergebroker.broker.engine.accounting.request_record import RequestInfo
+from mergebroker.broker.engine.accounting.request_record import RequestInfo, note_usage
 from mergebroker.broker.engine.schemas import BrokerOptions, ChatRequest, EmbeddingRequest
 from mergebroker.broker.engine.broker import Broker
 from mergebroker.errors import NotFound
@@ -70,8 +70,7 @@ async def complete_chat(broker: Broker, info: RequestInfo, caller: Caller, parse
     outcome = result.outcome
     info.upstream_s, info.batch_size, info.batch_id, info.cache = (outcome.upstream_s, outcome.batch_size,
                                                                    outcome.batch_id, result.cache)
-    if outcome.usage is not None:
-        info.prompt_tokens, info.completion_tokens = outcome.usage.prompt_tokens, outcome.usage.completion_tokens
+    note_usage(info, outcome.usage)
     info.usage_settles = outcome.settled_usage
     info.alone_prompt_tokens = result.prompt_estimate
     return result

@@ -43,7 +43,8 @@ from mergebroker import clock
 log = structlog.get_logger(__name__)
 
 CacheOutcome = Literal["hit", "coalesced", "miss"]
-Endpoint = Literal["chat", "embeddings", "shadow"]  # shadow: a merge-quality check call (broker.shadow)
+Endpoint = Literal["chat", "embeddings", "shadow", "batch"]  # shadow: a merge-quality check call;
+# batch: one line of a Batch API job (its request_id is the line's)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,15 @@ class LedgerRecord:
     status: int
     latency_ms: float
     endpoint: Endpoint
+    # Added in 0.2 (older ledgers read them as their defaults): the prompt's parts the provider reported as
+    # read from / written to its prompt cache; usage the broker counted because the provider sent none; and
+    # dollars (None: the model has no price): what the request cost, and what it would have cost sent alone
+    # with the provider's prompt cache.
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    usage_counted: bool = False
+    actual_usd: float | None = None
+    alone_usd: float | None = None
 
     @property
     def prompt_tokens_saved(self) -> int:

@@ -10,13 +10,14 @@ import functools
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import structlog
 
 from mergebroker.broker.engine.accounting.ledger import Ledger, LedgerRecord, saved_tokens
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.errors import BrokerError
+from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger("mergebroker.access")
 
@@ -38,7 +39,12 @@ class RequestInfo:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     alone_prompt_tokens: int = 0
-    usage_settles: asyncio.Future[dict[str, int]] | None = None  # released early: its reported usage, later
+    cached_tokens: int = 0  # of prompt_tokens: read from the provider's prompt cache, as it reported
+    cache_write_tokens: int = 0  # of prompt_tokens: written to the provider's prompt cache
+    usage_counted: bool = False  # the broker counted the usage: the provider reported none
+    # Known later (released early, or a stream): the usage the provider reported, as a `TokenUsage` or an
+    # OpenAI `usage` mapping; the ledger record waits for it.
+    usage_settles: asyncio.Future[Any] | None = None
     stream_error: BrokerError | None = None  # what ended a stream whose headers were already sent
 
 
@@ -85,9 +91,19 @@ def _record(ledger: Ledger, info: RequestInfo, endpoint: str, status: int, elaps
         settles.add_done_callback(functools.partial(_record, ledger, info, endpoint, status, elapsed))
         return
     if settles is not None and not settles.cancelled() and settles.exception() is None:
-        usage = settles.result()
-        info.prompt_tokens, info.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        note_usage(info, settles.result())
     ledger.record(ledger_record(info, endpoint, status, elapsed))
+
+
+def note_usage(info: RequestInfo, usage: TokenUsage | Mapping[str, Any] | None) -> None:
+    """Take the usage an answer reports (a `TokenUsage`, or an OpenAI `usage` mapping) into the request's record."""
+    if usage is not None and not isinstance(usage, TokenUsage):
+        usage = TokenUsage.from_body(dict(usage))
+    if usage is None:
+        return
+    info.prompt_tokens, info.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+    info.cached_tokens, info.cache_write_tokens = usage.cached_tokens, usage.cache_write_tokens
+    info.usage_counted = usage.counted
 
 
 def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float) -> LedgerRecord:
@@ -104,4 +120,6 @@ def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float)
         batch_id=None if reused else info.batch_id, batch_size=batch_size, cache=cache,  # type: ignore[arg-type]
         prompt_tokens=prompt, completion_tokens=completion, alone_prompt_tokens=info.alone_prompt_tokens,
         tokens_saved=saved, status=status, latency_ms=round(elapsed * 1000, 3),
-        endpoint="embeddings" if endpoint == "embeddings" else "chat")
+        endpoint=endpoint if endpoint in ("embeddings", "batch") else "chat",  # type: ignore[arg-type]
+        cached_tokens=0 if reused else info.cached_tokens, cache_write_tokens=0 if reused else info.cache_write_tokens,
+        usage_counted=info.usage_counted)

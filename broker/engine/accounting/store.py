@@ -34,16 +34,30 @@ CREATE TABLE IF NOT EXISTS ledger (
     tokens_saved INTEGER NOT NULL,
     status INTEGER NOT NULL,
     latency_ms REAL NOT NULL,
-    endpoint TEXT NOT NULL
+    endpoint TEXT NOT NULL,
+    cached_tokens INTEGER NOT NULL DEFAULT 0,
+    cache_write_tokens INTEGER NOT NULL DEFAULT 0,
+    usage_counted INTEGER NOT NULL DEFAULT 0,
+    actual_usd REAL,
+    alone_usd REAL
 );
 CREATE INDEX IF NOT EXISTS ledger_ts ON ledger (ts);
 CREATE INDEX IF NOT EXISTS ledger_tenant_ts ON ledger (tenant, ts);
 """
 
-_PG_SCHEMA = _SQLITE_SCHEMA.replace("REAL", "DOUBLE PRECISION").replace("INTEGER", "BIGINT")
+_ADDED_COLUMNS = {"cached_tokens": "INTEGER NOT NULL DEFAULT 0", "cache_write_tokens": "INTEGER NOT NULL DEFAULT 0",
+                  "usage_counted": "INTEGER NOT NULL DEFAULT 0", "actual_usd": "REAL", "alone_usd": "REAL"}
+"""Columns newer than the first schema: added in place to a ledger written by an older broker."""
+
+_PG_SCHEMA = _SQLITE_SCHEMA.replace("REAL", "DOUBLE PRECISION").replace("INTEGER", "BIGINT") + "".join(
+    f"ALTER TABLE ledger ADD COLUMN IF NOT EXISTS {name} "
+    f"{kind.replace('REAL', 'DOUBLE PRECISION').replace('INTEGER', 'BIGINT')};\n"
+    for name, kind in _ADDED_COLUMNS.items())
 
 _PG_TYPES = {"ts": "float8", "latency_ms": "float8", "batch_size": "int8", "prompt_tokens": "int8",
-             "completion_tokens": "int8", "alone_prompt_tokens": "int8", "tokens_saved": "int8", "status": "int8"}
+             "completion_tokens": "int8", "alone_prompt_tokens": "int8", "tokens_saved": "int8", "status": "int8",
+             "cached_tokens": "int8", "cache_write_tokens": "int8", "usage_counted": "int8", "actual_usd": "float8",
+             "alone_usd": "float8"}
 
 
 class LedgerStoreError(Exception):
@@ -58,7 +72,17 @@ def open_store(target: str) -> LedgerStore:
 
 
 def _row_to_record(row: Sequence[Any]) -> LedgerRecord:
-    return LedgerRecord(**dict(zip(COLUMNS, row)))
+    fields = dict(zip(COLUMNS, row))
+    fields["usage_counted"] = bool(fields["usage_counted"])
+    return LedgerRecord(**fields)
+
+
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    """Bring a ledger written by an older broker up to this schema (new columns take their defaults)."""
+    present = {row[1] for row in conn.execute("PRAGMA table_info(ledger)")}
+    for name, kind in _ADDED_COLUMNS.items():
+        if name not in present:
+            conn.execute(f"ALTER TABLE ledger ADD COLUMN {name} {kind}")
 
 
 def _where(since_ts: float | None, tenant: str | None, placeholder: str) -> tuple[str, list[Any]]:
@@ -112,6 +136,7 @@ class SqliteLedgerStore:
             try:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.executescript(_SQLITE_SCHEMA)
+                _add_missing_columns(conn)
             except sqlite3.Error:
                 conn.close()
                 raise
