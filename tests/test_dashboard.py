@@ -171,3 +171,18 @@ def test_compose_runs_two_frontends_and_two_workers_in_cluster_mode_all_scraped(
     doc = yaml.safe_load((CONFIGS / "prometheus" / "prometheus.yml").read_text())
     targets = {t.split(":")[0] for job in doc["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
     assert set(workers + frontends) <= targets
+
+
+async def test_a_broker_that_served_only_plain_chats_exports_every_family_the_dashboard_queries(
+        start_broker) -> None:
+    """No panel shows "No data" on a healthy broker: every family starts at zero (cluster families aside,
+    which cluster processes export)."""
+    broker = await start_broker({"merge": {"embedder": "none"}})
+    status, _, _ = await broker.chat("Hello there")
+    assert status == 200
+    async with broker.http.get("/metrics") as resp:
+        text = await resp.text()
+    exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    used = {name for expr in dashboard_exprs(dashboard()) for name in METRIC_NAME.findall(expr)}
+    missing = {name for name in used - exported if not name.startswith("mergebroker_cluster_")}
+    assert not missing, f"absent until their first event: {sorted(missing)}"

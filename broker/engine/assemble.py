@@ -18,6 +18,7 @@ from mergebroker.background import spawn
 from mergebroker.breaker.circuit import CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.breaker.shared_state import SharedBreakerState
+from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.accounting.ledger import Ledger
 from mergebroker.broker.engine.accounting.store import open_store
 from mergebroker.broker.engine.broker import Broker
@@ -119,7 +120,7 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
     broker = Broker(settings, metrics, auth, pools, jobs, chat, embeddings, policy, breakers, host,
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger,
                     shadow=shadow, embedder=embedder, limiter=limiter, providers=tuple(providers), clock=clock,
-                    sleep=sleep)
+                    sleep=sleep, costs=CostBook(settings.price_table(), metrics=metrics, clock=clock))
     await _start(broker, providers)
     return broker
 

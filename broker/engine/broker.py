@@ -16,6 +16,7 @@ from mergebroker.broker.engine.chat.service import ChatService
 from mergebroker.broker.engine.embeddings.service import EmbeddingService
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.limits.limiter import Limiter
+from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.accounting.ledger import Ledger
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ProviderSettings, Settings
@@ -50,6 +51,7 @@ class Broker:
     providers: tuple[ProviderSettings, ...] = ()  # as configured, or the simulated upstream's
     clock: Clock = monotonic
     sleep: Sleep | None = None
+    costs: CostBook | None = None  # dollars: what requests cost, and what they would have cost alone
     background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
@@ -78,8 +80,11 @@ class Broker:
         providers = {u.name: {"in_flight": u.in_flight,
                               **(u.breaker.snapshot() if u.breaker else {"state": "closed"})}
                      for u in self.pools.upstreams}
-        return {"tiers": tiers, "providers": providers, "chat_cache": self._chat_cache_stats(),
-                "embeddings": self.embeddings.stats().as_dict()}
+        stats = {"tiers": tiers, "providers": providers, "chat_cache": self._chat_cache_stats(),
+                 "embeddings": self.embeddings.stats().as_dict()}
+        if self.costs is not None:
+            stats["cost"] = self.costs.totals.as_dict()
+        return stats
 
     def _chat_cache_stats(self) -> dict[str, Any]:
         """Chat answers by how the cache took part: from cache (hit), shared with an identical one in flight."""

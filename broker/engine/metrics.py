@@ -147,9 +147,18 @@ class Metrics:
                                         ["tier", "decision"], registry=r)
         self.early_released = Counter(p + "early_released", "Merged members answered as soon as their block "
                                       "closed, before the merged reply ended, by tier.", ["tier"], registry=r)
+        self.cost_usd = Counter(p + "cost_usd", "Dollars at the configured prices, by tier and model: what requests "
+                                "cost (kind=actual) and what they would have cost sent alone with the provider's "
+                                "prompt cache (kind=alone).", ["tier", "model", "kind"], registry=r)
         self.merged_stream_ttft = Histogram(p + "merged_stream_ttft_seconds", "Time to first token of streamed "
                                             "members of a merged call, by position in the batch.", ["position"],
                                             registry=r)
+
+    def cost(self, tier: str, model: str, actual_usd: float, alone_usd: float) -> None:
+        """Count one request's dollars: what it cost, and what it would have cost alone."""
+        label = self.model_label(model)
+        self.cost_usd.labels(tier, label, "actual").inc(actual_usd)
+        self.cost_usd.labels(tier, label, "alone").inc(alone_usd)
 
     def model_label(self, model: str) -> str:
         """The `model` label value for `model`: the name itself for the first `max_model_labels` distinct
@@ -211,6 +220,9 @@ UPSTREAM_OUTCOMES = ("success", "5xx", "429", "auth", "timeout", "connection", "
                      "client_error", "breaker_open", "deadline", "cancelled", "stream_broken")
 RETRY_REASONS = ("429", "5xx", "auth", "timeout", "connection", "bad_response", "other")
 REJECT_REASONS = ("rate_limited", "queue_full", "deadline", "unauthorized", "forbidden")
+BULK_STATUSES = ("completed", "failed", "expired", "cancelled")
+MAX_BATCH_LABEL = 8
+"""Batch sizes and positions in a batch are label values up to the hard cap on a merged call's members."""
 FALLBACK_REASONS = ("missing", "empty", "duplicated", "malformed", "truncated", "foreign_id", "leak",
                     "merged_call_failed", "bad_reply")
 
@@ -238,9 +250,28 @@ def preinitialise(metrics: Metrics, *, tiers: list[str], providers: list[str], m
             m.retries.labels(provider, reason)
         for to in BREAKER_STATE_LEVEL:
             m.breaker_transitions.labels(provider, to)
-    for model in models:
-        m.degraded.labels(m.model_label(model))
-        m.fast_fail.labels(m.model_label(model))
+    for model in models or [OTHER_MODEL]:  # a wildcard pool names no model: "other" holds the families' zero
+        label = m.model_label(model) if models else OTHER_MODEL
+        m.degraded.labels(label)
+        m.fast_fail.labels(label)
+        for tier in tiers:
+            for kind in ("actual", "alone"):
+                m.cost_usd.labels(tier, label, kind)
+            for size in range(2, MAX_BATCH_LABEL + 1):
+                m.merge_fidelity.labels(tier, label, str(size))
+    for tier in tiers:
+        m.early_released.labels(tier)
+        for decision in ("wait", "skip"):
+            m.window_decisions.labels(tier, decision)
+    for position in range(1, MAX_BATCH_LABEL + 1):
+        m.merged_stream_ttft.labels(str(position))
+    for status in BULK_STATUSES:
+        m.bulk_batches.labels(status)
+    for outcome in ("completed", "failed"):
+        m.bulk_lines.labels(outcome)
+    for mode in ("pool", "batch_api"):
+        for kind in ("merged", "single"):
+            m.bulk_upstream_requests.labels(mode, kind)
     for family, values in ((m.cache_events, ("hit", "miss", "coalesced")), (m.split_fallback, FALLBACK_REASONS),
                            (m.merge_skipped, ("similarity_slow", "similarity_failed"))):
         for value in values:
@@ -248,6 +279,20 @@ def preinitialise(metrics: Metrics, *, tiers: list[str], providers: list[str], m
     for level in ("l1", "l2"):
         for result in ("hit", "miss"):
             m.embedding_cache_events.labels(level=level, result=result)
+
+
+CLUSTER_JOB_OUTCOMES = ("answered", "failed", "expired", "coalesced", "unreadable", "withdrawn")
+LEASE_EVENTS = ("acquired", "released", "lost")
+
+
+def preinitialise_cluster(metrics: Metrics) -> None:
+    """The cluster-mode families a front-end or worker exports, at zero before their first event."""
+    for outcome in CLUSTER_JOB_OUTCOMES:
+        metrics.cluster_jobs.labels(outcome)
+    for event in LEASE_EVENTS:
+        metrics.cluster_lease_changes.labels(event)
+    for to in ("local", "cluster"):
+        metrics.cluster_fallback_transitions.labels(to)
 
 
 CONNECTION_CLOSE_REASONS = ("header_timeout", "body_timeout", "idle_timeout", "evicted", "refused")

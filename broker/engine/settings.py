@@ -6,10 +6,13 @@ Components receive plain values from these models, never the models' sources.
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from mergebroker.merge.pricing import PriceTable
 
 HARD_MAX_BATCH = 8
 
@@ -208,6 +211,17 @@ class MergeSettings(_Strict):
     embedder: Literal["local-int8", "local", "none"] = Field(
         "local-int8", description="Similarity model: int8-quantised all-MiniLM-L6-v2 (default, ~3x cheaper), "
                                   "the float model, or none (no similarity merging).")
+    policy: Literal["cost", "always"] = Field(
+        "cost", description="cost: a group merges, at the size it merges, only where the merged call's expected bill "
+                            "is lower than its members' bills alone with the provider's prompt cache (or where a "
+                            "binding rate limit makes the capacity worth a premium); always: merge whatever is "
+                            "compatible (a model with no price always merges this way).")
+    capacity_merge: bool = Field(True, description="Under a binding rate limit, merge even at a cost premium of up to "
+                                                   "capacity_max_premium (the call it saves is the scarce thing).")
+    capacity_pressure: float = Field(0.9, gt=0, le=1, description="Share of the provider's or tier's RPM in use at "
+                                                                  "which the rate limit counts as binding.")
+    capacity_max_premium: float = Field(1.10, ge=1, description="The most a capacity merge may cost, as a multiple "
+                                                                "of its members' bills alone.")
 
 
 class CacheSettings(_Strict):
@@ -317,6 +331,12 @@ class Settings(BaseSettings):
     batches: BatchSettings = Field(default_factory=BatchSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     mcp: McpSettings = Field(default_factory=McpSettings)
+    pricing: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="USD per million tokens by model: {input, cached_input, output, and "
+                                          "optionally cache_write, context_window, max_output_tokens, cache}; over "
+                                          "the shipped table (merge/default_prices.py).")
+    pricing_file: str | None = Field(None, description="A price file in LiteLLM's model_prices_and_context_window.json "
+                                                       "format, between the shipped table and `pricing`.")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -348,7 +368,17 @@ class Settings(BaseSettings):
             raise ValueError("cluster.enabled: cluster mode needs redis.url")
         if self.auth.mode == "keys" and not self.auth.keys:
             raise ValueError("auth.keys: mode 'keys' needs at least one key")
+        try:  # a bad price entry or file is refused at start-up, by name
+            self.price_table()
+        except OSError as exc:
+            raise ValueError(f"pricing_file: cannot read {self.pricing_file}: {exc.strerror}") from exc
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"pricing_file: {self.pricing_file} is not JSON ({exc})") from exc
         return self
+
+    def price_table(self) -> PriceTable:
+        """The prices in force: the shipped table, under the LiteLLM file (if any), under `pricing`."""
+        return PriceTable.build(self.pricing, litellm_path=self.pricing_file)
 
     def batch_tier(self) -> str:
         """The tier bulk jobs run in: `batches.tier`, else 'batch' when configured, else the default tier."""

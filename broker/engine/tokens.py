@@ -154,3 +154,24 @@ def estimate_embedding_tokens(inputs: str | Sequence[Any]) -> int:
         elif isinstance(item, Sequence):
             total += len(item)
     return total
+
+
+def prompt_token_ids(messages: Sequence[Mapping[str, Any]]) -> Sequence[int]:
+    """The prompt as one token sequence, message by message in order (role, then text): what a provider's
+    prefix cache sees, in the broker's tokens. Without the tokenizer, 4-character chunks stand in for tokens."""
+    text = "".join(f"\x00{message.get('role') or ''}\x00{_content_text(message.get('content'))}" for message in messages)
+    encode = _encoder()
+    if encode is not None:
+        try:
+            return encode(text)
+        except (ValueError, RuntimeError):
+            pass
+    return [hash(text[i:i + 4]) & 0x7FFFFFFF for i in range(0, len(text), 4)]
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+    return ""

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import structlog
 
+from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.accounting.ledger import Ledger, LedgerRecord, saved_tokens
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.errors import BrokerError
@@ -42,6 +43,10 @@ class RequestInfo:
     cached_tokens: int = 0  # of prompt_tokens: read from the provider's prompt cache, as it reported
     cache_write_tokens: int = 0  # of prompt_tokens: written to the provider's prompt cache
     usage_counted: bool = False  # the broker counted the usage: the provider reported none
+    provider: str | None = None  # the upstream that answered
+    alone_cached_tokens: int = 0  # broker's count: what its provider would have read from cache, sent alone
+    answer_tokens: int = 0  # broker's count of its own answer's text (merged members: the alone estimate)
+    costs: CostBook | None = None  # prices it, once its model is known
     # Known later (released early, or a stream): the usage the provider reported, as a `TokenUsage` or an
     # OpenAI `usage` mapping; the ledger record waits for it.
     usage_settles: asyncio.Future[Any] | None = None
@@ -55,7 +60,7 @@ def record_request(metrics: Metrics | None, ledger: Ledger | None, info: Request
         requests, latency = _request_metrics(metrics, endpoint, info.tier, status)
         requests.inc()
         latency.observe(elapsed)
-    if ledger is not None and endpoint != "models":
+    if endpoint != "models" and (ledger is not None or info.costs is not None):
         _record(ledger, info, endpoint, status, elapsed)
     log.info("request", endpoint=endpoint, status=sent_status or status, tenant=info.tenant, tier=info.tier,
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
@@ -84,15 +89,18 @@ def _request_metrics(metrics: Metrics, endpoint: str, tier: str, status: int) ->
     return pair
 
 
-def _record(ledger: Ledger, info: RequestInfo, endpoint: str, status: int, elapsed: float, *_: Any) -> None:
-    """Write the request's ledger record; a member released early waits for the merged call's reported usage."""
+def _record(ledger: Ledger | None, info: RequestInfo, endpoint: str, status: int, elapsed: float, *_: Any) -> None:
+    """Price the request and write its ledger record; a member released early (or a stream) waits for the
+    usage the provider reports."""
     settles = info.usage_settles
     if settles is not None and not settles.done():
         settles.add_done_callback(functools.partial(_record, ledger, info, endpoint, status, elapsed))
         return
     if settles is not None and not settles.cancelled() and settles.exception() is None:
         note_usage(info, settles.result())
-    ledger.record(ledger_record(info, endpoint, status, elapsed))
+    dollars = info.costs.account(info, status) if info.costs is not None else (None, None)
+    if ledger is not None:
+        ledger.record(ledger_record(info, endpoint, status, elapsed, dollars))
 
 
 def note_usage(info: RequestInfo, usage: TokenUsage | Mapping[str, Any] | None) -> None:
@@ -106,7 +114,8 @@ def note_usage(info: RequestInfo, usage: TokenUsage | Mapping[str, Any] | None) 
     info.usage_counted = usage.counted
 
 
-def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float) -> LedgerRecord:
+def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float,
+                  dollars: tuple[float | None, float | None] = (None, None)) -> LedgerRecord:
     """The ledger's account of one answered request (token rules in `broker.engine.accounting.ledger`)."""
     cache = info.cache if info.cache in ("hit", "coalesced") else "miss"
     reused = cache != "miss"
@@ -122,4 +131,4 @@ def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float)
         tokens_saved=saved, status=status, latency_ms=round(elapsed * 1000, 3),
         endpoint=endpoint if endpoint in ("embeddings", "batch") else "chat",  # type: ignore[arg-type]
         cached_tokens=0 if reused else info.cached_tokens, cache_write_tokens=0 if reused else info.cache_write_tokens,
-        usage_counted=info.usage_counted)
+        usage_counted=info.usage_counted, actual_usd=dollars[0], alone_usd=dollars[1])

@@ -1,0 +1,136 @@
+"""Dollars per request: what it cost, and what it would have cost sent alone with the provider's prompt cache.
+
+The actual bill prices the usage the provider reported (its cached and cache-written parts included; a
+merged member's share as apportioned). The counterfactual ("alone") prices the request as if it had been
+sent by itself, in arrival order, to a provider that caches prompt prefixes: `observe_alone` runs each
+request's prompt through a model of that cache (`merge.prompt_cache.PrefixCache`, one per cache style and
+provider) when it arrives, and `account` scales the broker's own token counts into the provider's with
+a per provider-and-model `Calibration` learnt from the calls that went out alone (where both counts
+describe the same prompt and the same answer). A request sent alone costs the same both ways.
+
+A model with no price gets no dollars (None) and is counted as unpriced.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.tokens import prompt_token_ids
+from mergebroker.clock import Clock, monotonic
+from mergebroker.merge.pricing import CacheStyle, ModelPrice, PriceTable, cost_usd
+from mergebroker.merge.prompt_cache import CacheKey, Calibration, PrefixCache, ProviderCacheModel
+
+_COMPLETION = "completion:"
+"""Prefix of the calibration key for completion tokens (answers are counted apart from prompts)."""
+
+
+class PricedRequest(Protocol):
+    """What pricing reads of a request's record (`request_record.RequestInfo` is one)."""
+
+    tier: str
+    model: str | None
+    provider: str | None
+    cache: str | None
+    batch_size: int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cache_write_tokens: int
+    alone_prompt_tokens: int
+    alone_cached_tokens: int
+    answer_tokens: int
+
+
+@dataclass
+class CostTotals:
+    """Dollars since start: in all, and per tier and per model, as [actual, alone]."""
+
+    actual_usd: float = 0.0
+    alone_usd: float = 0.0
+    unpriced_requests: int = 0
+    by_tier: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0.0, 0.0]))
+    by_model: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0.0, 0.0]))
+
+    def add(self, tier: str, model: str, actual: float, alone: float) -> None:
+        self.actual_usd += actual
+        self.alone_usd += alone
+        for bucket in (self.by_tier[tier], self.by_model[model]):
+            bucket[0] += actual
+            bucket[1] += alone
+
+    def as_dict(self) -> dict[str, Any]:
+        """The `cost` object of `/v1/broker/stats`."""
+        def money(actual: float, alone: float) -> dict[str, float]:
+            return {"actual_usd": round(actual, 6), "alone_usd": round(alone, 6), "saved_usd": round(alone - actual, 6)}
+
+        return {**money(self.actual_usd, self.alone_usd), "unpriced_requests": self.unpriced_requests,
+                "tiers": {t: money(*v) for t, v in sorted(self.by_tier.items())},
+                "models": {m: money(*v) for m, v in sorted(self.by_model.items())}}
+
+
+class CostBook:
+    """Prices requests (see the module docstring); one per broker, used from the event loop only."""
+
+    def __init__(self, prices: PriceTable, *, metrics: Metrics | None = None, clock: Clock = monotonic,
+                 max_prefixes: int = 100_000) -> None:
+        self.prices = prices
+        self.totals = CostTotals()
+        self.calibration = Calibration()
+        self._metrics = metrics
+        self._caches = {style: PrefixCache(ProviderCacheModel.for_style(style), max_entries=max_prefixes, clock=clock)
+                        for style in (CacheStyle.OPENAI, CacheStyle.ANTHROPIC)}
+
+    def price(self, model: str | None) -> ModelPrice | None:
+        return self.prices.get(model) if model else None
+
+    def observe_alone(self, provider: str, model: str, messages: Sequence[Mapping[str, Any]]) -> int:
+        """The prompt tokens (broker's count) this request would read from `provider`'s cache were it sent
+        alone now; remembers its prompt for the requests after it. 0 for an unpriced or uncached model."""
+        price = self.price(model)
+        if price is None or price.cache not in self._caches:
+            return 0
+        breakpoints = ()
+        tokens = prompt_token_ids(messages)
+        if price.cache is CacheStyle.ANTHROPIC:  # the broker puts a breakpoint after the system prompt
+            system = [m for m in messages if m.get("role") == "system"]
+            breakpoints = (len(prompt_token_ids(system)),) if system else ()
+        return self._caches[price.cache].observe(CacheKey(provider, model), tokens, breakpoints)
+
+    def account(self, info: PricedRequest, status: int) -> tuple[float | None, float | None]:
+        """(actual, alone) dollars of an answered request, counted in the totals and metrics."""
+        price = self.price(info.model)
+        if price is None:
+            self.totals.unpriced_requests += 1
+            return None, None
+        actual = self._actual(price, info)
+        alone = actual if status >= 400 else self._alone(price, info, actual)
+        self.totals.add(info.tier, info.model or "", actual, alone)
+        if self._metrics is not None:
+            self._metrics.cost(info.tier, info.model or "", actual, alone)
+        return actual, alone
+
+    @staticmethod
+    def _actual(price: ModelPrice, info: PricedRequest) -> float:
+        if info.cache in ("hit", "coalesced"):
+            return 0.0
+        cached = min(info.cached_tokens, info.prompt_tokens)
+        written = min(info.cache_write_tokens, info.prompt_tokens - cached)
+        return cost_usd(price, info.prompt_tokens, cached, written, info.completion_tokens)
+
+    def _alone(self, price: ModelPrice, info: PricedRequest, actual: float) -> float:
+        provider, model = info.provider or "", info.model or ""
+        reused = info.cache in ("hit", "coalesced")
+        if not reused and (info.batch_size or 1) <= 1:  # it was sent alone: that is its alone bill
+            self.calibration.update(provider, model, info.prompt_tokens, info.alone_prompt_tokens)
+            self.calibration.update(_COMPLETION + provider, model, info.completion_tokens, info.answer_tokens)
+            return actual
+        prompt = self.calibration.scale(provider, model, info.alone_prompt_tokens)
+        cached = min(prompt, self.calibration.scale(provider, model, info.alone_cached_tokens))
+        if info.answer_tokens:
+            completion = self.calibration.scale(_COMPLETION + provider, model, info.answer_tokens)
+        else:
+            completion = info.completion_tokens
+        return cost_usd(price, prompt, cached, 0, completion)
