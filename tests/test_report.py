@@ -11,12 +11,13 @@ import pytest
 
 from mergebroker.broker.engine.accounting.ledger import LedgerRecord
 from mergebroker.broker.engine.accounting.store import SqliteLedgerStore
-from mergebroker.broker.engine.accounting.report import (ModelPrice, add_report_arguments, build_report, parse_duration, render_json,
+from mergebroker.merge.pricing import ModelPrice, PriceTable
+from mergebroker.broker.engine.accounting.report import (add_report_arguments, build_report, parse_duration, render_json,
                            render_table, run_report)
 from mergebroker.merge.usage import largest_remainder
 
 NOW = 1_700_000_000.0
-PRICES = {"gpt-4o-mini": ModelPrice(input_per_m=2.0, output_per_m=8.0)}
+PRICES = PriceTable({"gpt-4o-mini": ModelPrice(input=2.0, cached_input=2.0, output=8.0)})
 
 
 def rec(request_id: str, tenant: str, **fields: object) -> LedgerRecord:
@@ -89,7 +90,7 @@ def test_the_tenant_filter_and_missing_prices_are_reported() -> None:
 
 
 def test_an_empty_ledger_reports_zero_rates() -> None:
-    report = build_report([], since_s=60, tenant=None, prices={}, now=NOW)
+    report = build_report([], since_s=60, tenant=None, prices=PriceTable({}), now=NOW)
     assert (report.requests, report.merge_rate, report.upstream_calls_saved) == (0, 0.0, 0)
     assert json.loads(render_json(report))["tenants"] == []
 
@@ -162,3 +163,27 @@ def test_shadow_calls_are_reported_apart_with_their_cost() -> None:
     assert report.shadow_cost_usd == pytest.approx((110 * 2 + 55 * 8) / 1e6)
     assert "shadow calls" in render_table(report)
     assert "shadow calls" not in render_table(build_report(fixture_ledger(), prices=PRICES, now=NOW))
+
+
+def test_dollars_the_broker_recorded_are_reported_as_they_are_with_the_bill_against_sending_alone() -> None:
+    """A record with dollars is not re-priced: its cached part and its alone estimate came from the broker."""
+    records = [rec("a", "acme", batch_id="b", batch_size=2, prompt_tokens=500, completion_tokens=80,
+                   actual_usd=0.002, alone_usd=0.005),
+               rec("b", "acme", batch_id="b", batch_size=2, prompt_tokens=500, completion_tokens=80,
+                   actual_usd=0.002, alone_usd=0.005)]
+    report = build_report(records, since_s=None, tenant=None, prices=PRICES, now=NOW)
+    assert report.cost_usd == pytest.approx(0.004) and report.alone_usd == pytest.approx(0.010)
+    assert report.cost_saved_usd == pytest.approx(0.006)
+    assert report.tenants[0].alone_usd == pytest.approx(0.010)
+    assert "the bill is 0.40x of sending alone" in render_table(report)
+
+
+def test_a_cached_price_on_the_command_line_prices_old_records_with_their_cached_part() -> None:
+    from mergebroker.broker.engine.accounting.report import parse_price
+    from mergebroker.merge.pricing import PriceTable
+
+    model, entry = parse_price("m=2.5/1.25/10")
+    table = PriceTable.build({model: entry})
+    records = [rec("x", "t", model="m", prompt_tokens=2048, cached_tokens=1024, completion_tokens=100)]
+    report = build_report(records, since_s=None, tenant=None, prices=table, now=NOW)
+    assert report.cost_usd == pytest.approx((1024 * 2.5 + 1024 * 1.25 + 100 * 10) / 1e6)

@@ -9,9 +9,12 @@ Definitions (all over the records in the window and tenant filter):
 - upstream calls: members of one batch share one call; a miss without a batch id is its own call;
   hits, coalesced followers and requests refused before any call (`batch_size == 0`) make none.
 - upstream calls saved: requests served (by a call or a reused answer) minus upstream calls.
-- cost: prompt and completion tokens at the model's price per 1M tokens; cost saved prices each record's
-  `prompt_tokens_saved` and `completion_tokens_saved` the same way. Models without a price cost 0 and
-  are listed in `unpriced_models`.
+- cost: the dollars the broker recorded for each request (`actual_usd`: its reported usage, cached part
+  included, at the model's price) and `alone_usd` (what it would have cost sent alone with the provider's
+  prompt cache); cost saved is alone minus actual. A record from an older broker, without dollars, is
+  priced here from its tokens (the shipped price table, under `--price`), its saving from
+  `prompt_tokens_saved` and `completion_tokens_saved`. Models without a price cost 0 and are listed in
+  `unpriced_models`.
 - shadow calls (`endpoint == "shadow"`, merge-quality checks by `broker.engine.chat.shadow`) are no requests: they are
   left out of every figure above and reported on their own (`shadow_calls`, `shadow_tokens`, `shadow_cost_usd`).
 """
@@ -29,25 +32,14 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Iterable, Mapping, TextIO
+from typing import Iterable, TextIO
 
 from mergebroker.broker.engine.accounting.ledger import LedgerRecord
 from mergebroker.broker.engine.accounting.store import open_store
+from mergebroker.merge.pricing import PriceTable, cost_usd
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-@dataclass(frozen=True)
-class ModelPrice:
-    """USD per 1M input (prompt) and output (completion) tokens."""
-
-    input_per_m: float
-    output_per_m: float
-
-    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        """The price of these tokens in USD."""
-        return (prompt_tokens * self.input_per_m + completion_tokens * self.output_per_m) / 1_000_000
 
 
 @dataclass(frozen=True)
@@ -64,6 +56,7 @@ class TenantTotals:
     tokens_saved: int
     cost_usd: float
     cost_saved_usd: float
+    alone_usd: float = 0.0  # what its requests would have cost sent alone
 
 
 @dataclass(frozen=True)
@@ -93,6 +86,7 @@ class Report:
     shadow_calls: int = 0  # merge-quality checks (broker.shadow): not requests, billed on their own
     shadow_tokens: int = 0
     shadow_cost_usd: float = 0.0
+    alone_usd: float = 0.0  # what the requests would have cost sent alone with the provider's prompt cache
 
 
 def parse_duration(text: str) -> float:
@@ -110,20 +104,25 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def parse_price(text: str) -> tuple[str, ModelPrice]:
-    """`MODEL=IN/OUT` (USD per 1M input/output tokens) -> (model, price)."""
+def parse_price(text: str) -> tuple[str, dict[str, float]]:
+    """`MODEL=IN/OUT` or `MODEL=IN/CACHED/OUT` (USD per 1M input, cached input, output tokens) -> (model, the
+    price entry as the config's `pricing` section spells it); without a cached price, cached input costs IN."""
     model, sep, price = text.rpartition("=")
-    inp, slash, out = price.partition("/")
+    parts = price.split("/")
     try:
-        if not (sep and slash and model):
+        if not (sep and model and len(parts) in (2, 3)):
             raise ValueError
-        return model, ModelPrice(float(inp), float(out))
+        values = [float(part) for part in parts]
+        if any(v < 0 for v in values):
+            raise ValueError
     except ValueError:
-        raise ValueError(f"not a price: {text!r} (use MODEL=IN/OUT, USD per 1M tokens)") from None
+        raise ValueError(f"not a price: {text!r} (use MODEL=IN/OUT or MODEL=IN/CACHED/OUT, USD per 1M tokens)") from None
+    inp, out = values[0], values[-1]
+    return model, {"input": inp, "cached_input": values[1] if len(values) == 3 else inp, "output": out}
 
 
 def build_report(records: Iterable[LedgerRecord], *, since_s: float | None = None, tenant: str | None = None,
-                 prices: Mapping[str, ModelPrice], now: float | None = None) -> Report:
+                 prices: PriceTable, now: float | None = None) -> Report:
     """Aggregate `records` from the last `since_s` seconds before `now` (None: wall clock) for `tenant`."""
     until = time.time() if now is None else now
     since_ts = None if since_s is None else until - since_s
@@ -150,26 +149,41 @@ def build_report(records: Iterable[LedgerRecord], *, since_s: float | None = Non
         tokens_saved=sum(t.tokens_saved for t in tenants),
         upstream_calls=calls, upstream_calls_saved=served - calls,
         cost_usd=sum(t.cost_usd for t in tenants), cost_saved_usd=sum(t.cost_saved_usd for t in tenants),
-        tenants=tenants, unpriced_models=tuple(sorted({r.model for r in window if r.model not in prices})),
+        alone_usd=sum(t.alone_usd for t in tenants), tenants=tenants,
+        unpriced_models=tuple(sorted({r.model for r in window if r.actual_usd is None and prices.get(r.model) is None})),
         shadow_calls=len(shadow), shadow_tokens=sum(r.prompt_tokens + r.completion_tokens for r in shadow),
         shadow_cost_usd=_totals("shadow", shadow, prices).cost_usd,
     )
 
 
-def _totals(tenant: str, records: list[LedgerRecord], prices: Mapping[str, ModelPrice]) -> TenantTotals:
-    cost = saved = 0.0
+def _dollars(rec: LedgerRecord, prices: PriceTable) -> tuple[float, float]:
+    """(actual, alone) dollars of one record: as the broker recorded them, else priced from its tokens."""
+    if rec.actual_usd is not None:
+        return rec.actual_usd, rec.alone_usd if rec.alone_usd is not None else rec.actual_usd
+    price = prices.get(rec.model)
+    if price is None:
+        return 0.0, 0.0
+    cached = min(rec.cached_tokens, rec.prompt_tokens)
+    actual = cost_usd(price, rec.prompt_tokens, cached, min(rec.cache_write_tokens, rec.prompt_tokens - cached),
+                      rec.completion_tokens)
+    saved = (rec.prompt_tokens_saved * price.input + rec.completion_tokens_saved * price.output) / 1e6
+    return actual, actual + saved
+
+
+def _totals(tenant: str, records: list[LedgerRecord], prices: PriceTable) -> TenantTotals:
+    cost = alone = 0.0
     for rec in records:
-        price = prices.get(rec.model)
-        if price is not None:
-            cost += price.cost(rec.prompt_tokens, rec.completion_tokens)
-            saved += price.cost(rec.prompt_tokens_saved, rec.completion_tokens_saved)
+        actual, rec_alone = _dollars(rec, prices)
+        cost += actual
+        alone += rec_alone
+    saved = alone - cost
     return TenantTotals(
         tenant=tenant, requests=len(records), merged=sum(1 for r in records if r.merged),
         cache_hits=sum(1 for r in records if r.cache == "hit"),
         coalesced=sum(1 for r in records if r.cache == "coalesced"),
         prompt_tokens=sum(r.prompt_tokens for r in records),
         completion_tokens=sum(r.completion_tokens for r in records),
-        tokens_saved=sum(r.tokens_saved for r in records), cost_usd=cost, cost_saved_usd=saved)
+        tokens_saved=sum(r.tokens_saved for r in records), cost_usd=cost, cost_saved_usd=saved, alone_usd=alone)
 
 
 def _upstream_calls(records: Iterable[LedgerRecord]) -> int:
@@ -200,7 +214,8 @@ def render_table(report: Report) -> str:
         f"  completion tokens     {report.completion_tokens:>12,}",
         f"  tokens saved          {report.tokens_saved:>12,}",
         f"  cost                  {_usd(report.cost_usd):>12}",
-        f"  cost saved            {_usd(report.cost_saved_usd):>12}",
+        f"  cost sent alone       {_usd(report.alone_usd):>12}   (each request alone, with the provider's prompt cache)",
+        f"  cost saved            {_usd(report.cost_saved_usd):>12}   ({_ratio_text(report.cost_usd, report.alone_usd)})",
         "",
     ]
     if report.shadow_calls:
@@ -220,6 +235,10 @@ def render_table(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ratio_text(actual: float, alone: float) -> str:
+    return f"the bill is {actual / alone:.2f}x of sending alone" if alone > 0 else "nothing priced"
+
+
 def _usd(amount: float) -> str:
     return f"${amount:,.4f}"
 
@@ -235,7 +254,7 @@ def _duration_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def _price_arg(text: str) -> tuple[str, ModelPrice]:
+def _price_arg(text: str) -> tuple[str, dict[str, float]]:
     try:
         return parse_price(text)
     except ValueError as exc:
@@ -250,8 +269,9 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only the last DURATION (45s, 30m, 1h, 2d); default: everything")
     parser.add_argument("--tenant", default=None, help="only this tenant")
     parser.add_argument("--format", choices=("table", "json"), default="table", help="output format")
-    parser.add_argument("--price", type=_price_arg, action="append", default=[], metavar="MODEL=IN/OUT",
-                        help="USD per 1M input/output tokens for MODEL (repeatable)")
+    parser.add_argument("--price", type=_price_arg, action="append", default=[], metavar="MODEL=IN[/CACHED]/OUT",
+                        help="USD per 1M input (cached input) and output tokens for MODEL, over the shipped price "
+                             "table; prices records written without dollars (repeatable)")
 
 
 def run_report(ns: argparse.Namespace, *, out: TextIO | None = None, now: float | None = None) -> int:
@@ -268,7 +288,7 @@ def run_report(ns: argparse.Namespace, *, out: TextIO | None = None, now: float 
     except Exception as exc:  # the CLI's boundary: any failure to read becomes a message and exit code 1
         print(f"mergebroker report: cannot read the ledger: {exc}", file=sys.stderr)
         return 1
-    report = build_report(records, since_s=ns.since, tenant=ns.tenant, prices=dict(ns.price), now=until)
+    report = build_report(records, since_s=ns.since, tenant=ns.tenant, prices=PriceTable.build(dict(ns.price)), now=until)
     out.write(render_json(report) + "\n" if ns.format == "json" else render_table(report))
     return 0
 
