@@ -44,6 +44,15 @@ class UpstreamLimiter:
         """Callers currently queued (cancelled ones excluded)."""
         return sum(1 for entry in self._waiters if not entry[2].done())
 
+    def rpm_pressure(self) -> float:
+        """How close the request rate is to the declared RPM, 0..1: the share of the request bucket in use,
+        1.0 while callers queue for it. 0 without an RPM limit (requests are never the scarce thing)."""
+        if self._requests is None:
+            return 0.0
+        if self.waiting:
+            return 1.0
+        return min(1.0, max(0.0, 1.0 - self._requests.available() / self._requests.capacity))
+
     async def acquire(self, tokens: int, priority: float) -> int:
         """Take one request and `tokens` tokens (at most one bucket's worth); higher `priority` is served first.
 
