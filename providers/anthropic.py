@@ -2,19 +2,24 @@
 
 The HTTP side (pooled session, timeouts, error translation, SSE framing) is `OpenAICompatProvider`'s;
 this class only swaps the endpoint, the headers and the bodies, with every decision in the pure
-`providers.anthropic_translate`. A field the Messages API cannot carry is refused (400, naming it)
-before anything is sent. Anthropic has no embeddings endpoint: embeddings calls are refused the same way.
+translation modules (`providers.anthropic_translate` for requests, `anthropic_reply` and
+`anthropic_stream` for answers, `anthropic_errors`). A field the Messages API cannot carry is refused
+(400, naming it) before anything is sent. Anthropic has no embeddings endpoint: embeddings calls are
+refused the same way.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from mergebroker.errors import UpstreamBadResponse, UpstreamHTTPError, UpstreamUnsupported
-from mergebroker.providers.anthropic_translate import (ANTHROPIC_VERSION, StreamTranslator, to_completion, to_error,
-                                                       to_messages)
+from mergebroker.providers.anthropic_errors import to_error
+from mergebroker.providers.anthropic_reply import to_completion
+from mergebroker.providers.anthropic_stream import StreamTranslator
+from mergebroker.providers.anthropic_structured import NATIVE_STRUCTURED_OUTPUT
+from mergebroker.providers.anthropic_translate import ANTHROPIC_VERSION, MessagesCall, to_messages
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider, _decode_json
 from mergebroker.providers.retry import parse_retry_after
 
@@ -25,11 +30,14 @@ class AnthropicProvider(OpenAICompatProvider):
     `base_url` is the API root, with or without its `/v1` ("https://api.anthropic.com"). `api_key`
     travels as `x-api-key`, never as a Bearer token. `default_max_tokens` fills the `max_tokens` the
     Messages API requires when a request names none; `model_map` renames the callers' model names.
-    `wall_clock` stamps `created` on translated answers (Unix seconds).
+    `native_structured_output` lists the Anthropic models (glob patterns) given `response_format:
+    json_schema` natively; others get the forced-tool technique. `wall_clock` stamps `created` on
+    translated answers (Unix seconds).
     """
 
     def __init__(self, settings: HttpProviderSettings, *, default_max_tokens: int,
                  anthropic_version: str = ANTHROPIC_VERSION, model_map: Mapping[str, str] | None = None,
+                 native_structured_output: Sequence[str] = NATIVE_STRUCTURED_OUTPUT,
                  wall_clock: Callable[[], float] = time.time) -> None:
         headers = [("anthropic-version", anthropic_version), *settings.extra_headers]
         if settings.api_key:
@@ -38,21 +46,24 @@ class AnthropicProvider(OpenAICompatProvider):
         super().__init__(replace(settings, base_url=root + "/v1", api_key=None, extra_headers=tuple(headers)))
         self._default_max_tokens = default_max_tokens
         self._model_map = dict(model_map or {})
+        self._native = tuple(native_structured_output)
         self._wall_clock = wall_clock
 
     def __repr__(self) -> str:
         return f"AnthropicProvider(name={self.name!r}, base_url={self._base_url!r})"
 
-    def _request_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        return to_messages(body, default_max_tokens=self._default_max_tokens, model_map=self._model_map)
+    def _translate(self, body: Mapping[str, Any]) -> MessagesCall:
+        return to_messages(body, default_max_tokens=self._default_max_tokens, model_map=self._model_map,
+                           native_structured_output=self._native)
 
     def _upstream_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
         return to_error(status, _decode_json(raw), retry_after=parse_retry_after(headers.get("Retry-After")))
 
     async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
         """POST /v1/messages; the answer as a `chat.completion`."""
-        message = await self._request_json("POST", "/messages", self._request_body(body), timeout)
-        return to_completion(message, created=int(self._wall_clock()))
+        call = self._translate(body)
+        message = await self._request_json("POST", "/messages", call.body, timeout)
+        return to_completion(message, created=int(self._wall_clock()), shape=call.shape)
 
     def stream_chat(self, body: dict[str, Any], *, timeout: float) -> AsyncIterator[bytes]:
         """POST /v1/messages with `stream: true`; yield `chat.completion.chunk` SSE events ending in `[DONE]`.
@@ -60,9 +71,10 @@ class AnthropicProvider(OpenAICompatProvider):
         Translation errors raise here, before any connection is made. An `error` event raises its
         mapped error; a stream that ends before `message_stop` raises `UpstreamBadResponse`.
         """
-        request = {**self._request_body(body), "stream": True}
+        call = self._translate(body)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return self._translated_stream(request, StreamTranslator(int(self._wall_clock()), include_usage), timeout)
+        translator = StreamTranslator(int(self._wall_clock()), include_usage, call.shape)
+        return self._translated_stream({**call.body, "stream": True}, translator, timeout)
 
     async def _translated_stream(self, request: dict[str, Any], translator: StreamTranslator,
                                  timeout: float) -> AsyncIterator[bytes]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import aiohttp
 import structlog
@@ -24,11 +24,15 @@ from mergebroker.errors import (
     UpstreamTimeout,
 )
 from mergebroker.providers.retry import parse_retry_after
+from mergebroker.providers.whole_reply import (ProviderStream, StreamSupport, plain_request, replay_chunks,
+                                               streaming_refusal)
 
 log = structlog.get_logger(__name__)
 
 _JSON_CONTENT = {"Content-Type": "application/json"}
 _SSE_REQUEST = {**_JSON_CONTENT, "Accept": "text/event-stream"}
+
+_NARROWNESS = {StreamSupport.FULL: 0, StreamSupport.WITHOUT_OPTIONS: 1, StreamSupport.NONE: 2}
 
 DEFAULT_TOKEN_RATE = 50.0
 """Generation speed (tokens/s) assumed when sizing a read timeout: slow enough for a loaded hosted model."""
@@ -106,6 +110,13 @@ def _http_error(status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
     return UpstreamHTTPError(status, message, retry_after=retry_after, body=body)
 
 
+def _chat_reply(data: Any) -> dict[str, Any]:
+    """`data` if it is a chat answer (a JSON object with choices), else `UpstreamBadResponse`."""
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+        raise UpstreamBadResponse("upstream chat answer has no choices")
+    return data
+
+
 def _split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
     """Complete SSE events (each ending in a blank line) from `buffer`, and the unfinished rest."""
     buffer = buffer.replace(b"\r\n", b"\n")
@@ -128,6 +139,7 @@ class OpenAICompatProvider:
         self._base_url = settings.base_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
         self._urls: dict[str, URL] = {}  # parsed once per endpoint, not per call
+        self._stream_support = StreamSupport.FULL  # narrowed for good by what the upstream refuses
 
     def __repr__(self) -> str:
         return f"OpenAICompatProvider(name={self.name!r}, base_url={self._base_url!r})"
@@ -184,10 +196,7 @@ class OpenAICompatProvider:
 
     async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
         """POST /chat/completions; `timeout` bounds the whole call (connect to last byte)."""
-        data = await self._request_json("POST", "/chat/completions", body, timeout)
-        if not isinstance(data.get("choices"), list):
-            raise UpstreamBadResponse("upstream chat answer has no choices")
-        return data
+        return _chat_reply(await self._request_json("POST", "/chat/completions", body, timeout))
 
     async def embeddings(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
         """POST /embeddings; `timeout` bounds the whole call."""
@@ -212,11 +221,63 @@ class OpenAICompatProvider:
         chunks, the first byte included, but not the stream's total length: a long answer that keeps
         flowing is healthy, and the caller ends the stream early by closing the generator.
         Failures before the first event raise like `chat`; later ones raise the same errors mid-stream.
-        """
-        return self._sse_events("/chat/completions", {**body, "stream": True}, timeout)
 
-    async def _sse_events(self, endpoint: str, body: dict[str, Any], timeout: float) -> AsyncIterator[bytes]:
-        """POST `body` to `endpoint` and yield each complete SSE event (as `stream_chat` describes)."""
+        An upstream that does not stream is served all the same (`providers.whole_reply`): a JSON answer
+        is replayed as chunks, and a 400 refusing `stream_options` (or `stream`) is answered by sending the
+        call without them. Either is remembered, so later calls stop asking; the returned stream's
+        `whole_reply` is set when the answer came whole.
+        """
+        return ProviderStream(lambda stream: self._stream(body, timeout, stream, self._stream_support))
+
+    async def _stream(self, body: dict[str, Any], timeout: float, stream: ProviderStream,
+                      support: StreamSupport) -> AsyncIterator[bytes]:
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if support is StreamSupport.NONE:
+            stream.whole_reply = await self.chat(plain_request(body), timeout=timeout)
+            for chunk in replay_chunks(stream.whole_reply, include_usage=include_usage):
+                yield chunk
+            return
+        request = {**body, "stream": True}
+        if support is StreamSupport.WITHOUT_OPTIONS:
+            request.pop("stream_options", None)
+
+        def whole(data: Any) -> list[bytes]:
+            stream.whole_reply = _chat_reply(data)
+            self._learn(StreamSupport.NONE)
+            return replay_chunks(stream.whole_reply, include_usage=include_usage)
+
+        events = self._sse_events("/chat/completions", request, timeout, on_json=whole)
+        try:
+            try:
+                first = await events.__anext__()
+            except UpstreamHTTPError as exc:
+                narrower = streaming_refusal(exc, request)
+                if narrower is None:
+                    raise
+                events = self._stream(body, timeout, stream, narrower)
+                first = await events.__anext__()
+                self._learn(narrower)  # only once the narrower request worked: a stray 400 teaches nothing
+            yield first
+            async for event in events:
+                yield event
+        except StopAsyncIteration:
+            return  # no event at all: the caller sees an empty stream
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    def _learn(self, support: StreamSupport) -> None:
+        """Remember that this upstream takes no more than `support` of a streaming request."""
+        if _NARROWNESS[support] > _NARROWNESS[self._stream_support]:
+            self._stream_support = support
+            log.warning("upstream_streaming_narrowed", provider=self.name, support=support.value)
+
+    async def _sse_events(self, endpoint: str, body: dict[str, Any], timeout: float,
+                          on_json: Callable[[Any], list[bytes]] | None = None) -> AsyncIterator[bytes]:
+        """POST `body` to `endpoint` and yield each complete SSE event (as `stream_chat` describes).
+
+        A JSON answer is handed to `on_json`, whose events are yielded instead; without one, it is an
+        `UpstreamBadResponse`.
+        """
         client_timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout,
                                                connect=min(timeout, self._settings.connect_timeout_s))
         with _translated(self.name, endpoint):
@@ -225,8 +286,12 @@ class OpenAICompatProvider:
                                            timeout=client_timeout) as resp:
                 if not 200 <= resp.status < 300:
                     raise self._upstream_error(resp.status, resp.headers, await resp.read())
-                if resp.content_type == "application/json":
-                    raise UpstreamBadResponse("upstream answered JSON to a streaming request")
+                if resp.content_type == "application/json" or resp.content_type.endswith("+json"):
+                    if on_json is None:
+                        raise UpstreamBadResponse("upstream answered JSON to a streaming request")
+                    for event in on_json(_decode_json(await resp.read())):
+                        yield event
+                    return
                 buffer = b""
                 async for chunk in resp.content.iter_any():
                     events, buffer = _split_events(buffer + chunk)

@@ -15,13 +15,12 @@ Retries are counted per provider and reason, for streams as for plain calls.
 from __future__ import annotations
 
 import asyncio
-import fnmatch
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import structlog
 
-from mergebroker.breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError, BreakerState, CircuitBreaker
+from mergebroker.breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError
 from mergebroker.breaker.policy import all_open_retry_after
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import (
@@ -34,69 +33,17 @@ from mergebroker.errors import (
     UpstreamUnavailable,
     UpstreamUnsupported,
 )
-from mergebroker.providers.pacing import UpstreamLimiter
-from mergebroker.providers.base import Provider
 from mergebroker.providers.held_stream import HeldStream
 from mergebroker.providers.openai_compat import read_timeout_for
 from mergebroker.providers.reply_usage import completion_tokens, usage_tokens
 from mergebroker.providers.retry import RetryPolicy, call_with_retries, remaining, retry_reason
+from mergebroker.providers.upstream import NullObserver, PoolObserver, Strategy, Upstream, order_upstreams
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
-Strategy = Literal["least_in_flight", "round_robin"]
 EMBEDDINGS_TIMEOUT_S = 30.0
 DEADLINE_SLACK_S = 0.05
 """A timeout this close to the request's deadline is the deadline's doing (timers fire a little late or early)."""
-
-
-class PoolObserver(Protocol):
-    """What the pools report as they work (the service exports it as metrics; the pools know no metric names)."""
-
-    def retried(self, provider: str, reason: str) -> None:
-        """A call on `provider` (or "pool") failed with `reason` and will be retried."""
-
-    def called(self, provider: str, outcome: str, latency_s: float | None) -> None:
-        """One call on `provider` ended with `outcome`; `latency_s` is None when the breaker refused it."""
-
-
-class NullObserver:
-    """A PoolObserver that records nothing."""
-
-    def retried(self, provider: str, reason: str) -> None:
-        return None
-
-    def called(self, provider: str, outcome: str, latency_s: float | None) -> None:
-        return None
-
-
-@dataclass(eq=False)
-class Upstream:
-    """One provider in a pool, with its own breaker, rate limiter and concurrency cap."""
-
-    provider: Provider
-    models: tuple[str, ...] = ("*",)
-    weight: int = 1
-    breaker: CircuitBreaker | None = None
-    limiter: UpstreamLimiter | None = None
-    max_in_flight: int | None = None
-    token_rate: float = 50.0
-    streams_merged: bool = False  # merged calls may be requested as streams (early release)
-    in_flight: int = 0
-    _current_weight: int = 0
-    _slots: asyncio.Semaphore | None = field(default=None, repr=False)
-
-    @property
-    def name(self) -> str:
-        """The provider's name (metric label, breaker key)."""
-        return self.provider.name
-
-    def serves(self, model: str) -> bool:
-        """True when one of `models` (glob patterns) matches `model`."""
-        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
-
-    def is_open(self) -> bool:
-        """True while the breaker refuses every call (an elapsed open time turns it half-open here)."""
-        return self.breaker is not None and self.breaker.state is BreakerState.OPEN
 
 
 Attempt = Callable[[Upstream, float], Awaitable[T]]
@@ -113,20 +60,6 @@ class _CallSpec:
     read_timeout: Callable[[Upstream], float]
     holds_slot: bool = False  # streams keep their upstream slot until the last chunk
     tenant: str | None = None  # whom the call is for: the breaker's blame rule (breaker.blame)
-
-
-def order_upstreams(upstreams: list[Upstream], strategy: Strategy) -> list[Upstream]:
-    """Routing order for one attempt (pure apart from the round-robin weights it advances)."""
-    if len(upstreams) <= 1:
-        return list(upstreams)
-    if strategy == "least_in_flight":
-        return sorted(upstreams, key=lambda u: (u.in_flight / u.weight, -u.weight))
-    total = sum(u.weight for u in upstreams)  # smooth weighted round robin (nginx)
-    for u in upstreams:
-        u._current_weight += u.weight
-    first = max(upstreams, key=lambda u: u._current_weight)
-    first._current_weight -= total
-    return [first] + [u for u in upstreams if u is not first]
 
 
 class ProviderPools:
@@ -293,7 +226,7 @@ class ProviderPools:
             self._give_back_unspent(u, exc, sent, taken)
             raise
         if u.limiter is not None:
-            used = usage_tokens(result)
+            used = usage_tokens(_reply_of(result))
             if used is not None:
                 u.limiter.give_back(taken - used)
         if spec.holds_slot:
@@ -366,7 +299,8 @@ class ProviderPools:
             else:
                 async with u.breaker.guard(tenant) as call:
                     result = await self._attempt(u, attempt, timeout, deadline)
-                    call.allowance_s = completion_tokens(result) / u.token_rate
+                    # A stream replaying a whole reply waited for all of it: its output's time is expected.
+                    call.allowance_s = completion_tokens(_reply_of(result)) / u.token_rate
             outcome = "success"
             return result
         except BreakerOpenError:
@@ -411,20 +345,44 @@ def _first_chunk_opener(body: dict[str, Any]) -> Attempt[AsyncIterator[bytes]]:
             first = await stream.__anext__()
         except StopAsyncIteration:
             raise UpstreamBadResponse("upstream ended the stream before its first chunk") from None
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                yield first
-                async for chunk in stream:
-                    yield chunk
-            finally:  # a stream closed early frees its upstream connection now, not at garbage collection
-                aclose = getattr(stream, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-
-        return relay()
+        return _Opened(first, stream)
 
     return attempt
+
+
+class _Opened:
+    """A stream whose first chunk has arrived: that chunk, then the rest. `whole_reply` is the provider's
+    (`providers.whole_reply.ProviderStream`): the reply, when the upstream answered whole."""
+
+    def __init__(self, first: bytes, rest: AsyncIterator[bytes]) -> None:
+        self._first: bytes | None = first
+        self._rest = rest
+        self.whole_reply: dict[str, Any] | None = getattr(rest, "whole_reply", None)
+
+    def __aiter__(self) -> _Opened:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        try:
+            return await self._rest.__anext__()
+        except BaseException:  # ended or broken: its upstream connection is freed now, not at garbage collection
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """End the stream early; its upstream connection is freed now."""
+        self._first = None
+        aclose = getattr(self._rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _reply_of(result: Any) -> Any:
+    """The reply a call's result carries: a plain call's body, or the whole reply a stream replays (else None)."""
+    return result if isinstance(result, dict) else getattr(result, "whole_reply", None)
 
 
 def _read_timeout(body: dict[str, Any], token_rate: float) -> float:

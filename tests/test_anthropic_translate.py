@@ -8,14 +8,16 @@ import json
 import pytest
 
 from mergebroker.errors import UpstreamBadResponse, UpstreamHTTPError, UpstreamUnsupported
-from mergebroker.providers.anthropic_translate import (DONE, OVERLOADED_RETRY_AFTER_S, StreamTranslator,
-                                                       to_completion, to_error, to_messages)
+from mergebroker.providers.anthropic_errors import OVERLOADED_RETRY_AFTER_S, to_error
+from mergebroker.providers.anthropic_reply import to_completion
+from mergebroker.providers.anthropic_stream import DONE, StreamTranslator
+from mergebroker.providers.anthropic_translate import to_messages
 
 USER = [{"role": "user", "content": "hello"}]
 
 
 def translate(**body):
-    return to_messages({"model": "m", "messages": USER, **body}, default_max_tokens=256)
+    return to_messages({"model": "m", "messages": USER, **body}, default_max_tokens=256).body
 
 
 def test_system_and_developer_messages_become_the_system_field_in_order():
@@ -23,10 +25,9 @@ def test_system_and_developer_messages_become_the_system_field_in_order():
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
         {"role": "developer", "content": "answer in French"}, {"role": "user", "content": "how are you"}]},
-        default_max_tokens=99, model_map={"alias": "claude-x"})
+        default_max_tokens=99, model_map={"alias": "claude-x"}).body
     assert out == {"model": "claude-x", "max_tokens": 99, "system": "be brief\n\nanswer in French",
-                   "messages": [{"role": "user", "content": "hi"},
-                                {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+                   "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                                 {"role": "user", "content": "how are you"}]}
 
 
@@ -51,8 +52,9 @@ def test_fields_at_their_neutral_values_are_accepted():
 
 @pytest.mark.parametrize("field, value, param", [
     ("n", 2, "n"), ("logprobs", True, "logprobs"), ("top_logprobs", 2, "top_logprobs"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"), ("tool_choice", "auto", "tool_choice"),
-    ("response_format", {"type": "json_object"}, "response_format"), ("seed", 7, "seed"),
+    ("functions", [{"name": "f"}], "functions"), ("tool_choice", "required", "tool_choice"),
+    ("response_format", {"type": "xml"}, "response_format.type"), ("seed", 7, "seed"), ("audio", {"voice": "x"}, "audio"),
+    ("modalities", ["text", "audio"], "modalities"), ("stop", ["END", "\n"], "stop"), ("stop", " ", "stop"),
     ("presence_penalty", 0.5, "presence_penalty"), ("frequency_penalty", 0.1, "frequency_penalty"),
     ("logit_bias", {"50256": -100}, "logit_bias"), ("temperature", 1.5, "temperature"),
     ("invented_field", 1, "invented_field"),
@@ -67,11 +69,12 @@ def test_fields_the_messages_api_cannot_carry_are_refused_by_name(field, value, 
 
 
 @pytest.mark.parametrize("messages, param", [
-    ([{"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[0].role"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+    ([{"role": "function", "content": "42", "name": "f"}], "messages[0].role"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
      "messages[0].content[0].type"),
     ([{"role": "user", "content": "hi", "name": "bob"}], "messages[0].name"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "messages[1].content"),
+    ([{"role": "user", "content": ""}], "messages[0].content"),
     ([{"role": "system", "content": "only a system prompt"}], "messages"),
 ])
 def test_message_shapes_without_a_translation_are_refused_by_path(messages, param):

@@ -13,7 +13,8 @@ from mergebroker.broker.engine.limits.ratelimit import RateLimiter
 from mergebroker.broker.engine.config import load_settings
 from mergebroker.clock import FakeClock, monotonic
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
-from mergebroker.providers.pool import ProviderPools, Upstream
+from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.upstream import Upstream
 
 
 def rows(n: int) -> bytes:

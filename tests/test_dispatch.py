@@ -14,7 +14,8 @@ from mergebroker.merge.embedder import FakeEmbedder
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.shape import merge_shape
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
-from mergebroker.providers.pool import ProviderPools, Upstream
+from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.upstream import Upstream
 from mergebroker.providers.simulator.server import answer_for
 
 

@@ -13,7 +13,8 @@ import pytest
 from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
 from mergebroker.broker.engine.config import ConfigError, load_settings
 from mergebroker.errors import UpstreamConnectionError
-from mergebroker.providers.pool import ProviderPools, Upstream
+from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.upstream import Upstream
 from tests.conftest import NO_MERGE_MODEL, provider_for
 
 

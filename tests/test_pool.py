@@ -15,7 +15,8 @@ from mergebroker.broker.engine.metrics import Metrics, PoolMetrics
 from mergebroker.providers.fake import FakeProvider
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.providers.openai_compat import read_timeout_for
-from mergebroker.providers.pool import ProviderPools, Upstream, order_upstreams
+from mergebroker.providers.pool import ProviderPools
+from mergebroker.providers.upstream import Upstream, order_upstreams
 from mergebroker.providers.retry import RetryPolicy
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}

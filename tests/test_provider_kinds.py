@@ -87,9 +87,8 @@ async def test_fields_anthropic_cannot_carry_get_a_400_naming_them(simulator, st
         await broker.openai.chat.completions.create(model="claude-alias", messages=ask("Hi"), logprobs=True)
     assert info.value.body["param"] == "logprobs" and info.value.body["code"] == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as info:
-        await broker.openai.chat.completions.create(model="claude-alias", messages=ask("Hi"), stream=True,
-                                                    tools=[{"type": "function", "function": {"name": "f"}}])
-    assert info.value.body["param"] == "tools"
+        await broker.openai.chat.completions.create(model="claude-alias", messages=ask("Hi"), stream=True, n=2)
+    assert info.value.body["param"] == "n"
     assert simulator.stats()["chat_calls"] == 0
     assert broker.broker.breakers["claude"].state is BreakerState.CLOSED
 

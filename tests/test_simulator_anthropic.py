@@ -1,7 +1,11 @@
-"""The simulator's Anthropic mode speaks the Messages API as the official `anthropic` SDK expects it:
-answers, streams, stop reasons, usage and typed errors."""
+"""The simulator's Anthropic mode speaks the Messages API as the official `anthropic` SDK expects it: answers,
+streams, stop reasons, usage and typed errors; tool calls, tool results, structured output and images; and it
+refuses every body the SDK's request types or a strict upstream would refuse, naming the field."""
 
 from __future__ import annotations
+
+import base64
+import json
 
 import aiohttp
 import anthropic
@@ -82,3 +86,89 @@ async def test_headers_are_required(simulator):
             assert resp.status == 401 and (await resp.json())["error"]["type"] == "authentication_error"
         async with http.post(url, json=body, headers={"x-api-key": "k"}) as resp:
             assert resp.status == 400 and "anthropic-version" in (await resp.json())["error"]["message"]
+
+
+WEATHER = {"name": "weather", "description": "Weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                            "required": ["city"]}}
+CLOCK = {"name": "clock", "input_schema": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}}}
+
+
+async def test_the_sdk_gets_parallel_tool_calls_then_an_answer_from_the_results(client):
+    first = await client.messages.create(model="claude-x", max_tokens=200, messages=USER, tools=[WEATHER, CLOCK])
+    assert first.stop_reason == "tool_use"
+    assert [b.type for b in first.content] == ["text", "tool_use", "tool_use"]
+    calls = first.content[1:]
+    assert [c.name for c in calls] == ["weather", "clock"]
+    assert isinstance(calls[0].input["city"], str) and isinstance(calls[0].input["days"], int)
+    assert calls[1].input["zone"] in ("UTC", "CET")
+    again = await client.messages.create(model="claude-x", max_tokens=200, messages=USER, tools=[WEATHER, CLOCK])
+    assert [c.input for c in again.content[1:]] == [c.input for c in calls]  # deterministic per question
+    follow_up = USER + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                        {"role": "user", "content": [
+                            {"type": "tool_result", "tool_use_id": calls[0].id, "content": "Sunny"},
+                            {"type": "tool_result", "tool_use_id": calls[1].id,
+                             "content": [{"type": "text", "text": "12:00"}]}]}]
+    final = await client.messages.create(model="claude-x", max_tokens=200, messages=follow_up, tools=[WEATHER, CLOCK])
+    assert final.stop_reason == "end_turn" and final.content[0].text == "From the tools: Sunny; 12:00."
+
+
+async def test_a_forced_tool_and_disabled_parallel_calls_give_one_call_and_streams_carry_its_input(client):
+    only = await client.messages.create(model="claude-x", max_tokens=200, messages=USER, tools=[WEATHER, CLOCK],
+                                        tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert [b.type for b in only.content] == ["tool_use"] and only.content[0].name == "weather"
+    async with client.messages.stream(model="claude-x", max_tokens=200, messages=USER, tools=[WEATHER, CLOCK],
+                                      tool_choice={"type": "tool", "name": "clock"}) as stream:
+        final = await stream.get_final_message()
+    assert [(b.type, b.name) for b in final.content] == [("tool_use", "clock")]
+    assert final.content[0].input["zone"] in ("UTC", "CET") and final.stop_reason == "tool_use"
+    none = await client.messages.create(model="claude-x", max_tokens=200, messages=USER, tools=[WEATHER],
+                                        tool_choice={"type": "none"})
+    assert none.content[0].text == answer_for(USER[0]["content"])
+
+
+async def test_structured_output_follows_the_schema(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "tags"],
+              "properties": {"city": {"type": "string"}, "tags": {"type": "array", "items": {"$ref": "#/$defs/Tag"}}},
+              "$defs": {"Tag": {"type": "object", "properties": {"label": {"type": "string"}}}}}
+    message = await client.messages.create(model="claude-x", max_tokens=200, messages=USER,
+                                           output_config={"format": {"type": "json_schema", "schema": schema}})
+    value = json.loads(message.content[0].text)
+    assert isinstance(value["city"], str) and isinstance(value["tags"][0]["label"], str)
+
+
+async def test_images_from_base64_and_urls_are_accepted(client, simulator):
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 16).decode()
+    content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+               {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.jpg"}},
+               {"type": "text", "text": "What is this?"}]
+    message = await client.messages.create(model="claude-x", max_tokens=200,
+                                           messages=[{"role": "user", "content": content}])
+    assert message.content[0].text == answer_for("What is this?")
+    assert simulator.last_request_body()["messages"][0]["content"][:2] == content[:2]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "colour": "red"}]}]},
+     "messages.0.content.0.colour: Extra inputs are not permitted"),
+    ({"tool_choice": {"type": "tool"}}, "tool_choice.name: Field required"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "parameters": {}}]}, "tools.0.parameters"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "roles must alternate"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, "must be non-empty"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b "}]}, "trailing whitespace"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "1"}]}]},
+     "tool_result"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/jpeg", "data": base64.b64encode(b"\x89PNG....").decode()}}]}]},
+     "does not match"),
+    ({"stop_sequences": ["\n"]}, "non-whitespace"),
+])
+async def test_bodies_the_sdk_types_or_a_strict_upstream_refuse_get_a_400_naming_the_field(simulator, extra,
+                                                                                          expected):
+    body = {"model": "claude-x", "max_tokens": 10, "messages": USER, **extra}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(simulator.url.removesuffix("/v1") + "/v1/messages", json=body,
+                             headers={"x-api-key": "k", "anthropic-version": "2023-06-01"}) as resp:
+            error = (await resp.json())["error"]
+    assert resp.status == 400 and error["type"] == "invalid_request_error" and expected in error["message"]
+    assert simulator.stats()["chat_calls"] == 0

@@ -9,7 +9,7 @@ from mergebroker.providers.anthropic import AnthropicProvider
 from mergebroker.providers.azure import AzureOpenAIProvider
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pacing import UpstreamLimiter
-from mergebroker.providers.pool import Upstream
+from mergebroker.providers.upstream import Upstream
 
 
 def build_upstreams(providers: list[ProviderSettings], breakers: dict[str, CircuitBreaker], clock: Clock,

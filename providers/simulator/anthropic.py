@@ -2,25 +2,30 @@
 
 Same answers, latency, faults and counters as the OpenAI endpoints (one `Simulator` serves both), in
 Anthropic's shapes: a key (`x-api-key`, or a Bearer token as newer SDKs send) and `anthropic-version`
-are required, the body is validated the way
-the real API does (required `max_tokens`, roles user/assistant, temperature 0..1, unknown fields refused),
-answers are Messages with `stop_reason` and `usage`, streams are named events (`message_start`,
-`content_block_*`, `ping`, `message_delta`, `message_stop`), and errors use Anthropic's envelope
-(`{"type": "error", "error": {"type", "message"}}`, 529 `overloaded_error` included). A test drives
-this mode with the official `anthropic` SDK, so it cannot drift from the real protocol.
+are required, every body is validated against the SDK's request types and a strict upstream's rules
+(`providers.simulator.anthropic_validate`), answers are Messages with `stop_reason` and `usage`, streams
+are named events (`message_start`, `content_block_*`, `ping`, `message_delta`, `message_stop`), and errors
+use Anthropic's envelope (`{"type": "error", "error": {"type", "message"}}`, 529 `overloaded_error`
+included). As an agent's model (`providers.simulator.agent`) it calls the tools it is given (`tool_use`
+blocks, streamed as `input_json_delta`s), answers from tool results once they come, and answers
+`output_config.format` with JSON following the schema. Images are accepted. A test drives this mode with
+the official `anthropic` SDK, so it cannot drift from the real protocol.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
 from aiohttp import web
 
-from mergebroker.providers.simulator.content import (Reply, compose_reply, count_tokens, parse_request_blocks,
-                                                     prompt_tokens, question_text, stream_pieces)
-from mergebroker.providers.simulator.faults import FaultInjector, SimulatorConfig, is_int
+from mergebroker.providers.simulator.agent import after_tools, instance, tool_calls
+from mergebroker.providers.simulator.anthropic_validate import AnthropicRequestError, validate
+from mergebroker.providers.simulator.content import (compose_reply, count_tokens, parse_request_blocks, prompt_tokens,
+                                                     question_text, stream_pieces)
+from mergebroker.providers.simulator.faults import FaultInjector, SimulatorConfig
 
 
 class Simulator(Protocol):
@@ -43,17 +48,23 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "
                504: "timeout_error", 529: "overloaded_error"}
 """Anthropic's error type per HTTP status; any other status is an `api_error`."""
 
-_FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k",
-                     "stream", "metadata", "tools", "tool_choice", "thinking", "service_tier"})
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+_JSON_PIECES = 3  # a tool's input streams in this many `input_json_delta`s
 
 
-class AnthropicRequestError(Exception):
-    """A request the Messages API would refuse: status, error type and message."""
+@dataclass
+class Answer:
+    """What the model answers: its content blocks, why it stopped, the stop sequence met, faults that shaped it."""
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+    blocks: list[dict[str, Any]]
+    stop_reason: str
+    stop_sequence: str | None = None
+    faults: tuple[str, ...] = field(default=())
+
+    def output_tokens(self) -> int:
+        """Tokens of its text and of its tools' inputs."""
+        return sum(count_tokens(b["text"]) if b["type"] == "text" else count_tokens(json.dumps(b["input"]))
+                   for b in self.blocks)
 
 
 def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -72,70 +83,50 @@ def _as_anthropic_error(response: web.StreamResponse) -> web.StreamResponse:
     return error_response(response.status, message, {"retry-after": retry_after} if retry_after else None)
 
 
-def _check_text_blocks(content: Any, where: str) -> None:
-    if isinstance(content, str):
-        if not content:
-            raise AnthropicRequestError(400, f"{where}: text content blocks must be non-empty")
-        return
-    if not isinstance(content, list) or not content:
-        raise AnthropicRequestError(400, f"{where}: Input should be a valid string or a non-empty list")
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise AnthropicRequestError(400, f"{where}.{j}: the simulator takes text content blocks only")
-
-
-def _check_number(body: Mapping[str, Any], name: str, high: float) -> None:
-    value = body.get(name)
-    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                  and 0 <= value <= high):
-        raise AnthropicRequestError(400, f"{name}: Input should be between 0 and {high:g}")
-
-
-def validate(headers: Mapping[str, str], body: Any) -> dict[str, Any]:
-    """The request's body if the Messages API would take it, else `AnthropicRequestError` (status, message)."""
-    if not headers.get("x-api-key") and not headers.get("Authorization", "").startswith("Bearer "):
-        raise AnthropicRequestError(401, "x-api-key header is required")
-    if not headers.get("anthropic-version"):
-        raise AnthropicRequestError(400, "anthropic-version: header is required")
-    if not isinstance(body, dict):
-        raise AnthropicRequestError(400, "The request body is not valid JSON.")
-    extra = sorted(set(body) - _FIELDS)
-    if extra:
-        raise AnthropicRequestError(400, f"{extra[0]}: Extra inputs are not permitted")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise AnthropicRequestError(400, "model: Field required")
-    if not is_int(body.get("max_tokens")) or body["max_tokens"] < 1:
-        raise AnthropicRequestError(400, "max_tokens: Field required (an integer >= 1)")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise AnthropicRequestError(400, "messages: at least one message is required")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise AnthropicRequestError(400, f"messages.{i}.role: Input should be 'user' or 'assistant'")
-        _check_text_blocks(m.get("content"), f"messages.{i}.content")
-    if body.get("system") is not None:
-        _check_text_blocks(body["system"], "system")
-    stops = body.get("stop_sequences")
-    if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) and s.strip() for s in stops)):
-        raise AnthropicRequestError(400, "stop_sequences: each stop sequence must contain non-whitespace")
-    _check_number(body, "temperature", 1)
-    _check_number(body, "top_p", 1)
-    return body
-
-
 def _openai_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The conversation as the simulator's content rules read it (system first)."""
     system = [{"role": "system", "content": body["system"]}] if body.get("system") else []
     return system + [{"role": m["role"], "content": m["content"]} for m in body["messages"]]
 
 
-def _stopped(reply: Reply, stops: list[str]) -> tuple[str, str, str | None]:
-    """The reply's text, stop reason and matched stop sequence, cut at the first stop sequence it holds."""
-    hits = [(reply.content.find(s), s) for s in stops if s in reply.content]
+def _blocks(content: Any) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+def _result_text(block: Mapping[str, Any]) -> str:
+    content = block.get("content")
+    return content if isinstance(content, str) else "".join(b.get("text") or "" for b in content or [])
+
+
+def _text_answer(body: Mapping[str, Any], messages: list[dict[str, Any]], sim: Simulator) -> Answer:
+    """The simulator's usual answer (merged calls block by block, faults), cut at the first stop sequence."""
+    reply = compose_reply(messages, max_tokens=body["max_tokens"], config=sim.config, rng=sim._faults.rng)
+    hits = [(reply.content.find(s), s) for s in body.get("stop_sequences") or [] if s in reply.content]
     if hits:
         at, sequence = min(hits)
-        return reply.content[:at], "stop_sequence", sequence
-    return reply.content, _STOP_REASONS.get(reply.finish_reason, "end_turn"), None
+        return Answer([{"type": "text", "text": reply.content[:at]}], "stop_sequence", sequence, reply.faults)
+    return Answer([{"type": "text", "text": reply.content}], _STOP_REASONS.get(reply.finish_reason, "end_turn"),
+                  None, reply.faults)
+
+
+def answer(body: Mapping[str, Any], messages: list[dict[str, Any]], sim: Simulator) -> Answer:
+    """What the model answers `body`: from tool results, structured output, tool calls, or text."""
+    question = question_text(messages)
+    results = [b for b in _blocks(body["messages"][-1]["content"]) if b.get("type") == "tool_result"]
+    if results:
+        return Answer([{"type": "text", "text": after_tools([_result_text(b) for b in results])}], "end_turn")
+    output = (body.get("output_config") or {}).get("format")
+    if isinstance(output, dict) and output.get("type") == "json_schema":
+        return Answer([{"type": "text", "text": json.dumps(instance(output["schema"], question))}], "end_turn")
+    choice = body.get("tool_choice") or {"type": "auto"}
+    tools = [{"name": t["name"], "schema": t.get("input_schema")} for t in body.get("tools") or [] if "name" in t]
+    calls = tool_calls(tools, choice["type"], named=choice.get("name"),
+                       parallel=not choice.get("disable_parallel_tool_use"), seed=question) if tools else []
+    if not calls:
+        return _text_answer(body, messages, sim)
+    said = [{"type": "text", "text": f"Calling {len(calls)} tool(s)."}] if choice["type"] == "auto" else []
+    return Answer(said + [{"type": "tool_use", "id": f"toolu_sim_{uuid.uuid4().hex[:20]}", "name": name,
+                           "input": value} for name, value in calls], "tool_use")
 
 
 class AnthropicMode:
@@ -166,25 +157,24 @@ class AnthropicMode:
         sim.stats.merged_calls += int(bool(parse_request_blocks(question_text(messages))))
         if (early := await sim._injected_fault(request, chat=True, stream=stream)) is not None:
             return _as_anthropic_error(early)
-        reply = compose_reply(messages, max_tokens=body["max_tokens"], config=sim.config, rng=sim._faults.rng)
+        reply = answer(body, messages, sim)
         sim.stats.record_faults(*reply.faults)
-        text, stop_reason, sequence = _stopped(reply, body.get("stop_sequences") or [])
-        usage = {"input_tokens": prompt_tokens(messages), "output_tokens": count_tokens(text),
+        usage = {"input_tokens": prompt_tokens(messages), "output_tokens": reply.output_tokens(),
                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
         sim.stats.prompt_tokens += usage["input_tokens"]
         sim.stats.completion_tokens += usage["output_tokens"]
         message = {"id": f"msg_sim_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
                    "model": body["model"], "content": [], "stop_reason": None, "stop_sequence": None}
         if stream:
-            return await self._stream(request, message, text, (stop_reason, sequence), usage)
+            return await self._stream(request, message, reply, usage)
         config = sim.config
         await sim._pause(config.latency_base_ms + config.latency_per_token_ms * usage["output_tokens"])
-        return web.json_response({**message, "content": [{"type": "text", "text": text}],
-                                  "stop_reason": stop_reason, "stop_sequence": sequence, "usage": usage})
+        return web.json_response({**message, "content": reply.blocks, "stop_reason": reply.stop_reason,
+                                  "stop_sequence": reply.stop_sequence, "usage": usage})
 
-    async def _stream(self, request: web.Request, message: dict[str, Any], text: str,
-                      stop: tuple[str, str | None], usage: dict[str, int]) -> web.StreamResponse:
-        """The named-event stream, paced like the OpenAI stream (base latency first, per-token spread)."""
+    async def _stream(self, request: web.Request, message: dict[str, Any], reply: Answer,
+                      usage: dict[str, int]) -> web.StreamResponse:
+        """The named-event stream, paced like the OpenAI stream (base latency first, per-token spread over text)."""
         def event(name: str, **data: Any) -> bytes:
             return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
 
@@ -193,14 +183,28 @@ class AnthropicMode:
         await response.prepare(request)
         await self._sim._pause(config.latency_base_ms)
         await response.write(event("message_start", message={**message, "usage": {**usage, "output_tokens": 1}}))
-        await response.write(event("content_block_start", index=0, content_block={"type": "text", "text": ""}))
         await response.write(event("ping"))
         per_token_ms = config.latency_per_token_ms * usage["output_tokens"]
-        for piece in stream_pieces(text):
-            await self._sim._pause(per_token_ms * len(piece) / len(text))
-            await response.write(event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece}))
-        await response.write(event("content_block_stop", index=0))
-        await response.write(event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]},
+        text_length = sum(len(b["text"]) for b in reply.blocks if b["type"] == "text") or 1
+        for index, block in enumerate(reply.blocks):
+            if block["type"] == "text":
+                await response.write(event("content_block_start", index=index, content_block={"type": "text",
+                                                                                               "text": ""}))
+                for piece in stream_pieces(block["text"]):
+                    await self._sim._pause(per_token_ms * len(piece) / text_length)
+                    await response.write(event("content_block_delta", index=index,
+                                               delta={"type": "text_delta", "text": piece}))
+            else:
+                await response.write(event("content_block_start", index=index,
+                                           content_block={**block, "input": {}}))
+                arguments = json.dumps(block["input"])
+                size = -(-len(arguments) // _JSON_PIECES)
+                for at in range(0, len(arguments), size):
+                    await response.write(event("content_block_delta", index=index, delta={
+                        "type": "input_json_delta", "partial_json": arguments[at:at + size]}))
+            await response.write(event("content_block_stop", index=index))
+        await response.write(event("message_delta", delta={"stop_reason": reply.stop_reason,
+                                                           "stop_sequence": reply.stop_sequence},
                                    usage={"output_tokens": usage["output_tokens"]}))
         await response.write(event("message_stop"))
         await response.write_eof()
