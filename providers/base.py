@@ -31,8 +31,9 @@ class Provider(Protocol):
       `UpstreamConnectionError`, `UpstreamBadResponse`). It makes exactly one attempt: retries,
       failover and breakers live outside.
     - `stream_chat` yields OpenAI `chat.completion.chunk` SSE events (each ending in a blank line,
-      `data: [DONE]` last) after a 2xx status: as the upstream sent them, or translated from its own
-      protocol; errors before the first byte raise like `chat`.
+      `data: [DONE]` last) after a 2xx status: as the upstream sent them, translated from its own
+      protocol, or replayed from a whole reply when the upstream answered the stream with a JSON body
+      (`providers.whole_reply`); errors before the first byte raise like `chat`.
     - `embeddings` behaves like `chat` for `/embeddings`.
     - `timeout` is the whole-call budget in seconds.
     """

@@ -80,6 +80,10 @@ class ProviderSettings(_Strict):
                           "for the OpenAI-compatible kinds (openai, azure); false for an upstream that cannot stream.")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     anthropic_version: str = Field("2023-06-01", min_length=1, description="kind anthropic: anthropic-version header.")
+    structured_output_models: list[str] | None = Field(
+        None, description="kind anthropic: the Anthropic models (glob patterns) given response_format json_schema "
+                          "as native structured output; others get the forced-tool technique. Default: the built-in "
+                          "list (providers/anthropic_structured.py).")
     model_map: dict[str, str] = Field(default_factory=dict,
                                       description="kind anthropic: callers' model name -> Anthropic model name.")
     api_version: str = Field("2024-10-21", min_length=1, description="kind azure: the api-version query parameter.")

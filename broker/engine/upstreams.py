@@ -6,6 +6,7 @@ from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
 from mergebroker.broker.engine.settings import HTTP_PROVIDER_KINDS, ProviderSettings
 from mergebroker.clock import Clock
 from mergebroker.providers.anthropic import AnthropicProvider
+from mergebroker.providers.anthropic_structured import NATIVE_STRUCTURED_OUTPUT
 from mergebroker.providers.azure import AzureOpenAIProvider
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pacing import UpstreamLimiter
@@ -29,8 +30,9 @@ def _provider(p: ProviderSettings, default_max_tokens: int) -> OpenAICompatProvi
                                 api_key=p.api_key.get_secret_value() if p.api_key else None,
                                 max_connections=p.max_connections, connect_timeout_s=p.connect_timeout_s)
     if p.kind == "anthropic":
+        native = NATIVE_STRUCTURED_OUTPUT if p.structured_output_models is None else p.structured_output_models
         return AnthropicProvider(http, default_max_tokens=default_max_tokens, anthropic_version=p.anthropic_version,
-                                 model_map=p.model_map)
+                                 model_map=p.model_map, native_structured_output=native)
     if p.kind == "azure":
         return AzureOpenAIProvider(http, api_version=p.api_version, deployments=p.deployments)
     return OpenAICompatProvider(http)
