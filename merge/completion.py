@@ -7,16 +7,18 @@ import uuid
 from typing import Any
 
 
-def member_completion(reply: dict[str, Any], text: str, usage: dict[str, int], *, model: str = "") -> dict[str, Any]:
+def member_completion(reply: dict[str, Any], text: str, usage: dict[str, Any], *, model: str = "",
+                      finish_reason: str = "stop") -> dict[str, Any]:
     """A complete `chat.completion` of a member's own, cut out of a merged reply: every field an unmerged
-    answer has (the spec's required `refusal` too); `model` stands in when the reply names none."""
+    answer has (the spec's required `refusal` too); `model` stands in when the reply names none;
+    `finish_reason` is "length" for an answer cut at the member's own budget."""
     body = {
         "id": "chatcmpl-" + uuid.uuid4().hex[:24],
         "object": "chat.completion",
         "created": reply.get("created") if isinstance(reply.get("created"), int) else int(time.time()),
         "model": reply.get("model") if isinstance(reply.get("model"), str) else model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": "stop"}],
+                     "logprobs": None, "finish_reason": finish_reason}],
         "usage": usage,
     }
     if isinstance(reply.get("system_fingerprint"), str):

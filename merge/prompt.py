@@ -13,7 +13,7 @@ import random
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from mergebroker.confusables import fold, folded_with_positions
 
@@ -121,17 +121,36 @@ def build_combined_messages(
 # later block.
 _PER_MEMBER_BODY_FIELDS = ("max_tokens", "max_completion_tokens", "user", "stop")
 BLOCK_OVERHEAD_TOKENS = 12
-"""Output tokens a response block's tags cost beyond its answer."""
+"""Output tokens a response block's tags cost beyond its answer, on average (6-hex IDs: 11.7 under o200k;
+`response_tag_tokens` counts one block's exactly)."""
+TAG_SLACK_TOKENS = 1
+"""Room for one more separator token than the block's own format (a model that puts a blank line between
+blocks)."""
+
+
+def response_tag_tokens(member_id: str, count_tokens: Callable[[str], int]) -> int:
+    """Output tokens member `member_id`'s response block costs beyond its answer: its tags as the header asks
+    for them, with the separators around them, plus `TAG_SLACK_TOKENS`."""
+    return count_tokens(f'<response id="{member_id}">\n\n</response>\n\n') + TAG_SLACK_TOKENS
 
 
 def merged_request_body(template: Mapping[str, Any], members: Sequence[MergeMember], *, system_prompt: str | None,
-                        header: str | None = None, tagged_system: bool = False) -> dict[str, Any]:
+                        header: str | None = None, tagged_system: bool = False,
+                        count_tokens: Callable[[str], int] | None = None) -> dict[str, Any]:
     """The body of a merged call: `template` (the first member's body: model, sampling, every shared field)
-    with the combined messages and the summed token budget in place of the member's own."""
+    with the combined messages and a token budget that fits every member's own in place of the member's.
+
+    The budget is the members' budgets plus their blocks' tags, so no block is cut by the merged call's
+    limit before its member reached its own: counted with `count_tokens` (the broker's tokenizer), or
+    `BLOCK_OVERHEAD_TOKENS` per block without one.
+    """
     body = {k: v for k, v in template.items() if k not in _PER_MEMBER_BODY_FIELDS}
     body["messages"] = build_combined_messages(members, system_prompt=system_prompt, header=header,
                                                tagged_system=tagged_system)
-    body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=BLOCK_OVERHEAD_TOKENS)
+    if count_tokens is None:
+        body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=BLOCK_OVERHEAD_TOKENS)
+    else:
+        body["max_tokens"] = sum(m.max_tokens + response_tag_tokens(m.id, count_tokens) for m in members)
     return body
 
 

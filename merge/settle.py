@@ -1,7 +1,8 @@
 """Settling a merged call: one pure decision per member, which `broker.engine.chat.dispatch` then carries out.
 
 Every member ends in exactly one of three places of a `Settlement`:
-    answers    its own answer, cut out of the merged reply (stop sequences applied, usage apportioned)
+    answers    its own answer, cut out of the merged reply (stop sequences applied, cut at its own
+               `max_tokens` with finish_reason "length", usage apportioned)
     fallbacks  re-send it alone, with the reason (a metric label)
     errors     fail it at once (alone it would meet the same refusal)
 
@@ -10,6 +11,9 @@ Fallback reasons:
     merged_call_failed  the merged call itself failed in a way sending alone may avoid (every member)
     leak                the member's answer quotes another member's request or names its ID
     missing, empty, duplicated, malformed, truncated, foreign_id: its block (see `merge.split`)
+
+A block the merged call's token limit cut short (truncated) is still an answer when its text so far
+reached the member's own budget, or holds one of its stop sequences: alone, it would have ended there too.
 
 `settle_block` judges one member's block on its own, so answers can be settled as blocks arrive; only
 the usage split waits for the whole reply.
@@ -22,7 +26,8 @@ from typing import Any, Mapping, Sequence
 
 from mergebroker.errors import BrokerError, NotFound, UpstreamUnavailable
 from mergebroker.merge.leak import find_leaks
-from mergebroker.merge.split import BlockFailure, split_reply
+from mergebroker.merge.member_budget import LENGTH, STOP, TokenCounter, cut_to_budget, estimate_tokens, reached_budget
+from mergebroker.merge.split import BlockFailure, split_reply, truncated_block
 from mergebroker.merge.usage import apportion_usage
 
 BAD_REPLY = "bad_reply"
@@ -39,13 +44,15 @@ class SettleMember:
     own_prompt_tokens: int  # tokens of its own text in the combined prompt (its share of the prompt)
     alone_prompt_tokens: int  # its prompt's tokens had it been sent alone (tokens saved)
     stop: str | list[str] | None = None  # cut here, as the upstream would have for it alone
+    max_tokens: int | None = None  # its own output budget: its answer ends there ("length"); None: none
 
 
 @dataclass(frozen=True)
 class SettleOptions:
-    """Engine-wide settling options."""
+    """Engine-wide settling options; `count_tokens` is the broker's tokenizer (members' budgets)."""
 
     leak_min_words: int = 8
+    count_tokens: TokenCounter = estimate_tokens
 
 
 @dataclass(frozen=True)
@@ -53,15 +60,18 @@ class MemberAnswer:
     """A member's own answer out of a merged reply."""
 
     text: str
-    usage: dict[str, int]
+    usage: dict[str, Any]
+    finish_reason: str = STOP
 
 
 @dataclass(frozen=True)
 class BlockVerdict:
-    """One block judged: the member's raw answer, or (answer None) the reason to re-send it alone."""
+    """One block judged: the member's answer as it receives it (stop sequences applied, cut at its budget)
+    and how it ends, or (answer None) the reason to re-send it alone."""
 
     answer: str | None
     reason: str | None = None
+    finish_reason: str = STOP
 
 
 @dataclass(frozen=True)
@@ -87,12 +97,19 @@ def settle(reply: Any, members: Sequence[SettleMember], options: SettleOptions) 
     if read is None:
         return every_member(members, BAD_REPLY)
     content, finish_reason = read
-    blocks = split_reply(content, [m.id for m in members], finish_reason=finish_reason)
+    ids = [m.id for m in members]
+    blocks = split_reply(content, ids, finish_reason=finish_reason)
+    cut = truncated_block(content, ids, finish_reason=finish_reason)
     requests = {m.id: m.request_text for m in members}
-    verdicts = {m.id: settle_block(m.id, blocks[m.id], requests, options) for m in members}
+    verdicts = {m.id: settle_block(m, blocks[m.id], requests, options,
+                                   partial=cut[1] if cut is not None and cut[0] == m.id else "") for m in members}
     good = {i: v.answer for i, v in verdicts.items() if v.answer is not None}
-    usage = _apportion(reply, members, good)
-    answers = {m.id: MemberAnswer(apply_stop(good[m.id], m.stop), usage[m.id]) for m in members if m.id in good}
+    # Weighed by what the upstream generated for each answer: its block before stop sequences and budget.
+    generated = {i: b if isinstance(b, str) else (cut[1] if cut is not None else "")
+                 for i, b in blocks.items() if i in good}
+    usage = _apportion(reply, members, generated)
+    answers = {m.id: MemberAnswer(good[m.id], usage[m.id], verdicts[m.id].finish_reason)
+               for m in members if m.id in good}
     fallbacks = {i: v.reason for i, v in verdicts.items() if v.reason is not None}
     saved = 0
     if answers:
@@ -101,14 +118,27 @@ def settle(reply: Any, members: Sequence[SettleMember], options: SettleOptions) 
     return Settlement(answers, fallbacks, tokens_saved=saved, needed_fallback=bool(fallbacks))
 
 
-def settle_block(member_id: str, block: str | BlockFailure, requests: Mapping[str, str],
-                 options: SettleOptions) -> BlockVerdict:
-    """Judge one member's block: a broken block or an answer that leaks another member's request falls back."""
+def settle_block(member: SettleMember, block: str | BlockFailure, requests: Mapping[str, str],
+                 options: SettleOptions, *, partial: str = "") -> BlockVerdict:
+    """Judge one member's block: a broken block or an answer that leaks another member's request falls back;
+    an answer ends at its first stop sequence, then at its budget ("length").
+
+    `partial` is a TRUNCATED block's text so far (cut short by the merged call's limit, or still streaming):
+    an answer when it holds a stop sequence or reached the member's budget (alone, the member would have
+    ended there too), else the block falls back as truncated.
+    """
+    at_budget = False
+    if block is BlockFailure.TRUNCATED and partial:
+        if len(apply_stop(partial, member.stop)) < len(partial):
+            block = partial
+        elif reached_budget(partial, member.max_tokens, options.count_tokens):
+            block, at_budget = partial, True
     if isinstance(block, BlockFailure):
         return BlockVerdict(None, block.value)
-    if find_leaks({member_id: block}, requests, min_words=options.leak_min_words):
+    if find_leaks({member.id: block}, requests, min_words=options.leak_min_words):
         return BlockVerdict(None, LEAK)
-    return BlockVerdict(block)
+    ending = cut_to_budget(apply_stop(block, member.stop), member.max_tokens, options.count_tokens)
+    return BlockVerdict(ending.text, finish_reason=LENGTH if at_budget else ending.finish_reason)
 
 
 def settle_call_error(exc: BrokerError, members: Sequence[SettleMember]) -> Settlement:
@@ -145,21 +175,25 @@ def apply_stop(text: str, stop: str | list[str] | None) -> str:
 
 
 def apportion_reported(usage: Any, members: Sequence[SettleMember],
-                       answers: Mapping[str, str]) -> dict[str, dict[str, int]]:
+                       answers: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """Each member's share of a merged call's reported `usage` (the rule `settle` applies), weighed by `answers`."""
     return _apportion({"usage": usage}, members, answers)
 
 
-def _apportion(reply: Any, members: Sequence[SettleMember], good: Mapping[str, str]) -> dict[str, dict[str, int]]:
+def _apportion(reply: Any, members: Sequence[SettleMember], good: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     usage = _usage(reply)
     prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
     own = {m.id: m.own_prompt_tokens for m in members}
+    reported: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion}
+    if isinstance(usage.get("prompt_tokens_details"), dict):
+        reported["prompt_tokens_details"] = usage["prompt_tokens_details"]
     return apportion_usage(
-        {"prompt_tokens": prompt, "completion_tokens": completion},
+        reported,
         shared_prompt_tokens=max(0, prompt - sum(own.values())),
         member_prompt_tokens=own,
-        # Weighed by the answer before its stop sequence: that is what the upstream generated.
         member_completion_weights={m.id: max(1, len(good.get(m.id, ""))) for m in members},
+        # A member never costs more than its own budget: alone, it could not have.
+        member_completion_caps={m.id: m.max_tokens for m in members if m.max_tokens},
     )
 
 

@@ -38,6 +38,8 @@ class BlockFailure(enum.Enum):
 _TAG = re.compile(r"<\s*(/)?\s*response\b([^<>]*)(>)?", re.IGNORECASE)
 _STRICT_ID = re.compile(r"""\s+id\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'=]+))\s*""", re.IGNORECASE)
 _LOOSE_ID = re.compile(r"""id\s*=\s*["']?\s*([0-9a-z]+)""", re.IGNORECASE)
+# A tail that may still become a response tag: "<", "< /", "<resp", "<response id='ab" (no ">" yet).
+_TAG_PREFIX = re.compile(r"<\s*/?\s*(?:r(?:e(?:s(?:p(?:o(?:n(?:s(?:e\b[^<>]*)?)?)?)?)?)?)?)?\Z", re.IGNORECASE)
 
 
 @dataclass
@@ -74,6 +76,27 @@ def split_reply(
         found = by_id.get(key, [])
         result[original] = _resolve(content, found, key, wanted, last, finish_reason)
     return result
+
+
+def truncated_block(content: str, ids: Sequence[str], *, finish_reason: str | None) -> tuple[str, str] | None:
+    """The member and its text so far (left-stripped, without a tag cut short at its end) of the block that
+    a reply stopped at the token limit ended inside: the one `split_reply` calls TRUNCATED; None if none."""
+    if finish_reason != "length" or not isinstance(content, str):
+        return None
+    blocks = _scan(content)
+    last = blocks[-1] if blocks else None
+    wanted = {i.lower(): i for i in ids}
+    if last is None or last.closed or last.end is not None or last.id not in wanted:
+        return None
+    if sum(1 for b in blocks if b.id == last.id) > 1:
+        return None  # DUPLICATED wins
+    return wanted[last.id], without_tag_prefix(content[last.start:]).lstrip()
+
+
+def without_tag_prefix(text: str) -> str:
+    """`text` without a tail that may still grow into a response tag (a tag cut short, or about to come)."""
+    hold = _TAG_PREFIX.search(text, max(0, text.rfind("<")))
+    return text[:hold.start()] if hold is not None else text
 
 
 def _resolve(

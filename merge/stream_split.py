@@ -9,7 +9,7 @@ block closes instead of when the whole reply has been generated:
 - a block closes with its stripped text, or with the `BlockFailure` `split_reply` would give: EMPTY,
   FOREIGN_ID, MALFORMED (a garbled tag, or a block opened inside it);
 - at `finish(finish_reason)` every member still without a closed block gets TRUNCATED (its block was
-  cut by the token limit), MALFORMED (never closed) or MISSING.
+  cut by the token limit; the event carries the text it had), MALFORMED (never closed) or MISSING.
 
 One difference is forced by answering early: a second block for an ID already answered cannot take
 the answer back, so it is ignored (the batch splitter calls that DUPLICATED and re-sends the member).
@@ -25,10 +25,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from mergebroker.merge.split import _LOOSE_ID, _STRICT_ID, _TAG, BlockFailure, _mentions
+from mergebroker.merge.split import (_LOOSE_ID, _STRICT_ID, _TAG, _TAG_PREFIX, BlockFailure, _mentions,
+                                     without_tag_prefix)
 
-# A tail that may still become a response tag: "<", "< /", "<resp", "<response id='ab" (no ">" yet).
-_TAG_PREFIX = re.compile(r"<\s*/?\s*(?:r(?:e(?:s(?:p(?:o(?:n(?:s(?:e\b[^<>]*)?)?)?)?)?)?)?)?\Z", re.IGNORECASE)
 _WORD = re.compile(r"\w+")
 
 
@@ -46,6 +45,7 @@ class BlockClosed:
 
     id: str
     answer: str | BlockFailure
+    partial: str = ""  # TRUNCATED: the block's text so far (left-stripped), which may have reached its budget
 
 
 StreamEvent = BlockDelta | BlockClosed
@@ -88,8 +88,10 @@ class StreamSplitter:
         block = self._open
         if block is not None and block.id in self._wanted and block.id not in self._done:
             # Still open when the reply stopped at the token limit, even if its own tag was cut short.
-            failure = BlockFailure.TRUNCATED if finish_reason == "length" else BlockFailure.MALFORMED
-            self._closed(block.id, failure, events)
+            if finish_reason == "length":
+                self._closed(block.id, BlockFailure.TRUNCATED, events, partial=without_tag_prefix("".join(block.parts)).lstrip())
+            else:
+                self._closed(block.id, BlockFailure.MALFORMED, events)
         for key in list(self._wanted):
             if key not in self._done:
                 self._closed(key, BlockFailure.MISSING, events)
@@ -145,9 +147,9 @@ class StreamSplitter:
         else:
             self._closed(block.id, text, events)
 
-    def _closed(self, key: str, answer: str | BlockFailure, events: list[StreamEvent]) -> None:
+    def _closed(self, key: str, answer: str | BlockFailure, events: list[StreamEvent], partial: str = "") -> None:
         self._done.add(key)
-        events.append(BlockClosed(self._wanted[key], answer))
+        events.append(BlockClosed(self._wanted[key], answer, partial))
 
 
 def releasable(text: str, hold_words: int) -> int:

@@ -7,10 +7,17 @@ The rule:
       If the members' own counts exceed the report (the broker's tokenizer counted more than the
       upstream's), nothing is shared and the reported total is split in proportion to the own counts.
       If the upstream reported no prompt_tokens, the total is `shared_prompt_tokens` plus the own counts.
+    * Cached prompt tokens (`prompt_tokens_details.cached_tokens`) are the provider's cache of the
+      prompt's prefix: the shared part. They are split evenly, like the shared prompt tokens, never
+      above a member's prompt share; a member's usage names them only when the call reported some.
     * Completion tokens are split in proportion to `member_completion_weights` (e.g. each answer's
-      length), evenly when every weight is 0.
+      length), evenly when every weight is 0. A member never gets more than its cap
+      (`member_completion_caps`, its own `max_tokens`: what it may cost): what a share holds above the cap
+      goes to the members still below theirs, in proportion to their weights, and what no member has
+      room for (the tags and the text cut off past every budget) is the merge's own cost, left out.
     * Integers throughout, by largest-remainder rounding (ties go to the earlier member), so the
-      members' prompt and completion tokens sum exactly to the reported totals.
+      members' prompt and completion tokens sum exactly to the reported totals (completion tokens:
+      unless every member reached its cap).
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ def apportion_usage(
     shared_prompt_tokens: int,
     member_prompt_tokens: Mapping[str, int],
     member_completion_weights: Mapping[str, int],
-) -> dict[str, dict[str, int]]:
-    """Return, per member ID, a usage dict with prompt_tokens, completion_tokens and total_tokens."""
+    member_completion_caps: Mapping[str, int] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Return, per member ID, a usage dict with prompt_tokens, completion_tokens and total_tokens (and
+    `prompt_tokens_details.cached_tokens` when the call reported cached tokens)."""
     extra = [m for m in member_completion_weights if m not in member_prompt_tokens]
     members = [*member_prompt_tokens, *extra]
     if not members:
@@ -38,11 +47,16 @@ def apportion_usage(
     completion_total = max(0, int(usage.get("completion_tokens") or 0))
     prompts = _prompt_shares(prompt_total, own)
     weights = [max(0, int(member_completion_weights.get(m, 0))) for m in members]
-    completions = largest_remainder(completion_total, weights)
-    return {
-        m: {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-        for m, p, c in zip(members, prompts, completions)
-    }
+    caps = [None if member_completion_caps is None or m not in member_completion_caps
+            else max(0, int(member_completion_caps[m])) for m in members]
+    completions = capped_shares(completion_total, weights, caps)
+    cached = _cached_shares(_cached_total(usage), prompts)
+    result: dict[str, dict[str, Any]] = {}
+    for m, p, c, k in zip(members, prompts, completions, cached):
+        result[m] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        if k is not None:
+            result[m]["prompt_tokens_details"] = {"cached_tokens": k}
+    return result
 
 
 def _prompt_shares(total: int, own: list[int]) -> list[int]:
@@ -50,6 +64,38 @@ def _prompt_shares(total: int, own: list[int]) -> list[int]:
         return largest_remainder(total, own)
     shared = largest_remainder(total - sum(own), [1] * len(own))
     return [o + s for o, s in zip(own, shared)]
+
+
+def _cached_total(usage: Mapping[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    if isinstance(cached, bool) or not isinstance(cached, (int, float)) or cached < 0:
+        return None
+    return int(cached)
+
+
+def _cached_shares(total: int | None, prompts: list[int]) -> list[int | None]:
+    if total is None:
+        return [None] * len(prompts)
+    return capped_shares(min(total, sum(prompts)), [1] * len(prompts), list(prompts))  # type: ignore[return-value]
+
+
+def capped_shares(total: int, weights: Sequence[int], caps: Sequence[int | None]) -> list[int]:
+    """Split `total` in proportion to `weights` (`largest_remainder`), no share above its cap (None: no cap):
+    what a capped share would hold beyond its cap goes to the others with room, by their weights, until
+    none is left or no share has room. The shares sum to `total` unless every share reached its cap."""
+    shares = [0] * len(weights)
+    left = total
+    open_ = [i for i in range(len(weights)) if caps[i] is None or caps[i] > 0]  # type: ignore[operator]
+    while left > 0 and open_:
+        split = largest_remainder(left, [weights[i] for i in open_])
+        left = 0
+        for i, share in zip(open_, split):
+            room = share if caps[i] is None else min(share, caps[i] - shares[i])  # type: ignore[operator]
+            shares[i] += room
+            left += share - room
+        open_ = [i for i in open_ if caps[i] is None or shares[i] < caps[i]]  # type: ignore[operator]
+    return shares
 
 
 def largest_remainder(total: int, weights: Sequence[int]) -> list[int]:

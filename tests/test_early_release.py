@@ -22,13 +22,16 @@ USAGE = {"prompt_tokens": 400, "completion_tokens": 40, "total_tokens": 440}
 class GatedUpstream:
     """Streams `<response>` blocks for a merged call; waits on `gate` before the blocks after the first."""
 
-    def __init__(self, *, break_after_first: bool = False, leak_second: bool = False, by_word: bool = False) -> None:
+    def __init__(self, *, break_after_first: bool = False, leak_second: bool = False, by_word: bool = False,
+                 break_mid_second: bool = False, alone_like_merged: bool = False) -> None:
         self.gate = asyncio.Event()
         self.first_sent = asyncio.Event()
         self.bodies: list[dict] = []
         self.break_after_first = break_after_first
         self.leak_second = leak_second
         self.by_word = by_word  # one event per word instead of two per block
+        self.break_mid_second = break_mid_second  # drop the connection three words before the second block ends
+        self.alone_like_merged = alone_like_merged  # a call of one's own answers as the merged block did
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -40,7 +43,7 @@ class GatedUpstream:
         self.bodies.append(body)
         blocks = _BLOCK.findall(body["messages"][-1]["content"])
         if not blocks:
-            text = "alone: " + body["messages"][-1]["content"]
+            text = ("answer to " if self.alone_like_merged else "alone: ") + body["messages"][-1]["content"]
             if body.get("stream"):
                 return await self._stream(request, [text], usage=None)
             return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": body["model"],
@@ -65,6 +68,11 @@ class GatedUpstream:
                     request.transport.close()  # the upstream drops mid-reply
                     return response
             pieces = re.findall(r"\S+\s*|\s+", part) if self.by_word else (part[:7], part[7:])  # a tag cut in two
+            if n == 1 and self.break_mid_second:
+                for piece in pieces[:-4]:
+                    await response.write(sse({"choices": [{"index": 0, "delta": {"content": piece}}]}))
+                request.transport.close()
+                return response
             for piece in pieces:
                 await response.write(sse({"choices": [{"index": 0, "delta": {"content": piece}}]}))
         await response.write(sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+from mergebroker.clock import FakeClock
 from mergebroker.providers.simulator.server import answer_for
 from tests.test_early_release import gated  # noqa: F401 - the gated upstream fixture
+from tests.test_tiers_api import SubmitSpy
 
 Q1 = "first question: how do tides form along a long rocky coast"
 Q2 = "second question: why do cats purr when they are content"
@@ -79,3 +81,34 @@ async def test_a_block_lost_before_any_text_is_re_sent_alone_without_a_seam(gate
     assert text_of(results[Q1][2]) == f"answer to {Q1}"
     assert text_of(results[Q2][2]) == f"alone: {Q2}" and finish_of(results[Q2][2]) == "stop"
     assert upstream.bodies[-1]["messages"][-1]["content"] == Q2  # its own call
+
+
+async def two_in_order(gated_upstream, start_broker, **upstream_options) -> tuple[list, list]:
+    """Q1 then Q2 merged in this order (each queued before the next, on a fake clock), both streamed."""
+    upstream, url = await gated_upstream(**upstream_options)
+    upstream.gate.set()
+    clock = FakeClock()
+    broker = await start_broker({**config(url), "merge": {"embedder": "none", "leak_min_words": 3}}, clock=clock)
+    spy = SubmitSpy(broker)
+    first = asyncio.create_task(stream(broker, Q1))
+    await spy.wait_for(1)
+    second = asyncio.create_task(stream(broker, Q2))
+    await spy.wait_for(2)
+    clock.advance(0.05)
+    return (await first)[2], (await second)[2]
+
+
+async def test_a_stream_that_breaks_off_after_some_text_continues_from_its_own_call(gated, start_broker):  # noqa: F811
+    first, second = await two_in_order(gated, start_broker, break_mid_second=True, by_word=True,
+                                       alone_like_merged=True)
+    assert text_of(first) == f"answer to {Q1}" and finish_of(first) == "stop"
+    # Part of the second answer went out before the merged call broke off: the rest comes from its own call.
+    assert text_of(second) == f"answer to {Q2}" and finish_of(second) == "stop"
+    assert not any("error" in e for e in second) and len({e["id"] for e in second}) == 1
+
+
+async def test_a_continued_stream_whose_own_answer_differs_ends_with_length(gated, start_broker):  # noqa: F811
+    _, second = await two_in_order(gated, start_broker, break_mid_second=True, by_word=True)
+    sent = text_of(second)
+    assert f"answer to {Q2}".startswith(sent) and sent.startswith("answer to ")  # what went out stays the answer
+    assert finish_of(second) == "length" and not any("error" in e for e in second)

@@ -83,9 +83,70 @@ def test_an_answer_quoting_another_members_request_is_a_leak():
 
 def test_settle_block_judges_one_block_alone():
     requests = {A: QUESTION_A, B: QUESTION_B}
-    assert settle_block(A, "Paris.", requests, OPTIONS).answer == "Paris."
-    assert settle_block(A, BlockFailure.EMPTY, requests, OPTIONS).reason == "empty"
-    assert settle_block(A, f"Re: {QUESTION_B}", requests, OPTIONS).reason == "leak"
+    member = members()[0]
+    assert settle_block(member, "Paris.", requests, OPTIONS).answer == "Paris."
+    assert settle_block(member, BlockFailure.EMPTY, requests, OPTIONS).reason == "empty"
+    assert settle_block(member, f"Re: {QUESTION_B}", requests, OPTIONS).reason == "leak"
+
+
+def count_words(text: str) -> int:
+    """A tokenizer of whole words for readable budgets: trailing whitespace costs a token, as in BPE."""
+    return len(text.split()) + (1 if text[-1:].isspace() else 0)
+
+
+WORDS = SettleOptions(leak_min_words=6, count_tokens=count_words)
+
+
+def budgeted(a: int | None, b: int | None, stop: Any = None) -> list[SettleMember]:
+    return [SettleMember(A, QUESTION_A, 14, 20, stop, max_tokens=a), SettleMember(B, QUESTION_B, 16, 22, stop,
+                                                                                max_tokens=b)]
+
+
+def test_an_answer_longer_than_its_members_budget_is_cut_there_with_length():
+    s = settle(reply(blocks("one two three four five six", "uno dos")), budgeted(3, 5), WORDS)
+    assert (s.answers[A].text, s.answers[A].finish_reason) == ("one two three", "length")
+    assert (s.answers[B].text, s.answers[B].finish_reason) == ("uno dos", "stop")
+    assert s.fallbacks == {} and s.needed_fallback is False
+
+
+def test_an_answer_of_exactly_its_budget_is_whole():
+    s = settle(reply(blocks("one two three", "uno")), budgeted(3, 3), WORDS)
+    assert (s.answers[A].text, s.answers[A].finish_reason) == ("one two three", "stop")
+
+
+def test_a_block_cut_by_the_merged_limit_after_its_budget_is_answered_with_length():
+    content = f'<response id="{A}">\nalpha beta\n</response>\n<response id="{B}">\nuno dos tres cuatro</resp'
+    s = settle(reply(content, "length"), budgeted(10, 3), WORDS)
+    assert (s.answers[B].text, s.answers[B].finish_reason) == ("uno dos tres", "length")
+    assert s.fallbacks == {}
+
+
+def test_a_block_cut_by_the_merged_limit_before_its_budget_is_re_sent_alone():
+    content = f'<response id="{A}">\nalpha beta\n</response>\n<response id="{B}">\nuno dos'
+    s = settle(reply(content, "length"), budgeted(10, 3), WORDS)
+    assert s.fallbacks == {B: "truncated"} and list(s.answers) == [A]
+
+
+def test_a_block_cut_by_the_merged_limit_after_its_stop_sequence_is_whole():
+    content = f'<response id="{A}">\nalpha beta\n</response>\n<response id="{B}">\nuno END dos'
+    s = settle(reply(content, "length"), budgeted(10, 30, stop="END"), WORDS)
+    assert (s.answers[B].text, s.answers[B].finish_reason) == ("uno ", "stop")
+
+
+def test_no_member_is_charged_more_completion_tokens_than_its_budget():
+    s = settle(reply(blocks("one two three four five six", "uno dos"), completion=40), budgeted(3, 50), WORDS)
+    assert s.answers[A].usage["completion_tokens"] == 3
+    assert s.answers[B].usage["completion_tokens"] == 37  # the rest goes to the member with room
+    capped = settle(reply(blocks("one two three four five six", "uno dos"), completion=40), budgeted(3, 5), WORDS)
+    assert [capped.answers[i].usage["completion_tokens"] for i in (A, B)] == [3, 5]
+
+
+def test_cached_prompt_tokens_are_shared_evenly_between_the_answers():
+    cached = reply(blocks("Paris.", "Eight."))
+    cached["usage"]["prompt_tokens_details"] = {"cached_tokens": 31}
+    s = settle(cached, members(), OPTIONS)
+    assert sorted(a.usage["prompt_tokens_details"]["cached_tokens"] for a in s.answers.values()) == [15, 16]
+    assert "prompt_tokens_details" not in settle(reply(blocks("P.", "E.")), members(), OPTIONS).answers[A].usage
 
 
 @pytest.mark.parametrize("exc", [UpstreamUnavailable(3), NotFound("The model 'm' does not exist.")])

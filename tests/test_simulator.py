@@ -365,10 +365,11 @@ async def test_stats_count_calls_inputs_tokens_and_merges(sim: RunningSimulator,
     assert (stats["merged_calls"], stats["faults_injected"]) == (1, 1)
     assert stats["completion_tokens"] == count_tokens(answer_for(QUESTION)) + count_tokens(expected_reply(BLOCKS))
     assert stats["prompt_tokens"] == count_tokens(QUESTION) + count_tokens(merged_text(BLOCKS)) + 2 * 6
+    assert (stats["bill"]["requests"], stats["bill"]["prompt_tokens"]) == (2, stats["prompt_tokens"])  # faults are free
     async with http.get(f"http://127.0.0.1:{sim.port}/stats") as resp:
         assert await resp.json() == stats
     await post(http, f"http://127.0.0.1:{sim.port}/stats/reset", {})
-    assert sim.stats()["chat_calls"] == 0 and sim.stats()["calls"] == {}
+    assert sim.stats()["chat_calls"] == 0 and sim.stats()["calls"] == {} and sim.stats()["bill"]["requests"] == 0
 
 
 async def test_embeddings_are_deterministic_unit_norm_and_sized(sim: RunningSimulator,

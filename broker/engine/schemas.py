@@ -2,23 +2,37 @@
 
 Validation only decides whether a body is acceptable; the body that travels on is the caller's own dict,
 so unknown fields reach the upstream untouched. Known fields are validated strictly (no coercion: `"stream":
-"false"` or a text part whose `text` is 123 is a 400), so what is forwarded is exactly what was validated. The optional `broker` object (`{"tier", "timeout_s",
-"merge"}`) is ours and never forwarded.
+"false"` or a text part whose `text` is 123 is a 400), so what is forwarded is exactly what was validated,
+with one exception JSON Schema makes too: an integer field takes a whole-number float (`"max_tokens": 50.0`),
+forwarded as the integer it is. Known numeric fields are range-checked as the spec states them, and `tools`
+and `tool_choice` are checked for shape (`broker.engine.tool_shapes`). The optional `broker` object
+(`{"tier", "timeout_s", "merge"}`) is ours and never forwarded.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
+                      field_validator, model_validator)
 
+from mergebroker.broker.engine.tool_shapes import check_tool_choice, check_tools
 from mergebroker.errors import InvalidRequest
 
 BROKER_FIELD = "broker"
 MAX_TOKENS = 10_000_000
 """No model generates more; a larger budget (1e300) is a mistake that would overflow time arithmetic."""
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _whole_number(value: Any) -> Any:
+    """A whole-number float as the integer it is (JSON Schema's `integer` accepts 50.0); anything else as given."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+WholeInt = Annotated[StrictInt, BeforeValidator(_whole_number)]
+"""An integer field: an int, or a float with no fractional part; never a bool or a numeric string."""
+_WHOLE_FIELDS = frozenset({"n", "max_tokens", "max_completion_tokens", "top_logprobs", "seed", "dimensions"})
 
 
 class BrokerOptions(BaseModel):
@@ -60,12 +74,19 @@ class ChatRequest(BaseModel):
     model: StrictStr = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     stream: StrictBool | None = None  # null is allowed and means false
-    n: StrictInt | None = Field(None, ge=1, le=128)
+    n: WholeInt | None = Field(None, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2, strict=True)
     top_p: float | None = Field(None, ge=0, le=1, strict=True)
-    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, strict=True)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, strict=True)
+    logprobs: StrictBool | None = None
+    top_logprobs: WholeInt | None = Field(None, ge=0, le=20)
+    logit_bias: dict[str, Annotated[WholeInt, Field(ge=-100, le=100)]] | None = None
+    seed: WholeInt | None = None
+    max_tokens: WholeInt | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: WholeInt | None = Field(None, ge=1, le=MAX_TOKENS)
     stop: StrictStr | list[StrictStr] | None = None
+    parallel_tool_calls: StrictBool | None = None
     user: StrictStr | None = None
     broker: BrokerOptions | None = None
 
@@ -89,7 +110,7 @@ class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: StrictStr = Field(min_length=1)
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    dimensions: StrictInt | None = Field(None, ge=1)
+    dimensions: WholeInt | None = Field(None, ge=1)
     encoding_format: Literal["float", "base64"] = "float"
     user: StrictStr | None = None
     broker: BrokerOptions | None = None
@@ -116,7 +137,10 @@ def parse_chat(body: Any, *, max_messages: int | None = None) -> tuple[ChatReque
     if max_messages is not None and isinstance(messages, list) and len(messages) > max_messages:
         raise InvalidRequest(f"Invalid value for 'messages': at most {max_messages} messages are accepted.",
                              param="messages", code="invalid_value")
-    return _parse(ChatRequest, body)
+    parsed, forward = _parse(ChatRequest, body)
+    check_tools(forward.get("tools"))
+    check_tool_choice(forward.get("tool_choice"))
+    return parsed, forward
 
 
 def parse_embeddings(body: Any) -> tuple[EmbeddingRequest, dict[str, Any]]:
@@ -131,7 +155,9 @@ def _parse(model: type[BaseModel], body: Any) -> tuple[Any, dict[str, Any]]:
         parsed = model.model_validate(body)
     except ValidationError as exc:
         raise _as_invalid(exc) from None
-    forward = {k: v for k, v in body.items() if k != BROKER_FIELD}
+    forward = {k: _whole_number(v) if k in _WHOLE_FIELDS else v for k, v in body.items() if k != BROKER_FIELD}
+    if isinstance(forward.get("logit_bias"), dict):
+        forward["logit_bias"] = {k: _whole_number(v) for k, v in forward["logit_bias"].items()}
     return parsed, forward
 
 
@@ -146,6 +172,7 @@ def _as_invalid(exc: ValidationError) -> InvalidRequest:
     elif kind == "literal_error" and loc and loc[-1] == "role":
         message = f"Invalid value for '{param}': {err['msg']}."
     else:
-        message = f"Invalid value for '{param}': {err['msg']}." if param else err["msg"]
+        problem = str(err["ctx"]["error"]) if kind == "value_error" and "error" in err.get("ctx", {}) else err["msg"]
+        message = f"Invalid value for '{param}': {problem}." if param else problem
     return InvalidRequest(message, param=param, code="missing_required_parameter" if kind == "missing" else
                           "invalid_value")

@@ -92,8 +92,11 @@ def _failure_response(request: web.Request, info: RequestInfo, exc: Exception) -
         return _error_response(PayloadTooLarge(
             f"Request body too large: the limit is {request.app[SETTINGS_MAX_BODY]} bytes."))
     if isinstance(exc, web.HTTPMethodNotAllowed):
-        return _error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}; "
-                                                f"use {', '.join(sorted(exc.allowed_methods))}."))
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        response = _error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}; "
+                                                    f"use {allowed}."))
+        response.headers["Allow"] = allowed  # RFC 9110: a 405 says which methods the resource takes
+        return response
     if isinstance(exc, web.HTTPNotFound):
         return _error_response(NotFound(f"Unknown route: {request.method} {request.path}."))
     if isinstance(exc, web.HTTPException):
@@ -111,7 +114,7 @@ def _error_response(exc: BrokerError) -> web.Response:
 
 def _observe(request: web.Request, info: RequestInfo, status: int, elapsed: float, *,
              sent_status: int | None = None) -> None:
-    endpoint = _ENDPOINTS.get(request.path)
+    endpoint = _ENDPOINTS.get(request.path) or ("models" if request.path.startswith("/v1/models/") else None)
     if endpoint is None:
         return
     broker = request.app.get(BROKER)

@@ -19,9 +19,11 @@ from mergebroker.broker.http.keys import BROKER
 from mergebroker.broker.engine.chat.service import CacheControl
 from mergebroker import jsonio
 from mergebroker.clock import Clock, monotonic
-from mergebroker.broker.engine.handling import (authenticate, chat_headers, check_chat_model, complete_chat, with_body_options,
-                                          create_embeddings, embedding_headers)
+from mergebroker.broker.engine.handling import (authenticate, chat_headers, check_chat_model, complete_chat,
+                                                create_embeddings, embedding_headers, model_not_found,
+                                                with_body_options)
 from mergebroker.errors import BrokerError, Unauthorized
+from mergebroker.token_usage import TokenUsage
 from mergebroker.broker.http.middleware import INFO, RESPONSE
 from mergebroker.broker.engine.schemas import parse_chat, parse_embeddings
 
@@ -60,6 +62,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # IDs may hold slashes ("org/model")
     app.router.add_get("/v1/broker/stats", broker_stats)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -94,10 +97,12 @@ async def _stream(request: web.Request, broker: Broker, caller: Caller, body: di
     event (no `[DONE]`)."""
     info = request[INFO]
     before_upstream = time.perf_counter()
-    chunks, outcome, reservation = await broker.chat.stream(caller, body, timeout_s=timeout_s,
-                                                            request_id=info.request_id, merge_opt_out=merge_opt_out)
+    start = await broker.chat.stream(caller, body, timeout_s=timeout_s, request_id=info.request_id,
+                                     merge_opt_out=merge_opt_out)
+    chunks, outcome, reservation = start.chunks, start.outcome, start.reservation
     # No await between here and the `try`: the stream and the reservation are released on every path.
     spent = reservation.tokens  # unless the stream reports its usage, keep the reservation as spent
+    info.usage_settles, info.alone_prompt_tokens = outcome.settled_usage, start.prompt_estimate  # the ledger waits
     response = request[RESPONSE] = web.StreamResponse()  # noted, so the middleware never answers twice
     try:
         info.upstream_s = time.perf_counter() - before_upstream  # until the first chunk
@@ -109,7 +114,7 @@ async def _stream(request: web.Request, broker: Broker, caller: Caller, body: di
             "X-Broker-Batch-Size": str(outcome.batch_size), "X-Broker-Cache": "miss",
             "X-Broker-Overhead-Ms": f"{(before_upstream - info.started) * 1000:.2f}", **reservation.headers()})
         await response.prepare(request)
-        spent = await _relay(response, chunks, spent)
+        spent = _spent(outcome.settled_usage, await _relay(response, chunks, spent))
     except BrokerError as exc:
         if not response.prepared:
             raise
@@ -134,6 +139,19 @@ async def _relay(response: web.StreamResponse, chunks: AsyncIterator[bytes], spe
     return spent
 
 
+def _spent(usage: asyncio.Future[Any] | None, default: int) -> int:
+    """The tokens a stream spent: its settled usage when it is known by the stream's end, else `default`."""
+    if usage is None or not usage.done() or usage.cancelled() or usage.exception() is not None:
+        return default
+    settled = usage.result()
+    return settled.total_tokens if isinstance(settled, TokenUsage) else _stream_usage_of(settled, default)
+
+
+def _stream_usage_of(usage: Any, default: int) -> int:
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) else default
+
+
 def _stream_usage(chunk: bytes, *, default: int) -> int:
     """Total tokens from a `stream_options.include_usage` chunk (`data: {..."usage": {...}}`)."""
     try:
@@ -153,14 +171,31 @@ async def embeddings(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    names = await _model_names(request)
+    return web.json_response({"object": "list", "data": [_model(n) for n in names]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: one model of the list, or the 404 a chat request for it would get."""
+    model = request.match_info["model"]
+    if model not in await _model_names(request):
+        raise model_not_found(model)
+    return web.json_response(_model(model))
+
+
+async def _model_names(request: web.Request) -> list[str]:
+    """The models this caller may use (authenticated like the other `/v1` routes), each once, in order."""
     broker = request.app[BROKER]
     authenticate(broker, request[INFO], request.headers, None, None)
     names = broker.pools.explicit_models()
     if broker.pools.has_wildcard():
         names += await request.app[UPSTREAM_MODELS].get(broker.pools.upstream_models)
     names += broker.embeddings.local_models()
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": "mergebroker"} for n in dict.fromkeys(names)]
-    return web.json_response({"object": "list", "data": data})
+    return list(dict.fromkeys(names))
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "mergebroker"}
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -1,4 +1,8 @@
-"""The `mergebroker simulate` command: its options, the SimulatorConfig they describe, and serving it."""
+"""The `mergebroker simulate` command: its options, the SimulatorConfig they describe, and serving it.
+
+Every option but --host, --port, --models, --seed and --embedding-dim can also be changed while it runs:
+`POST /control/faults` with the field names (underscores), e.g. `{"billing": "openai", "ignore_stream": true}`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ from typing import Any
 import structlog
 
 from mergebroker.providers.simulator.server import start_simulator
-from mergebroker.providers.simulator.faults import SimulatorConfig
+from mergebroker.providers.simulator.faults import (BILLING_MODES, CACHE_SCOPES, STREAM_ERROR_STATUSES,
+                                                    SimulatorConfig)
 
 log = structlog.get_logger(__name__)
 
@@ -41,12 +46,32 @@ _CLI_OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("fail_first_n", int, "fail the first N chat calls with 503"),
     ("quiz", bool, "answer the built-in question set of `mergebroker eval` correctly"),
     ("merge_degrade", float, "merged calls: each answer is wrong with probability this x (batch size - 1)"),
+    ("billing", str, ("'openai': keep OpenAI's automatic prompt cache (prefixes of 1,024+ tokens in 128-token "
+                      "steps) and report usage.prompt_tokens_details.cached_tokens; the bill is at GET /_sim/bill")),
+    ("cache_scope", str, "billing openai: one prompt cache per API key ('key') or one for all ('global')"),
+    ("cache_ttl_s", float, "billing openai: seconds a cached prefix lives after its last use"),
+    ("price_input", float, "bill: USD per million uncached prompt tokens"),
+    ("price_cached_input", float, "bill: USD per million cached prompt tokens"),
+    ("price_output", float, "bill: USD per million completion tokens"),
+    ("ignore_stream", bool, "answer streamed requests with a plain chat.completion JSON body"),
+    ("reject_stream_options", bool, "answer 400 invalid_request_error to a request with stream_options"),
+    ("reject_stream", bool, "answer 400 invalid_request_error to a request with stream: true"),
+    ("stream_error_rate", float, ("probability that a stream ends with an error event after "
+                                  "--stream-error-after chunks (no [DONE])")),
+    ("stream_error_after", int, "chunks sent before a mid-stream error, the role chunk included"),
+    ("stream_error_status", int, "shape of a mid-stream error: 429 rate_limit_exceeded or 529 overloaded_error"),
 )
+_CHOICES: dict[str, tuple[Any, ...]] = {"billing": BILLING_MODES, "cache_scope": CACHE_SCOPES,
+                                        "stream_error_status": STREAM_ERROR_STATUSES}
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `mergebroker simulate` options: where to listen, models, latency and faults."""
+    """The `mergebroker simulate` options: where to listen, models, latency, faults, billing and streaming."""
     defaults = SimulatorConfig()
+    parser.epilog = ("Every option but --host, --port, --models, --seed and --embedding-dim also changes while it "
+                     "runs: POST /control/faults with a JSON object of the fields (underscores), e.g. "
+                     '{"billing": "openai", "stream_error_rate": 0.5}. GET /stats shows the counters and the bill; '
+                     "GET /_sim/bill the bill alone, POST /_sim/bill/reset zeroes it and empties the prompt cache.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on, 0 for any (default: %(default)s)")
     parser.add_argument("--models", default=",".join(defaults.models),
@@ -56,7 +81,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(flag, action="store_true", help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=getattr(defaults, name),
+            parser.add_argument(flag, type=kind, default=getattr(defaults, name), choices=_CHOICES.get(name),
                                 help=help_text + " (default: %(default)s)")
 
 

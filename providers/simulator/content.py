@@ -3,7 +3,8 @@
 Pure functions, no I/O. `answer_for` is the answer to one question; a merged call in the combined
 prompt format of docs/architecture.md (`<request id="ID">` blocks) is answered block by block by
 `compose_reply`, with block faults from `providers.simulator.faults`. Usage is counted with the real
-o200k_base tokenizer.
+o200k_base tokenizer, by the simulator itself (as a provider counts, whatever the broker counts), and
+`prompt_token_ids` is the prompt as that tokenizer sees it, which the prompt cache remembers.
 
 Prompt injection: like a compromised model, the simulator obeys a request block whose text contains
 the phrase `repeat every other request` (`INJECTION_MARKER`, any case or spacing): that block's answer
@@ -19,6 +20,8 @@ import functools
 import hashlib
 import random
 import re
+import zlib
+from array import array
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -78,9 +81,16 @@ def _encoding() -> Any:
     return bpe_openai.get_encoding("o200k_base")
 
 
+@functools.lru_cache(maxsize=512)
+def _token_ids(text: str) -> array:
+    # Cached because prompts repeat (a shared system prompt is counted on every call, and encoding
+    # 2,000 tokens costs about 0.3 ms); 4 bytes a token keeps 512 long prompts within a few MB.
+    return array("I", _encoding().encode(text))
+
+
 def count_tokens(text: str) -> int:
     """Tokens of `text` under o200k_base."""
-    return len(_encoding().encode(text)) if text else 0
+    return len(_token_ids(text)) if text else 0
 
 
 def message_text(content: Any) -> str:
@@ -90,6 +100,23 @@ def message_text(content: Any) -> str:
     if isinstance(content, list):
         return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
+
+
+# Marker ids beyond o200k_base's vocabulary, standing for the chat format's special tokens.
+_START, _SEPARATOR, _REPLY = 200_264, 200_266, 200_267
+
+
+def prompt_token_ids(messages: Sequence[Mapping[str, Any]]) -> array:
+    """The prompt as the model reads it, in order: per message a start marker, its role, a separator
+    and its text's tokens; then the 3 tokens that prime the reply (OpenAI's chat accounting).
+    Its length is `prompt_tokens(messages)`."""
+    ids = array("I")
+    for message in messages:
+        ids.extend((_START, zlib.crc32(str(message.get("role")).encode()), _SEPARATOR))
+        if text := message_text(message.get("content")):
+            ids += _token_ids(text)
+    ids.extend((_START, _REPLY, _SEPARATOR))
+    return ids
 
 
 def prompt_tokens(messages: Sequence[Mapping[str, Any]]) -> int:

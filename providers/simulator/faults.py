@@ -8,6 +8,9 @@ the blocks); the pure `render_blocks` applies them while it writes the reply.
 
 Randomness is drawn only for rates above zero, so a rate of 0 never fires, a rate of 1 always
 fires, and enabling one fault does not shift the sequence another one sees when it is off.
+
+The config also holds what is not a fault but changes at run time the same way: how the simulator
+bills (`providers.simulator.billing`) and how it streams (`providers.simulator.streaming`).
 """
 
 from __future__ import annotations
@@ -28,10 +31,22 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_ANSWER_WORDS = 12
 MAX_EMBEDDING_DIM = 8192
+BILLING_MODES = ("none", "openai")
+CACHE_SCOPES = ("key", "global")
+STREAM_ERROR_STATUSES = (429, 529)
 RATE_FIELDS = ("error_rate", "rate_429", "timeout_rate", "truncate_rate", "malformed_rate",
-               "drop_block_rate", "duplicate_block_rate", "garble_block_rate", "merge_degrade")
+               "drop_block_rate", "duplicate_block_rate", "garble_block_rate", "merge_degrade", "stream_error_rate")
+_NON_NEGATIVE_FIELDS = ("latency_base_ms", "latency_per_token_ms", "retry_after_s", "hang_s",
+                        "price_input", "price_cached_input", "price_output")
+_BOOL_FIELDS = ("reorder_blocks", "chatter", "down", "quiz", "ignore_stream", "reject_stream_options",
+                "reject_stream")
+_CHOICE_FIELDS: dict[str, tuple[Any, ...]] = {"billing": BILLING_MODES, "cache_scope": CACHE_SCOPES,
+                                              "stream_error_status": STREAM_ERROR_STATUSES}
 RUNTIME_FIELDS = (*RATE_FIELDS, "latency_base_ms", "latency_per_token_ms", "retry_after_s", "hang_s",
-                  "reorder_blocks", "chatter", "down", "status_override", "fail_first_n", "quiz")
+                  "reorder_blocks", "chatter", "down", "status_override", "fail_first_n", "quiz", "answer_words",
+                  "billing", "cache_scope", "cache_ttl_s", "price_input", "price_cached_input", "price_output",
+                  "ignore_stream", "reject_stream_options", "reject_stream", "stream_error_after",
+                  "stream_error_status")
 CHATTER_BEFORE = "Sure! Here are the answers:"
 CHATTER_AFTER = "Let me know if you need anything else."
 MALFORMED_BODY = '{"id": "chatcmpl-sim-broken", "object": "chat.completion", "choices": [{"index"'
@@ -48,10 +63,11 @@ def is_int(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class SimulatorConfig:
-    """Everything the simulator does: models, answers, latency and faults (all rates are 0..1 per call).
+    """Everything the simulator does: models, answers, latency, faults (all rates are 0..1 per call),
+    billing and streaming.
 
-    Fault and latency fields (`RUNTIME_FIELDS`) can be changed while it runs; `fail_first_n` then
-    counts down as chat calls fail. Invalid values raise ValueError.
+    Every field but models, seed and embedding_dim (`RUNTIME_FIELDS`) can be changed while it runs;
+    `fail_first_n` then counts down as chat calls fail. Invalid values raise ValueError.
     """
 
     models: tuple[str, ...] = ("sim-small", "sim-large", "sim-embed")
@@ -77,16 +93,34 @@ class SimulatorConfig:
     fail_first_n: int = 0
     quiz: bool = False  # answer the built-in question set correctly (providers.simulator.quiz_mode)
     merge_degrade: float = 0.0  # merged calls: wrong answers grow with batch size (providers.simulator.quiz_mode)
+    # Billing (providers.simulator.billing): "openai" keeps an automatic prompt cache and reports cached tokens.
+    billing: str = "none"
+    cache_scope: str = "key"  # "key": one cache per API key; "global": one for everyone
+    cache_ttl_s: float = 300.0
+    price_input: float = 2.50  # USD per million tokens, gpt-4o's list prices
+    price_cached_input: float = 1.25
+    price_output: float = 10.0
+    # Streaming quirks and errors mid-stream (providers.simulator.streaming).
+    ignore_stream: bool = False
+    reject_stream_options: bool = False
+    reject_stream: bool = False
+    stream_error_rate: float = 0.0
+    stream_error_after: int = 3
+    stream_error_status: int = 429
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
         problems = [f"{n} must be a number in [0, 1]" for n in RATE_FIELDS
                     if not (_is_number(getattr(self, n)) and 0 <= getattr(self, n) <= 1)]
-        problems += [f"{n} must be a number >= 0" for n in ("latency_base_ms", "latency_per_token_ms",
-                                                             "retry_after_s", "hang_s")
+        problems += [f"{n} must be a number >= 0" for n in _NON_NEGATIVE_FIELDS
                      if not (_is_number(getattr(self, n)) and getattr(self, n) >= 0)]
-        problems += [f"{n} must be true or false" for n in ("reorder_blocks", "chatter", "down", "quiz")
-                     if not isinstance(getattr(self, n), bool)]
+        problems += [f"{n} must be true or false" for n in _BOOL_FIELDS if not isinstance(getattr(self, n), bool)]
+        problems += [f"{n} must be one of {', '.join(map(str, choices))}" for n, choices in _CHOICE_FIELDS.items()
+                     if isinstance(getattr(self, n), bool) or getattr(self, n) not in choices]
+        if not (_is_number(self.cache_ttl_s) and self.cache_ttl_s > 0):
+            problems.append("cache_ttl_s must be a number > 0")
+        if not (is_int(self.stream_error_after) and self.stream_error_after >= 0):
+            problems.append("stream_error_after must be an integer >= 0")
         if not (is_int(self.fail_first_n) and self.fail_first_n >= 0):
             problems.append("fail_first_n must be an integer >= 0")
         if not (self.status_override is None or (is_int(self.status_override) and 400 <= self.status_override <= 599)):
@@ -103,14 +137,14 @@ class SimulatorConfig:
             raise ValueError("; ".join(problems))
 
     def runtime_fields(self) -> dict[str, Any]:
-        """The fault and latency fields, as /control/faults shows them."""
+        """The fields that change at run time, as /control/faults shows them."""
         return {name: getattr(self, name) for name in RUNTIME_FIELDS}
 
     def with_runtime_fields(self, **fields: Any) -> SimulatorConfig:
-        """A copy with fault/latency fields changed; other or unknown fields raise ValueError."""
+        """A copy with run-time fields changed; other or unknown fields raise ValueError."""
         unknown = sorted(set(fields) - set(RUNTIME_FIELDS))
         if unknown:
-            raise ValueError(f"not a fault or latency field: {', '.join(unknown)}")
+            raise ValueError(f"not a field that changes at run time: {', '.join(unknown)}")
         return replace(self, **fields)
 
 
@@ -156,6 +190,11 @@ def decide_call_fault(faults: SimulatorConfig, rng: random.Random, *, fail_first
 def decide_truncate(faults: SimulatorConfig, rng: random.Random) -> bool:
     """Whether this call's reply is cut in half (reported with finish_reason "length")."""
     return _fires(faults.truncate_rate, rng)
+
+
+def decide_stream_error(faults: SimulatorConfig, rng: random.Random) -> bool:
+    """Whether this streamed reply ends in an error event after `stream_error_after` chunks."""
+    return _fires(faults.stream_error_rate, rng)
 
 
 def response_block(block_id: str, answer: str) -> str:

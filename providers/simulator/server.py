@@ -1,10 +1,12 @@
 """The simulated upstream: a real aiohttp server speaking the OpenAI endpoints the broker calls.
 
 It serves `/v1/chat/completions` (plain and SSE), `/v1/embeddings` and `/v1/models` (also without
-the `/v1` prefix), plus `/stats` and `/control/faults` for tests and benchmarks. What it answers
-(`answer_for`, merged calls block by block, token counts, embeddings) comes from
-`providers.simulator.content`; faults (see `providers.simulator.faults`) are injected with a seeded
-RNG and can be changed at run time; `providers.simulator.cli` is the `mergebroker simulate` command.
+the `/v1` prefix), plus `/stats` (with the bill), `/_sim/bill` and `/control/faults` for tests and
+benchmarks. What it answers (`answer_for`, merged calls block by block, token counts, embeddings) comes
+from `providers.simulator.content`; faults (see `providers.simulator.faults`) are injected with a seeded
+RNG and can be changed at run time, as can billing (`providers.simulator.billing`: usage with cached
+tokens, a running bill) and streaming quirks (`providers.simulator.streaming`);
+`providers.simulator.cli` is the `mergebroker simulate` command.
 This module re-exports the names other code imports from it.
 """
 
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
 import uuid
 from collections import Counter
@@ -22,16 +23,18 @@ from typing import Any, Mapping
 import structlog
 from aiohttp import web
 
-from mergebroker.clock import Sleep
+from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import BrokerError, InvalidRequest
 from mergebroker.providers.simulator.injection import INJECTION_MARKER
-from mergebroker.providers.simulator.content import (Reply, answer_for, block_answers, compose_reply,
+from mergebroker.providers.simulator.billing import Biller
+from mergebroker.providers.simulator.content import (answer_for, block_answers, compose_reply,
                                          count_tokens, embedding_vector, parse_request_blocks, prompt_tokens,
-                                         question_text, stream_pieces)
+                                         question_text)
 from mergebroker.providers.simulator.anthropic import anthropic_routes
 from mergebroker.providers.simulator.azure import azure_routes
 from mergebroker.providers.simulator.batches import add_batch_routes
 from mergebroker.providers.simulator.faults import MAX_EMBEDDING_DIM, FaultInjector, SimulatorConfig, error_response, is_int
+from mergebroker.providers.simulator.streaming import plan_stream, refuse_stream_fields, send_stream
 
 log = structlog.get_logger(__name__)
 
@@ -112,6 +115,16 @@ def _embedding_params(body: Mapping[str, Any]) -> tuple[list[str], int | None, s
     return texts, dim, encoding
 
 
+async def _keep_cache(request: web.Request) -> bool:
+    """A reset's `keep_cache` flag: false for an empty body, else a JSON object's boolean field."""
+    if not await request.read():
+        return False
+    keep = (await _json_object(request)).get("keep_cache", False)
+    if not isinstance(keep, bool):
+        raise InvalidRequest("'keep_cache' must be true or false", param="keep_cache")
+    return keep
+
+
 @web.middleware
 async def _error_envelope(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every error leaves as an OpenAI error envelope, including the router's 404 and 405."""
@@ -126,12 +139,16 @@ async def _error_envelope(request: web.Request, handler: Any) -> web.StreamRespo
 
 
 class Simulator:
-    """The simulated upstream's state (config, seeded RNG, counters) and its request handlers."""
+    """The simulated upstream's state (config, seeded RNG, counters, bill) and its request handlers.
 
-    def __init__(self, config: SimulatorConfig, *, sleep: Sleep = asyncio.sleep) -> None:
+    `sleep` is what simulated latency awaits; `clock` is what the prompt cache's TTL is measured on.
+    """
+
+    def __init__(self, config: SimulatorConfig, *, sleep: Sleep = asyncio.sleep, clock: Clock = monotonic) -> None:
         self._faults = FaultInjector(config)
         self._sleep = sleep
         self.stats = SimulatorStats()
+        self.biller = Biller(clock)
         self.last_request_body: dict[str, Any] | None = None
 
     @property
@@ -140,12 +157,18 @@ class Simulator:
         return self._faults.config
 
     def set_faults(self, **fields: Any) -> dict[str, Any]:
-        """Change fault/latency fields now; returns them all. Raises ValueError for bad fields."""
+        """Change run-time fields now (faults, latency, billing, streaming); returns them all.
+        Raises ValueError for bad fields."""
         return self._faults.update(**fields)
 
-    def reset_stats(self) -> None:
-        """Zero every counter."""
+    def stats_dict(self) -> dict[str, Any]:
+        """The counters and the bill, as GET /stats shows them."""
+        return {**self.stats.as_dict(), "bill": self.biller.as_dict(self.config)}
+
+    def reset_stats(self, *, keep_cache: bool = False) -> None:
+        """Zero every counter and the bill; forget the prompt cache unless `keep_cache`."""
         self.stats = SimulatorStats()
+        self.biller.reset(keep_cache=keep_cache)
 
     def close(self) -> None:
         """End hanging calls now, so that shutdown does not wait `hang_s` for them."""
@@ -156,7 +179,8 @@ class Simulator:
         table = [("POST", "/chat/completions", self.chat), ("POST", "/embeddings", self.embeddings),
                  ("GET", "/models", self.models), ("GET", "/stats", self.get_stats),
                  ("POST", "/stats/reset", self.post_stats_reset), ("GET", "/control/faults", self.get_faults),
-                 ("POST", "/control/faults", self.post_faults)]
+                 ("POST", "/control/faults", self.post_faults), ("GET", "/_sim/bill", self.get_bill),
+                 ("POST", "/_sim/bill/reset", self.post_bill_reset)]
         openai_routes = [web.route(method, prefix + path, handler)
                          for prefix in ("", "/v1") for method, path, handler in table]
         return openai_routes + anthropic_routes(self) + azure_routes(self)
@@ -170,28 +194,38 @@ class Simulator:
         return await self._faults.act(fault, request, stream=stream)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        """POST /chat/completions: answer, answer every block of a merged call, or inject a fault."""
+        """POST /chat/completions: answer, answer every block of a merged call, or inject a fault.
+
+        The reply stops at `max_tokens` / `max_completion_tokens` (finish_reason "length"), as providers do.
+        """
         self.stats.calls["chat_completions"] += 1
         body = self.last_request_body = await _json_object(request)
         messages, max_tokens = _chat_params(body)
-        stream = bool(body.get("stream"))
+        config = self.config
+        refuse_stream_fields(body, config)
+        asked_stream = bool(body.get("stream"))
         self.stats.chat_calls += 1
-        self.stats.stream_calls += int(stream)
+        self.stats.stream_calls += int(asked_stream)
         self.stats.merged_calls += int(bool(parse_request_blocks(question_text(messages))))
+        stream = asked_stream and not config.ignore_stream
         if (early := await self._injected_fault(request, chat=True, stream=stream)) is not None:
             return early
-        config = self.config
         reply = compose_reply(messages, max_tokens=max_tokens, config=config, rng=self._faults.rng)
         self.stats.record_faults(*reply.faults)
-        usage = {"prompt_tokens": prompt_tokens(messages), "completion_tokens": reply.completion_tokens}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        plan = plan_stream(reply, config, self._faults.rng) if stream else None
+        completion_tokens = reply.completion_tokens
+        if plan is not None and plan.error_after is not None:
+            self.stats.record_faults("stream_error")
+            completion_tokens = count_tokens(plan.sent_text)  # a provider bills what it generated
+        usage = self.biller.charge(messages, completion_tokens, request.headers, config)
         self.stats.prompt_tokens += usage["prompt_tokens"]
-        self.stats.completion_tokens += reply.completion_tokens
+        self.stats.completion_tokens += completion_tokens
         meta = {"id": f"chatcmpl-sim-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": body.get("model") or config.models[0]}
-        if stream:
+        if plan is not None:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._stream(request, meta, reply, usage if include_usage else None)
+            return await send_stream(request, meta, plan, usage=usage if include_usage else None, config=config,
+                                     pause=self._pause)
         await self._pause(config.latency_base_ms + config.latency_per_token_ms * reply.completion_tokens)
         message = {"role": "assistant", "content": reply.content, "refusal": None}
         return web.json_response({**meta, "object": "chat.completion", "system_fingerprint": "sim", "usage": usage,
@@ -201,36 +235,6 @@ class Simulator:
     async def _pause(self, milliseconds: float) -> None:
         if milliseconds > 0:
             await self._sleep(milliseconds / 1000)
-
-    async def _stream(self, request: web.Request, meta: dict[str, Any], reply: Reply,
-                      usage: dict[str, int] | None) -> web.StreamResponse:
-        """SSE: a role chunk, content chunks of a few words, a finish chunk, the usage chunk if asked, [DONE].
-
-        The base latency comes before the first chunk; the per-token latency is spread over the
-        content chunks in proportion to their length.
-        """
-        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-            chunk = {**meta, "object": "chat.completion.chunk", "system_fingerprint": "sim", "choices": choices,
-                     **({"usage": None} if usage is not None else {}), **extra}
-            return f"data: {json.dumps(chunk)}\n\n".encode()
-
-        def choice(delta: dict[str, Any], finish_reason: str | None = None) -> list[dict[str, Any]]:
-            return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        await self._pause(self.config.latency_base_ms)
-        await response.write(event(choice({"role": "assistant", "content": ""})))
-        per_token_ms = self.config.latency_per_token_ms * reply.completion_tokens
-        for piece in stream_pieces(reply.content):
-            await self._pause(per_token_ms * len(piece) / len(reply.content))
-            await response.write(event(choice({"content": piece})))
-        await response.write(event(choice({}, reply.finish_reason)))
-        if usage is not None:
-            await response.write(event([], usage=usage))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         """POST /embeddings: deterministic unit vectors per input, as float lists or base64 float32."""
@@ -260,16 +264,26 @@ class Simulator:
         return web.json_response({"object": "list", "data": data})
 
     async def get_stats(self, request: web.Request) -> web.StreamResponse:
-        """GET /stats: the counters."""
-        return web.json_response(self.stats.as_dict())
+        """GET /stats: the counters, and the bill under "bill"."""
+        return web.json_response(self.stats_dict())
 
     async def post_stats_reset(self, request: web.Request) -> web.StreamResponse:
-        """POST /stats/reset: zero the counters."""
-        self.reset_stats()
-        return web.json_response(self.stats.as_dict())
+        """POST /stats/reset: zero the counters and the bill; `{"keep_cache": true}` keeps the prompt cache warm."""
+        self.reset_stats(keep_cache=await _keep_cache(request))
+        return web.json_response(self.stats_dict())
+
+    async def get_bill(self, request: web.Request) -> web.StreamResponse:
+        """GET /_sim/bill: requests, prompt, cached and completion tokens, dollars, mode and prices."""
+        return web.json_response(self.biller.as_dict(self.config))
+
+    async def post_bill_reset(self, request: web.Request) -> web.StreamResponse:
+        """POST /_sim/bill/reset: zero the bill and forget the prompt cache (unless `{"keep_cache": true}`),
+        leaving the other counters alone, so that two benchmark arms can run against one simulator."""
+        self.biller.reset(keep_cache=await _keep_cache(request))
+        return web.json_response(self.biller.as_dict(self.config))
 
     async def get_faults(self, request: web.Request) -> web.StreamResponse:
-        """GET /control/faults: the fault and latency fields."""
+        """GET /control/faults: the fields that change at run time (faults, latency, billing, streaming)."""
         return web.json_response(self.config.runtime_fields())
 
     async def post_faults(self, request: web.Request) -> web.StreamResponse:
@@ -284,12 +298,14 @@ class Simulator:
 SIMULATOR_KEY = web.AppKey("simulator", Simulator)
 
 
-def create_simulator_app(config: SimulatorConfig, *, sleep: Sleep = asyncio.sleep) -> web.Application:
+def create_simulator_app(config: SimulatorConfig, *, sleep: Sleep = asyncio.sleep,
+                         clock: Clock = monotonic) -> web.Application:
     """The simulator as an aiohttp application; `app[SIMULATOR_KEY]` is its `Simulator`.
 
-    `sleep` is what simulated latency awaits (inject a recorder in tests).
+    `sleep` is what simulated latency awaits (inject a recorder in tests); `clock` is what the prompt
+    cache's TTL runs on (inject a `FakeClock` in tests).
     """
-    simulator = Simulator(config, sleep=sleep)
+    simulator = Simulator(config, sleep=sleep, clock=clock)
     app = web.Application(middlewares=[_error_envelope])
     app[SIMULATOR_KEY] = simulator
     app.add_routes(simulator.routes())
@@ -322,20 +338,28 @@ class RunningSimulator:
         return self._simulator.config
 
     def stats(self) -> dict[str, Any]:
-        """The counters, as GET /stats shows them."""
-        return self._simulator.stats.as_dict()
+        """The counters and the bill, as GET /stats shows them."""
+        return self._simulator.stats_dict()
+
+    def bill(self) -> dict[str, Any]:
+        """The bill, as GET /_sim/bill shows it."""
+        return self._simulator.biller.as_dict(self._simulator.config)
+
+    def reset_bill(self, *, keep_cache: bool = False) -> None:
+        """Zero the bill and forget the prompt cache unless `keep_cache` (the other counters stay)."""
+        self._simulator.biller.reset(keep_cache=keep_cache)
 
     def set_faults(self, **fields: Any) -> dict[str, Any]:
-        """Change fault/latency fields now (ValueError for bad ones); returns them all."""
+        """Change run-time fields now (faults, latency, billing, streaming; ValueError for bad ones); returns them all."""
         return self._simulator.set_faults(**fields)
 
     def last_request_body(self) -> dict[str, Any] | None:
         """The JSON body of the last chat or embeddings call received (to check what a broker forwarded)."""
         return self._simulator.last_request_body
 
-    def reset_stats(self) -> None:
-        """Zero every counter."""
-        self._simulator.reset_stats()
+    def reset_stats(self, *, keep_cache: bool = False) -> None:
+        """Zero every counter and the bill; forget the prompt cache unless `keep_cache`."""
+        self._simulator.reset_stats(keep_cache=keep_cache)
 
     async def close(self) -> None:
         """Stop serving; hanging calls end at once."""
@@ -350,9 +374,9 @@ class RunningSimulator:
 
 
 async def start_simulator(config: SimulatorConfig | None = None, host: str = "127.0.0.1", port: int = 0,
-                          *, sleep: Sleep = asyncio.sleep) -> RunningSimulator:
+                          *, sleep: Sleep = asyncio.sleep, clock: Clock = monotonic) -> RunningSimulator:
     """Start a simulator on host:port (port 0 picks a free one) and return it running."""
-    app = create_simulator_app(config or SimulatorConfig(), sleep=sleep)
+    app = create_simulator_app(config or SimulatorConfig(), sleep=sleep, clock=clock)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -1,18 +1,18 @@
 """Dispatch a released group: plan batches, send single or merged calls, carry out each settlement.
 
-Deciding is pure (`merge.grouping` plans batches, `merge.settle` settles a merged reply: split, leak
-checks, stop sequences, usage, fallback reasons); this module only acts: it embeds the prompts of a group
-that could merge, sends each batch through the provider pools, and executes the `Settlement`, so every
-member gets exactly one outcome. A member whose block is missing, broken, or leaks another member's text
-is re-sent alone within its own deadline; a merged call that fails, or whose reply cannot be read,
-re-sends all its members alone. Whatever goes wrong, no member's future is left unset (`jobs.answer_all`).
+Deciding is apart (`broker.engine.chat.planning` plans batches over `merge.grouping`; `merge.settle`
+settles a merged reply: split, leak checks, stop sequences, each member's own budget, usage, fallback
+reasons); this module only acts: it sends each batch through the provider pools and executes the
+`Settlement`, so every member gets exactly one outcome. A member whose block is missing, broken, or leaks
+another member's text is re-sent alone within its own deadline; a merged call that fails, or whose reply
+cannot be read, re-sends all its members alone. Whatever goes wrong, no member's future is left unset (`jobs.answer_all`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import structlog
@@ -23,42 +23,25 @@ from mergebroker.broker.engine.chat.counters import DispatchCounters
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, answer_all
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
+from mergebroker.broker.engine.chat.planning import BatchPlanner, MergeOptions, TierMergePolicy
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
+from mergebroker.merge.budget import token_budget
 from mergebroker.merge.embedder import Embedder
-from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 from mergebroker.merge.completion import member_completion
 from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.quality_guard import QualityGuard
-from mergebroker.broker.engine.chat.early_release import (CountedUsage, StreamCall, StreamedMembers, StreamedReply, settle_usage,
-                                              stream_blocks)
+from mergebroker.broker.engine.chat.early_release import (CountedUsage, StreamCall, StreamedReply, settle_usage,
+                                                          stream_blocks)
 from mergebroker.broker.engine.chat.member_stream import MemberStream
+from mergebroker.broker.engine.chat.stream_usage import (MeteredStream, caller_wants_usage, counted_usage, settle as
+                                                         settle_future, with_usage_requested)
+from mergebroker.broker.engine.chat.streamed_members import StreamedMembers
 from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, BlockVerdict, SettleMember, SettleOptions,
-                                      Settlement, apply_stop, apportion_reported, every_member, member_request_text,
+                                      Settlement, apportion_reported, every_member, member_request_text,
                                       settle, settle_call_error)
 from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class TierMergePolicy:
-    """How one tier merges."""
-
-    merge: bool
-    threshold: float
-    max_batch: int
-    tagged_system: bool = False
-    similarity_budget_s: float = 0.05  # longest a group waits for its vectors before it is sent unmerged
-
-
-@dataclass(frozen=True)
-class MergeOptions:
-    """Engine-wide merge options (from settings)."""
-
-    header: str | None
-    leak_min_words: int
-    context_tokens: dict[str, int]
-    default_context_tokens: int
 
 
 class Dispatcher:
@@ -71,33 +54,18 @@ class Dispatcher:
         self._pools = pools
         self._tiers = tiers
         self._options = options
-        self._embedder = embedder
         self._guard = guard
-        self._merging_allowed = merging_allowed
         self._count = DispatchCounters(metrics)
         self._clock = clock
-        self._prefetching: set[asyncio.Future[Any]] = set()
+        self._planner = BatchPlanner(tiers, options, embedder=embedder, guard=guard, merging_allowed=merging_allowed,
+                                     count=self._count, clock=clock)
         self._on_merged_answer = on_merged_answer  # (job, answer, batch size): the shadow comparison's sampler
+        self._settling = SettleOptions(options.leak_min_words, count_text_tokens)
 
     def prefetch(self, tier: str, jobs: list[ChatJob]) -> None:
-        """Start embedding prompts that have a merge partner while their window is still open.
-
-        The queue calls this as partners arrive; the vectors land in the embedder's cache (or are awaited
-        there if still running), so the group rarely waits for the model when its window closes.
-        """
-        policy = self._tiers.get(tier)
-        if (policy is None or not policy.merge or self._embedder is None or not self._embedder.ready
-                or not needs_embedding(2, policy.threshold)):
-            return
-        texts = [j.shape.user_text for j in jobs if j.shape is not None]
-        if texts:
-            task = asyncio.ensure_future(self._embedder.embed(texts))
-            self._prefetching.add(task)
-            task.add_done_callback(self._prefetched)
-
-    def _prefetched(self, task: asyncio.Future[Any]) -> None:
-        self._prefetching.discard(task)
-        _retrieve(task)
+        """Start embedding prompts that have a merge partner while their window is still open
+        (`BatchPlanner.prefetch`)."""
+        self._planner.prefetch(tier, jobs)
 
     async def run_group(self, group: ReleasedGroup[ChatJob]) -> None:
         """Answer every member of the group (result or error); never raises but for cancellation."""
@@ -106,56 +74,11 @@ class Dispatcher:
             await answer_all(jobs, self._run_group(group.tier, jobs))
 
     async def _run_group(self, tier: str, jobs: list[ChatJob]) -> None:
-        batches = await self._plan(tier, jobs)
+        batches = await self._planner.plan(tier, jobs)
         if len(batches) == 1:  # the common case needs no task of its own
             await self._run_batch(tier, batches[0])
         else:
             await asyncio.gather(*(answer_all(b, self._run_batch(tier, b)) for b in batches))
-
-    async def _plan(self, tier: str, jobs: list[ChatJob]) -> list[list[ChatJob]]:
-        policy = self._tiers[tier]
-        model = jobs[0].model
-        if len(jobs) == 1 or not policy.merge or jobs[0].shape is None or not self._merging_allowed(model):
-            return [[j] for j in jobs]
-        paused = [[j] for j in jobs if not self._guard.allows(j.caller.tenant, model)]  # only their own tenant's
-        if paused:
-            jobs = [j for j in jobs if self._guard.allows(j.caller.tenant, model)]
-            return paused + (await self._plan(tier, jobs) if jobs else [])
-        vectors = None
-        if needs_embedding(len(jobs), policy.threshold):
-            if self._embedder is None or not self._embedder.ready:
-                return [[j] for j in jobs]  # cannot judge similarity yet: send alone, never wrongly merged
-            vectors = await self._vectors(tier, jobs, policy.similarity_budget_s)
-            if vectors is None:
-                return [[j] for j in jobs]
-        budget = self._options.context_tokens.get(model, self._options.default_context_tokens)
-        costs = [j.reserved_tokens for j in jobs]
-        plan = group_by_similarity(vectors, threshold=policy.threshold, max_batch=policy.max_batch,
-                                   costs=costs, budget=budget)
-        return [[jobs[i] for i in batch] for batch in plan]
-
-    async def _vectors(self, tier: str, jobs: list[ChatJob], budget_s: float) -> Any:
-        """The group's prompt vectors, or None when the model fails or is slower than `budget_s`.
-
-        A worker never waits long on the model: a busy model would otherwise hold every group behind it.
-        Past the budget the group goes out unmerged (always correct), and the encode still finishes in the
-        background, so the vectors are cached for the paraphrases that come next.
-        """
-        started = self._clock()
-        encode = asyncio.ensure_future(self._embedder.embed([j.shape.user_text for j in jobs]))  # type: ignore
-        try:
-            async with self._clock.timeout_at(started + budget_s):
-                vectors = await asyncio.shield(encode)
-        except TimeoutError:
-            encode.add_done_callback(_retrieve)
-            self._count.similarity_skipped("similarity_slow", len(jobs))
-            return None
-        except Exception as exc:  # noqa: BLE001 - without similarity, sending alone is always correct
-            log.warning("embedding_failed", tier=tier, size=len(jobs), error=type(exc).__name__)
-            self._count.similarity_skipped("similarity_failed", len(jobs))
-            return None
-        self._count.embedding_time(self._clock() - started)
-        return vectors
 
     async def _run_batch(self, tier: str, jobs: list[ChatJob]) -> None:
         live = [j for j in jobs if not j.future.done()]  # callers gone before dispatch are dropped
@@ -189,15 +112,16 @@ class Dispatcher:
         """A streaming request that found no partner: its own upstream stream, relayed as it comes."""
         started = self._clock()
         try:
-            chunks, provider = await self._pools.stream_chat(job.model, job.body, deadline=deadline,
-                                                             priority=job.priority,
+            chunks, provider = await self._pools.stream_chat(job.model, with_usage_requested(job.body),
+                                                             deadline=deadline, priority=job.priority,
                                                              tokens=job.reserved_tokens)
         except BrokerError as exc:
             job.fail(exc)
             return
-        job.resolve(ChatOutcome({}, provider, self._clock() - started, stream=chunks))
+        metered = MeteredStream(chunks, relay_usage=caller_wants_usage(job.body), prompt_tokens=job.prompt_tokens)
+        job.resolve(ChatOutcome({}, provider, self._clock() - started, stream=metered, settled_usage=metered.usage))
         if job.future.cancelled():  # the caller left meanwhile: free the upstream slot now
-            await chunks.aclose()  # type: ignore[attr-defined]
+            await metered.aclose()
 
     async def _run_merged(self, tier: str, jobs: list[ChatJob]) -> None:
         by_id = dict(zip(new_batch_ids(len(jobs)), jobs))
@@ -228,7 +152,7 @@ class Dispatcher:
             reply, provider = {}, ""
         else:
             try:
-                settlement = settle(reply, members, SettleOptions(self._options.leak_min_words))
+                settlement = settle(reply, members, self._settling)
             except Exception:  # noqa: BLE001 - a reply we cannot read must not cost the members their answers
                 log.exception("merged_reply_unreadable", batch_id=batch_id)
                 settlement = every_member(members, BAD_REPLY)
@@ -243,7 +167,7 @@ class Dispatcher:
                             members: list[SettleMember], prompt_estimate: int, batch_id: str) -> None:
         """Early release: the merged call streams, and each member is answered the moment its block closes
         and passes its checks (usage counted); the ledger settles with the reported usage at the end."""
-        started, counted, stops = self._clock(), CountedUsage(prompt_estimate, members), {m.id: m.stop for m in members}
+        started, counted = self._clock(), CountedUsage(prompt_estimate, members)
         answers: dict[str, str] = {}
         settled: dict[str, asyncio.Future[dict[str, int]]] = {}
         retry_alone: list[asyncio.Future[None]] = []
@@ -252,20 +176,17 @@ class Dispatcher:
         def on_verdict(member_id: str, verdict: BlockVerdict, reply: StreamedReply) -> None:
             job = by_id[member_id]
             if streams is not None:
-                usage = counted.usage(member_id, verdict.answer) if verdict.answer is not None else None
-                if verdict.answer is not None:
-                    answers[member_id] = verdict.answer
-                if not streams.close(member_id, verdict, usage):
-                    self._count.fallback(verdict.reason or BAD_REPLY)
+                self._close_streamed(streams, member_id, verdict, counted, answers)
                 return
             if verdict.answer is None:
                 self._count.fallback(verdict.reason or BAD_REPLY)
                 log.info("split_fallback", batch_id=batch_id, reason=verdict.reason, request_id=job.request_id)
                 retry_alone.append(asyncio.ensure_future(self.run_single(job, fallback=verdict.reason)))
                 return
-            text = answers[member_id] = apply_stop(verdict.answer, stops[member_id])
+            text = answers[member_id] = verdict.answer
             settled[member_id] = asyncio.get_running_loop().create_future()
-            body = member_completion(reply.meta, text, counted.usage(member_id, text), model=job.model)
+            body = member_completion(reply.meta, text, counted.usage(member_id, text), model=job.model,
+                                     finish_reason=verdict.finish_reason)
             job.resolve(ChatOutcome(body, reply.provider, self._clock() - started, batch_size=len(by_id),
                                     batch_id=batch_id, settled_usage=settled[member_id]))
             if self._on_merged_answer is not None:
@@ -274,8 +195,8 @@ class Dispatcher:
 
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
-            reply = await stream_blocks(self._pools, call, members, SettleOptions(self._options.leak_min_words),
-                                        on_verdict, clock=self._clock, on_delta=streams.feed if streams else None)
+            reply = await stream_blocks(self._pools, call, members, self._settling, on_verdict, clock=self._clock,
+                                        on_delta=streams.feed if streams else None)
         except BrokerError as exc:  # before the first chunk: as a failed merged call
             settlement = settle_call_error(exc, members)
             if streams is not None:
@@ -285,18 +206,30 @@ class Dispatcher:
             retry_alone += [asyncio.ensure_future(self.run_single(job, fallback=reason))
                             for job, reason in self._execute(tier, {}, shared, by_id, settlement)]
         else:
-            self._streamed_to_the_end(tier, by_id, members, answers, reply, counted, settled)
+            self._streamed_to_the_end(tier, by_id, members, answers, reply, counted, settled, streams)
         finally:
             structlog.contextvars.unbind_contextvars("batch_id")
             settle_usage(settled, {i: counted.usage(i, text) for i, text in answers.items()})  # never left open
+            if streams is not None:
+                streams.settle_rest(counted.token_usage)
         if streams is not None:
             self._count.first_tokens(streams.first_tokens())
             retry_alone += streams.resent
         await asyncio.gather(*retry_alone)
 
+    def _close_streamed(self, streams: StreamedMembers, member_id: str, verdict: BlockVerdict,
+                        counted: CountedUsage, answers: dict[str, str]) -> None:
+        """Merged streams: a member's verdict ends its stream (or sends it alone, counted as a fallback)."""
+        usage = counted.usage(member_id, verdict.answer) if verdict.answer is not None else None
+        if verdict.answer is not None:
+            answers[member_id] = verdict.answer
+        if not streams.close(member_id, verdict, usage):
+            self._count.fallback(verdict.reason or BAD_REPLY)
+
     def _streamed_to_the_end(self, tier: str, by_id: dict[str, ChatJob], members: list[SettleMember],
                              answers: dict[str, str], reply: StreamedReply, counted: CountedUsage,
-                             settled: dict[str, asyncio.Future[dict[str, int]]]) -> None:
+                             settled: dict[str, asyncio.Future[dict[str, int]]],
+                             streams: StreamedMembers | None) -> None:
         """A streamed merged call ended: the quality guard hears which members failed, released answers'
         usage settles with the provider's report (counted when it sent none), and the savings are counted."""
         failed = {i: "streamed" for i in by_id if i not in answers}
@@ -304,6 +237,9 @@ class Dispatcher:
         usage = apportion_reported(reply.usage, members, answers) if reply.usage else {
             i: counted.usage(i, text) for i, text in answers.items()}
         settle_usage(settled, usage)
+        if streams is not None:
+            streams.settle_answered(usage if reply.usage else {
+                i: counted.token_usage(i, text) for i, text in answers.items()})
         sent = (reply.usage or {}).get("prompt_tokens")
         self._count.merged(tier, answered=len(answers), batch_size=len(by_id), tokens_saved=(
             sum(m.alone_prompt_tokens for m in members) - sent if isinstance(sent, int) else 0))
@@ -313,22 +249,35 @@ class Dispatcher:
         """Merged streams: every member answered at once with its own stream, fed as the reply streams."""
         streams = StreamedMembers(by_id, {m.id: m.request_text for m in members},
                                   hold_words=self._options.leak_min_words, resend_alone=self._stream_alone,
-                                  include_usage={i: bool((j.body.get("stream_options") or {}).get("include_usage"))
-                                                 for i, j in by_id.items()}, clock=self._clock)
+                                  include_usage={i: caller_wants_usage(j.body) for i, j in by_id.items()},
+                                  clock=self._clock)
         for member_id, stream in streams.outcome_streams().items():
             by_id[member_id].resolve(ChatOutcome({}, None, 0.0, batch_size=len(by_id), batch_id=batch_id,
-                                                 stream=stream))
+                                                 stream=stream, settled_usage=streams.usage[member_id]))
         return streams
 
-    async def _stream_alone(self, job: ChatJob, stream: MemberStream) -> None:
-        """Re-send a streamed member alone and switch its stream over to the new one."""
+    async def _stream_alone(self, job: ChatJob, stream: MemberStream, usage: asyncio.Future[Any]) -> None:
+        """Re-send a streamed member alone: its stream switches over to the new one, or, when some of its
+        text was sent already, continues from there (`MemberStream.resume_with`); `usage` is its own call's."""
         try:
-            chunks, _ = await self._pools.stream_chat(job.model, job.body, deadline=job.deadline,
+            chunks, _ = await self._pools.stream_chat(job.model, with_usage_requested(job.body), deadline=job.deadline,
                                                       priority=job.priority, tokens=job.reserved_tokens)
         except BrokerError as exc:
+            settle_future(usage, counted_usage(job.prompt_tokens, stream.released))
             stream.fail(exc)
             return
-        stream.switch_to(chunks)
+        resuming = stream.sent_text
+        metered = MeteredStream(chunks, relay_usage=resuming or caller_wants_usage(job.body),
+                                prompt_tokens=job.prompt_tokens)
+        if stream.ended:  # its caller left while the call opened: nobody will read it
+            await metered.aclose()
+            settle_future(usage, await metered.usage)
+            return
+        metered.usage.add_done_callback(lambda done: settle_future(usage, done.result()))
+        if resuming:
+            stream.resume_with(metered)
+        else:
+            stream.switch_to(metered)
 
     def _merged_body(self, by_id: dict[str, ChatJob], tagged: bool) -> dict[str, Any]:
         """The combined request: the first member's parameters, one tagged block per member."""
@@ -336,7 +285,7 @@ class Dispatcher:
         members = [MergeMember(i, j.shape.user_text, j.max_tokens, j.shape.system_prompt)  # type: ignore[union-attr]
                    for i, j in by_id.items()]
         return merged_request_body(first.body, members, system_prompt=first.shape.system_prompt,  # type: ignore
-                                   header=self._options.header, tagged_system=tagged)
+                                   header=self._options.header, tagged_system=tagged, count_tokens=count_text_tokens)
 
     def _execute(self, tier: str, reply: dict[str, Any], shared: ChatOutcome, by_id: dict[str, ChatJob],
                  settlement: Settlement) -> list[tuple[ChatJob, str]]:
@@ -344,7 +293,8 @@ class Dispatcher:
         if settlement.needed_fallback is not None:
             self._record_guard(by_id, settlement)
         for member_id, answer in settlement.answers.items():
-            body = member_completion(reply, answer.text, answer.usage, model=by_id[member_id].model)
+            body = member_completion(reply, answer.text, answer.usage, model=by_id[member_id].model,
+                                     finish_reason=answer.finish_reason)
             by_id[member_id].resolve(replace(shared, body=body))
             if self._on_merged_answer is not None:
                 self._on_merged_answer(by_id[member_id], answer.text, len(by_id))
@@ -367,17 +317,13 @@ class Dispatcher:
             self._guard.record(tenant, model, bool(settlement.needed_fallback) and tenant in failed)
 
 
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """Mark a background encode's error as seen (it is logged where it matters: the next caller's encode)."""
-    if not task.cancelled():
-        task.exception()
-
-
 def _settle_member(member_id: str, job: ChatJob, tagged_system: bool) -> SettleMember:
     shape = job.shape
     request = member_request_text(shape.system_prompt, shape.user_text, tagged_system)  # type: ignore[union-attr]
+    # Cut at the caller's own budget only: without one, alone it would not have been cut at the broker's
+    # default either (which only sizes the merged call).
     return SettleMember(member_id, request, count_text_tokens(shape.user_text), job.prompt_tokens,  # type: ignore
-                        job.body.get("stop"))
+                        job.body.get("stop"), max_tokens=token_budget(job.body, 0) or None)
 
 
 MERGED_CALL_SHARE = 0.5

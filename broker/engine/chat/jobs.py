@@ -37,9 +37,10 @@ class ChatOutcome:
     batch_size: int = 1
     batch_id: str | None = None
     fallback: str | None = None  # why a merged member was re-sent alone, if it was
-    # Released early (before the merged reply ended): the usage apportioned from the provider's report,
-    # once it arrives; the body's usage is counted. The ledger waits for it (broker.middleware).
-    settled_usage: asyncio.Future[dict[str, int]] | None = field(default=None, compare=False, repr=False)
+    # Known later, and the ledger waits for it (`RequestInfo.usage_settles`): released early (before the
+    # merged reply ended), the usage apportioned from the provider's report (a usage mapping; the body's is
+    # counted); a stream, its usage once it ends (a `TokenUsage`: the provider's, or counted).
+    settled_usage: asyncio.Future[Any] | None = field(default=None, compare=False, repr=False)
     # A streaming request's answer: SSE event bytes to relay (its own upstream stream, or its block of a
     # merged one, `broker.engine.chat.member_stream`); `body` is empty then.
     stream: AsyncIterator[bytes] | None = field(default=None, compare=False, repr=False)

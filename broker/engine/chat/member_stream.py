@@ -4,9 +4,12 @@ The dispatcher feeds a `MemberStream` while the merged reply streams (`release` 
 leak checks, then `finish`); the HTTP handler iterates it and gets ready-to-send SSE events in OpenAI's
 `chat.completion.chunk` shape, with an ID of the member's own. Nothing is sent before the first text, so
 a member whose block fails before any of its text was released can `switch_to` a stream of its own
-(re-sent alone) and the client sees one ordinary stream, with no seam. `end_filtered` ends a stream
-whose block turned out to leak another member's text with `finish_reason: "content_filter"`; `fail`
-ends it with one SSE error event.
+(re-sent alone) and the client sees one ordinary stream, with no seam. A member whose block broke off
+after some of its text was sent `resume_with` a stream of its own: its text is relayed from where the
+member's left off (the part already sent is skipped), so the client still sees one stream; should the
+new answer not begin with what was sent, the stream ends there with `length` (the text sent cannot be
+taken back). `end_filtered` ends a stream whose block turned out to leak another member's text with
+`finish_reason: "content_filter"`; `fail` ends it with one SSE error event.
 
 Every method is safe to call after the stream ended (the first ending wins), and from the loop only.
 """
@@ -20,6 +23,7 @@ from typing import Any, AsyncIterator
 
 from mergebroker import jsonio
 from mergebroker.errors import BrokerError
+from mergebroker.providers.sse import chat_event
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -35,12 +39,19 @@ class MemberStream:
         self._include_usage = include_usage
         self.sent_text = False  # some of the member's text has been released to it
         self.ended = False
+        self._released: list[str] = []
         self._relayed: AsyncIterator[bytes] | None = None
+
+    @property
+    def released(self) -> str:
+        """The text released to the member so far."""
+        return "".join(self._released)
 
     def release(self, text: str) -> None:
         """Send `text` (already checked) to the member."""
         if text and not self.ended:
             self.sent_text = True
+            self._released.append(text)
             self._items.put_nowait(("text", text))
 
     def finish(self, finish_reason: str, usage: dict[str, int] | None = None) -> None:
@@ -62,6 +73,12 @@ class MemberStream:
         self._relayed = chunks
         self._end("relay", chunks)
 
+    def resume_with(self, chunks: AsyncIterator[bytes]) -> None:
+        """Continue from `chunks` (the member's own upstream stream, asked for its usage chunk), skipping
+        the text already sent; for a member whose block broke off after some of its text was sent."""
+        self._relayed = chunks
+        self._end("resume", chunks)
+
     def _end(self, kind: str, value: Any) -> None:
         if not self.ended:
             self.ended = True
@@ -78,6 +95,10 @@ class MemberStream:
                 async for chunk in value:
                     yield chunk
                 return
+            if kind == "resume":
+                async for event in self._resumed(value):
+                    yield event
+                return
             if not started and kind in ("text", "finish"):
                 started = True
                 yield self._chunk({"role": "assistant", "content": ""})
@@ -93,6 +114,30 @@ class MemberStream:
             else:
                 yield b"data: " + jsonio.dumps(value.body()) + b"\n\n"
                 return
+
+    async def _resumed(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The member's own answer from where its merged block left off (see the module docstring)."""
+        sent, seen, finish_reason, usage = self.released, "", None, None
+        async for chunk in chunks:
+            event = chat_event(chunk)
+            usage = event.usage or usage
+            finish_reason = event.finish_reason or finish_reason
+            if not event.text:
+                continue
+            before, seen = seen, seen + event.text
+            if len(seen) <= len(sent):
+                if not sent.startswith(seen):
+                    finish_reason = "length"  # another answer than the one begun: end where the sent text ends
+                    break
+            elif not seen.startswith(sent):
+                finish_reason = "length"
+                break
+            else:
+                yield self._chunk({"content": seen[max(len(sent), len(before)):]})
+        yield self._chunk({}, finish_reason or "stop")
+        if self._include_usage and usage is not None:
+            yield self._event({"choices": [], "usage": usage})
+        yield _DONE
 
     async def aclose(self) -> None:
         """Stop: a relayed stream of its own is closed (the merged call belongs to the dispatcher)."""

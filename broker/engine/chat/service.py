@@ -22,6 +22,7 @@ from mergebroker.errors import DeadlineExceeded, UpstreamUnavailable
 from mergebroker.merge.budget import token_budget
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
+from mergebroker.broker.engine.chat.stream_usage import MeteredStream, caller_wants_usage, with_usage_requested
 from mergebroker.broker.engine.limits.limiter import Limiter
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec, Reservation
@@ -46,6 +47,17 @@ class ChatResult:
     cache: str  # "hit" | "coalesced" | "miss"
     limit_headers: dict[str, str]
     prompt_estimate: int = 0  # estimated prompt tokens had it been sent alone
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """A stream as it starts: the SSE events to relay, the outcome (provider, batch, the usage to come),
+    the rate-limit reservation to settle, and the prompt's estimated tokens had it been sent alone."""
+
+    chunks: AsyncIterator[bytes]
+    outcome: ChatOutcome
+    reservation: Reservation
+    prompt_estimate: int = 0
 
 
 @dataclass(frozen=True)
@@ -245,10 +257,12 @@ class ChatService:
         return body.get("temperature") == 0 or self._settings.cache.cache_nondeterministic
 
     async def stream(self, caller: Caller, body: dict[str, Any], *, timeout_s: float | None,
-                     request_id: str = "", merge_opt_out: bool = False
-                     ) -> tuple[AsyncIterator[bytes], ChatOutcome, Reservation]:
+                     request_id: str = "", merge_opt_out: bool = False) -> StreamStart:
         """Open a stream for a streaming request: its own upstream stream, or, in a tier with
-        `merge_streams`, its block of a merged call (queued like any mergeable request)."""
+        `merge_streams`, its block of a merged call (queued like any mergeable request).
+
+        Either way the outcome's `settled_usage` settles with the stream's usage once it ends (the
+        provider's, asked for upstream whether or not the caller did; counted when it sends none)."""
         tier = self._tiers[caller.tier]
         deadline = self._clock() + tier.timeout_for(timeout_s)
         self.check_fast_fail(body["model"])
@@ -259,8 +273,9 @@ class ChatService:
                                  max_tokens, False, stream=True)
                 async with self._clock.timeout_at(deadline):
                     outcome = await self._queue.submit(job)
-                return outcome.stream, outcome, reservation  # type: ignore[return-value]
-            chunks, provider = await self._pools.stream_chat(body["model"], body, deadline=deadline,
+                return StreamStart(outcome.stream, outcome, reservation, prompt_tokens)  # type: ignore[arg-type]
+            chunks, provider = await self._pools.stream_chat(body["model"], with_usage_requested(body),
+                                                             deadline=deadline,
                                                              priority=aged_rank(tier.priority, self._clock(),
                                                                                 self._settings.server.aging_per_s),
                                                              tokens=prompt_tokens + max_tokens, tenant=caller.tenant)
@@ -271,7 +286,9 @@ class ChatService:
         except BaseException:
             await reservation.settle(0)
             raise
-        return chunks, ChatOutcome({}, provider, 0.0), reservation
+        metered = MeteredStream(chunks, relay_usage=caller_wants_usage(body), prompt_tokens=prompt_tokens)
+        return StreamStart(metered, ChatOutcome({}, provider, 0.0, settled_usage=metered.usage), reservation,
+                           prompt_tokens)
 
     def _streams_merge(self, tier: TierSettings, body: dict[str, Any]) -> bool:
         """Whether a streaming request may wait for merge partners: the tier allows it, the upstreams take

@@ -1,0 +1,135 @@
+"""Planning a released group: which of its requests share an upstream call (the batches), decided before
+anything is sent.
+
+A group merges only where its tier merges, the model's upstreams are healthy enough (`merging_allowed`)
+and the quality guard allows the tenant; then its prompts are embedded (within the tier's similarity
+budget, prefetched while the window was open) and `merge.grouping.group_by_similarity` plans batches of
+similar prompts that fit the model's context. Whenever similarity cannot be judged in time, every request
+goes alone: always correct, never wrongly merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import structlog
+
+from mergebroker.broker.engine.chat.counters import DispatchCounters
+from mergebroker.broker.engine.chat.jobs import ChatJob
+from mergebroker.clock import Clock
+from mergebroker.merge.embedder import Embedder
+from mergebroker.merge.grouping import group_by_similarity, needs_embedding
+from mergebroker.merge.quality_guard import QualityGuard
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class TierMergePolicy:
+    """How one tier merges."""
+
+    merge: bool
+    threshold: float
+    max_batch: int
+    tagged_system: bool = False
+    similarity_budget_s: float = 0.05  # longest a group waits for its vectors before it is sent unmerged
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """Engine-wide merge options (from settings)."""
+
+    header: str | None
+    leak_min_words: int
+    context_tokens: dict[str, int]
+    default_context_tokens: int
+
+
+class BatchPlanner:
+    """Plans the batches of released groups (see the module docstring)."""
+
+    def __init__(self, tiers: dict[str, TierMergePolicy], options: MergeOptions, *, embedder: Embedder | None,
+                 guard: QualityGuard, merging_allowed: Callable[[str], bool], count: DispatchCounters,
+                 clock: Clock) -> None:
+        self._tiers = tiers
+        self._options = options
+        self._embedder = embedder
+        self._guard = guard
+        self._merging_allowed = merging_allowed
+        self._count = count
+        self._clock = clock
+        self._prefetching: set[asyncio.Future[Any]] = set()
+
+    def prefetch(self, tier: str, jobs: list[ChatJob]) -> None:
+        """Start embedding prompts that have a merge partner while their window is still open.
+
+        The queue calls this as partners arrive; the vectors land in the embedder's cache (or are awaited
+        there if still running), so the group rarely waits for the model when its window closes.
+        """
+        policy = self._tiers.get(tier)
+        if (policy is None or not policy.merge or self._embedder is None or not self._embedder.ready
+                or not needs_embedding(2, policy.threshold)):
+            return
+        texts = [j.shape.user_text for j in jobs if j.shape is not None]
+        if texts:
+            task = asyncio.ensure_future(self._embedder.embed(texts))
+            self._prefetching.add(task)
+            task.add_done_callback(self._prefetched)
+
+    def _prefetched(self, task: asyncio.Future[Any]) -> None:
+        self._prefetching.discard(task)
+        _retrieve(task)
+
+    async def plan(self, tier: str, jobs: list[ChatJob]) -> list[list[ChatJob]]:
+        """The batches to send for a released group of `tier`: lists of its jobs, one call each."""
+        policy = self._tiers[tier]
+        model = jobs[0].model
+        if len(jobs) == 1 or not policy.merge or jobs[0].shape is None or not self._merging_allowed(model):
+            return [[j] for j in jobs]
+        paused = [[j] for j in jobs if not self._guard.allows(j.caller.tenant, model)]  # only their own tenant's
+        if paused:
+            jobs = [j for j in jobs if self._guard.allows(j.caller.tenant, model)]
+            return paused + (await self.plan(tier, jobs) if jobs else [])
+        vectors = None
+        if needs_embedding(len(jobs), policy.threshold):
+            if self._embedder is None or not self._embedder.ready:
+                return [[j] for j in jobs]  # cannot judge similarity yet: send alone, never wrongly merged
+            vectors = await self._vectors(tier, jobs, policy.similarity_budget_s)
+            if vectors is None:
+                return [[j] for j in jobs]
+        budget = self._options.context_tokens.get(model, self._options.default_context_tokens)
+        costs = [j.reserved_tokens for j in jobs]
+        plan = group_by_similarity(vectors, threshold=policy.threshold, max_batch=policy.max_batch,
+                                   costs=costs, budget=budget)
+        return [[jobs[i] for i in batch] for batch in plan]
+
+    async def _vectors(self, tier: str, jobs: list[ChatJob], budget_s: float) -> Any:
+        """The group's prompt vectors, or None when the model fails or is slower than `budget_s`.
+
+        A worker never waits long on the model: a busy model would otherwise hold every group behind it.
+        Past the budget the group goes out unmerged (always correct), and the encode still finishes in the
+        background, so the vectors are cached for the paraphrases that come next.
+        """
+        started = self._clock()
+        encode = asyncio.ensure_future(self._embedder.embed([j.shape.user_text for j in jobs]))  # type: ignore
+        try:
+            async with self._clock.timeout_at(started + budget_s):
+                vectors = await asyncio.shield(encode)
+        except TimeoutError:
+            encode.add_done_callback(_retrieve)
+            self._count.similarity_skipped("similarity_slow", len(jobs))
+            return None
+        except Exception as exc:  # noqa: BLE001 - without similarity, sending alone is always correct
+            log.warning("embedding_failed", tier=tier, size=len(jobs), error=type(exc).__name__)
+            self._count.similarity_skipped("similarity_failed", len(jobs))
+            return None
+        self._count.embedding_time(self._clock() - started)
+        return vectors
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark a background encode's error as seen (it is logged where it matters: the next caller's encode)."""
+    if not task.cancelled():
+        task.exception()
