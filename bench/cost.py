@@ -98,7 +98,7 @@ async def run_point(sim: Process, workload: Workload, point: str, n: int) -> dic
                                                   "price_output": price_out})
     bodies = workload.bodies(n)
     await post_json(sim.url + "/_sim/bill/reset", {})
-    direct_texts = await _send_all(sim.url + "/v1", bodies, {"Authorization": "Bearer direct"})
+    direct_texts = await _send_all(sim.url, bodies, {"Authorization": "Bearer direct"})
     direct = await _bill(sim)
     await post_json(sim.url + "/_sim/bill/reset", {})
     config = {"providers": [{"name": "sim", "base_url": sim.url + "/v1", "models": [MODEL]}],

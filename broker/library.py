@@ -117,7 +117,7 @@ class Broker:
                 raise InvalidRequest("Streaming is served over HTTP only; leave 'stream' unset here.",
                                      param="stream")
             who = self._caller(engine, info, caller, parsed.broker, parsed.user)
-            handling.check_chat_model(engine, info, parsed)
+            handling.check_chat_model(engine, info, parsed, forward)
             result = await handling.complete_chat(engine, info, who, parsed, forward,
                                                   cache_control or CacheControl())
             return Reply(result.outcome.body, handling.chat_headers(result))

@@ -71,10 +71,4 @@ DEFAULT_PRICES: dict[str, dict[str, Any]] = {
                         "context_window": 200_000, "max_output_tokens": 32_000, "cache": "anthropic"},
     "claude-haiku-4-5": {"input": 1.00, "cached_input": 0.10, "cache_write": 1.25, "output": 5.00,
                          "context_window": 200_000, "max_output_tokens": 64_000, "cache": "anthropic"},
-    # The built-in simulator's models (providers/simulator), priced like gpt-4o-mini and gpt-4o so that the
-    # offline demo reports dollars. Nobody bills for them.
-    "sim-small": {"input": 0.15, "cached_input": 0.075, "output": 0.60,
-                  "context_window": 128_000, "max_output_tokens": 16_384, "cache": "openai"},
-    "sim-large": {"input": 2.50, "cached_input": 1.25, "output": 10.00,
-                  "context_window": 128_000, "max_output_tokens": 16_384, "cache": "openai"},
 }

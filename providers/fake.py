@@ -87,11 +87,15 @@ class FakePool:
     def __init__(self, merged: Merged | None = None, *, fast_fail: float | None = None) -> None:
         self._merged = merged
         self.fast_fail = fast_fail
+        self.pressure = 0.0  # what rpm_pressure reports: set it to make the provider's RPM bind
         self.single_calls: list[str] = []
         self.merged_calls: list[list[tuple[str, str]]] = []
 
     def fast_fail_after(self, model: str) -> float | None:
         return self.fast_fail
+
+    def rpm_pressure(self, model: str) -> float:
+        return self.pressure
 
     def streams_merged(self, model: str) -> bool:
         return False  # merged replies come whole: tests shape them as one body

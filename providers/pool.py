@@ -118,6 +118,14 @@ class ProviderPools:
                 continue
         return []
 
+    def rpm_pressure(self, model: str) -> float:
+        """How close the model's upstreams are to their declared RPM, 0..1 (the least pressed one counts:
+        a call that fits there costs the limit nothing)."""
+        upstreams = [u for u in self.for_model(model) if not u.is_open()]
+        if not upstreams:
+            return 0.0
+        return min(u.limiter.rpm_pressure() if u.limiter is not None else 0.0 for u in upstreams)
+
     def fast_fail_after(self, model: str) -> float | None:
         """Seconds until the next probe when every upstream of the model is open, else None."""
         return all_open_retry_after([u.breaker for u in self.for_model(model)])

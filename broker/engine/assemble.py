@@ -30,6 +30,7 @@ from mergebroker.broker.engine.chat.shadow import ShadowRunner
 from mergebroker.broker.engine.chat.workers import LocalJobQueue
 from mergebroker.broker.engine.embeddings.service import build_embedding_service
 from mergebroker.broker.engine.limits.admission import Authenticator
+from mergebroker.broker.engine.merge_economy import MergeEconomy
 from mergebroker.broker.engine.limits.limiter import Limiter
 from mergebroker.broker.engine.limits.ratelimit import RateLimiter
 from mergebroker.broker.engine.limits.redis_limiter import RedisRateLimiter
@@ -42,6 +43,8 @@ from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.embedder import BatchingEmbedder, CachingEmbedder
 from mergebroker.merge.lru import LruCache
+from mergebroker.merge.merge_cost import MergePolicy
+from mergebroker.merge.prompt import DEFAULT_HEADER
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.redis_cache import RedisCache, make_redis_client
 from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
@@ -95,7 +98,9 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
     guard = _guard(settings, clock, metrics)
     shadow = ShadowRunner(pools, rate=settings.merge.shadow_rate, tpm=settings.merge.shadow_tpm, guard=guard,
                           metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
-    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow)
+    costs = CostBook(settings.price_table(), metrics=metrics, clock=clock)
+    economy = _economy(settings, costs, clock)
+    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow, economy)
     tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap,
                         adaptive=t.window_policy == "adaptive", min_partners=t.window_min_partners)
              for t in settings.tiers]
@@ -120,7 +125,7 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
     broker = Broker(settings, metrics, auth, pools, jobs, chat, embeddings, policy, breakers, host,
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger,
                     shadow=shadow, embedder=embedder, limiter=limiter, providers=tuple(providers), clock=clock,
-                    sleep=sleep, costs=CostBook(settings.price_table(), metrics=metrics, clock=clock))
+                    sleep=sleep, costs=costs)
     await _start(broker, providers)
     return broker
 
@@ -160,7 +165,7 @@ def _guard(settings: Settings, clock: Clock, metrics: Metrics) -> QualityGuard:
 
 def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbedder | None,
                 policy: DegradationPolicy, metrics: Metrics, clock: Clock, guard: QualityGuard,
-                shadow: ShadowRunner) -> Dispatcher:
+                shadow: ShadowRunner, economy: MergeEconomy) -> Dispatcher:
     tiers = {t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
                                      (t.similarity_budget_ms if t.similarity_budget_ms is not None
                                       else max(4 * t.window_ms, 200.0)) / 1000)
@@ -171,7 +176,15 @@ def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbed
         options=MergeOptions(m.header, m.leak_min_words, m.context_tokens, m.default_context_tokens),
         embedder=embedder,
         guard=guard, merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock,
-        on_merged_answer=shadow.offer if shadow.enabled else None)
+        on_merged_answer=shadow.offer if shadow.enabled else None, economy=economy)
+
+
+def _economy(settings: Settings, costs: CostBook, clock: Clock) -> MergeEconomy:
+    """The merge decision on cost (`merge.policy`); the header it prices is the one merged calls carry."""
+    m = settings.merge
+    return MergeEconomy(costs, policy=MergePolicy(m.capacity_merge, m.capacity_pressure, m.capacity_max_premium),
+                        by_cost=m.policy == "cost", header_tokens=count_text_tokens(m.header or DEFAULT_HEADER),
+                        count=count_text_tokens, clock=clock)
 
 
 def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache | None:

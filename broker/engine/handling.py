@@ -15,6 +15,7 @@ from mergebroker.broker.engine.embeddings.service import EmbeddingResponse
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, note_usage
 from mergebroker.broker.engine.schemas import BrokerOptions, ChatRequest, EmbeddingRequest
 from mergebroker.broker.engine.broker import Broker
+from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.errors import NotFound
 
 
@@ -53,11 +54,29 @@ def model_not_found(model: str) -> NotFound:
                     code="model_not_found")
 
 
-def check_chat_model(broker: Broker, info: RequestInfo, parsed: ChatRequest) -> None:
-    """404 unless an upstream serves the model (a local embedding model cannot chat)."""
+def check_chat_model(broker: Broker, info: RequestInfo, parsed: ChatRequest, body: Mapping[str, Any]) -> None:
+    """404 unless an upstream serves the model (a local embedding model cannot chat); then note how the
+    request is priced."""
     info.model = parsed.model
     if not broker.pools.serves(parsed.model):
         raise model_not_found(parsed.model)
+    _price_on_arrival(broker, info, body)
+
+
+def _price_on_arrival(broker: Broker, info: RequestInfo, body: Mapping[str, Any]) -> None:
+    """A priced request is priced when answered; in a tier that merges, the model of the provider's cache
+    sees its prompt now, in arrival order, as it would have were every request sent alone."""
+    costs = broker.costs
+    if costs is None or costs.price(info.model) is None:
+        return
+    info.costs = costs
+    if _merges(broker, info.tier):
+        info.alone_cached_tokens = costs.observe_alone("", info.model or "", body.get("messages") or [])
+
+
+def _merges(broker: Broker, tier: str) -> bool:
+    settings = broker.settings
+    return settings.merge.enabled and any(t.name == tier and t.merge for t in settings.tiers)
 
 
 async def complete_chat(broker: Broker, info: RequestInfo, caller: Caller, parsed: ChatRequest,
@@ -73,7 +92,17 @@ async def complete_chat(broker: Broker, info: RequestInfo, caller: Caller, parse
     note_usage(info, outcome.usage)
     info.usage_settles = outcome.settled_usage
     info.alone_prompt_tokens = result.prompt_estimate
+    info.provider = outcome.provider
+    if info.costs is not None and _merges(broker, info.tier):  # the alone estimate of its answer's tokens
+        info.answer_tokens = count_text_tokens(_answer_text(outcome.body))
     return result
+
+
+def _answer_text(body: Mapping[str, Any]) -> str:
+    choices = body.get("choices") or []
+    message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
+    content = message.get("content") if isinstance(message, dict) else None
+    return content if isinstance(content, str) else ""
 
 
 def chat_headers(result: ChatResult) -> dict[str, str]:

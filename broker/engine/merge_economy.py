@@ -50,12 +50,44 @@ class MergeEconomy:
                       for style in (CacheStyle.OPENAI, CacheStyle.ANTHROPIC)}
         self.last: list[MergeDecision] = []  # the decisions of the latest `split`, for counters and tests
 
+    def context_window(self, model: str, default: int) -> int:
+        """The model's context window from the price table, else `default` (the configured limit)."""
+        price = self._costs.price(model)
+        return price.context_window if price is not None and price.context_window else default
+
     def split(self, model: str, system_prompt: str | None, batch: Sequence[Candidate], *,
-              rpm_pressure: float = 0.0) -> list[int]:
-        """The sizes, in order, that `batch` is cut into (a size of 1 is a request sent alone)."""
+              rpm_pressure: float = 0.0, tag_tokens: int = 0) -> list[int]:
+        """The sizes, in order, that `batch` is cut into (a size of 1 is a request sent alone): first so that
+        no merged call asks for more output than the model can give (its members' budgets plus
+        `tag_tokens` each), then on cost."""
+        sizes: list[int] = []
+        self.last = []
+        start = 0
+        for size in self._output_fits(model, batch, tag_tokens):
+            sizes += self._on_cost(model, system_prompt, batch[start:start + size], rpm_pressure)
+            start += size
+        return sizes
+
+    def _output_fits(self, model: str, batch: Sequence[Candidate], tag_tokens: int) -> list[int]:
+        """`batch` cut, in order, into runs whose summed output budgets fit the model's output limit (a member
+        over the limit on its own goes alone: the provider judges it as it would any request)."""
+        price = self._costs.price(model)
+        limit = price.max_output_tokens if price is not None else None
+        if not limit:
+            return [len(batch)]
+        sizes, run, used = [], 0, 0
+        for candidate in batch:
+            need = candidate.max_tokens + tag_tokens
+            if run and used + need > limit:
+                sizes.append(run)
+                run, used = 0, 0
+            run, used = run + 1, used + need
+        return [*sizes, run]
+
+    def _on_cost(self, model: str, system_prompt: str | None, batch: Sequence[Candidate],
+                 rpm_pressure: float) -> list[int]:
         price = self._costs.price(model)
         if not self._by_cost or price is None or len(batch) < 2:
-            self.last = []
             return [len(batch)]
         shared = self._count(system_prompt) if system_prompt else 0
         warm = self._warm(model, system_prompt, price.cache, shared)
@@ -71,7 +103,7 @@ class MergeEconomy:
         members = [MemberTokens(alone_prompt=c.prompt_tokens, question=c.question_tokens, output=c.max_tokens,
                                 alone_cached=min(c.prompt_tokens, cacheable if warm or i else 0))
                    for i, c in enumerate(batch)]
-        sizes, self.last = [], []
+        sizes = []
         while members:
             decision = decide(price, members, layout, policy=self._policy, rpm_pressure=rpm_pressure)
             self.last.append(decision)

@@ -79,7 +79,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     known = authenticate(broker, info, request.headers, None, None)  # from the headers, before the body costs anything
     parsed, body = parse_chat(await _json_body(request), max_messages=broker.settings.server.max_messages)
     caller = with_body_options(broker, info, request.headers, known, parsed)
-    check_chat_model(broker, info, parsed)
+    check_chat_model(broker, info, parsed, body)
     if parsed.stream:
         options = parsed.broker
         return await _stream(request, broker, caller, body, options.timeout_s if options else None,
@@ -103,6 +103,7 @@ async def _stream(request: web.Request, broker: Broker, caller: Caller, body: di
     # No await between here and the `try`: the stream and the reservation are released on every path.
     spent = reservation.tokens  # unless the stream reports its usage, keep the reservation as spent
     info.usage_settles, info.alone_prompt_tokens = outcome.settled_usage, start.prompt_estimate  # the ledger waits
+    info.provider = outcome.provider
     response = request[RESPONSE] = web.StreamResponse()  # noted, so the middleware never answers twice
     try:
         info.upstream_s = time.perf_counter() - before_upstream  # until the first chunk

@@ -23,6 +23,7 @@ from mergebroker.broker.engine.chat.counters import DispatchCounters
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, answer_all
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
+from mergebroker.broker.engine.merge_economy import MergeEconomy
 from mergebroker.broker.engine.chat.planning import BatchPlanner, MergeOptions, TierMergePolicy
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.merge.budget import token_budget
@@ -50,7 +51,8 @@ class Dispatcher:
     def __init__(self, pools: Pool, *, tiers: dict[str, TierMergePolicy], options: MergeOptions,
                  embedder: Embedder | None, guard: QualityGuard, merging_allowed: Callable[[str], bool],
                  metrics: Metrics | None = None, clock: Clock = monotonic,
-                 on_merged_answer: Callable[[ChatJob, str, int], None] | None = None) -> None:
+                 on_merged_answer: Callable[[ChatJob, str, int], None] | None = None,
+                 economy: MergeEconomy | None = None) -> None:
         self._pools = pools
         self._tiers = tiers
         self._options = options
@@ -58,7 +60,8 @@ class Dispatcher:
         self._count = DispatchCounters(metrics)
         self._clock = clock
         self._planner = BatchPlanner(tiers, options, embedder=embedder, guard=guard, merging_allowed=merging_allowed,
-                                     count=self._count, clock=clock)
+                                     count=self._count, clock=clock, economy=economy,
+                                     rpm_pressure=pools.rpm_pressure)
         self._on_merged_answer = on_merged_answer  # (job, answer, batch size): the shadow comparison's sampler
         self._settling = SettleOptions(options.leak_min_words, count_text_tokens)
 

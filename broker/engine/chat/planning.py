@@ -4,8 +4,11 @@ anything is sent.
 A group merges only where its tier merges, the model's upstreams are healthy enough (`merging_allowed`)
 and the quality guard allows the tenant; then its prompts are embedded (within the tier's similarity
 budget, prefetched while the window was open) and `merge.grouping.group_by_similarity` plans batches of
-similar prompts that fit the model's context. Whenever similarity cannot be judged in time, every request
-goes alone: always correct, never wrongly merged.
+similar prompts that fit the model's context (the shared system prompt and the header counted once, the
+model's real context window where the price table knows it). Each planned batch is then cut into the merges
+that pay (`engine.merge_economy`: on cost, and so that no merged call asks for more output than the model
+gives). Whenever similarity cannot be judged in time, every request goes alone: always correct, never
+wrongly merged.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ import structlog
 
 from mergebroker.broker.engine.chat.counters import DispatchCounters
 from mergebroker.broker.engine.chat.jobs import ChatJob
+from mergebroker.broker.engine.merge_economy import Candidate, MergeEconomy
+from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.clock import Clock
+from mergebroker.merge.merge_cost import REQUEST_TAG_TOKENS
+from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS, DEFAULT_HEADER
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 from mergebroker.merge.quality_guard import QualityGuard
@@ -52,7 +59,8 @@ class BatchPlanner:
 
     def __init__(self, tiers: dict[str, TierMergePolicy], options: MergeOptions, *, embedder: Embedder | None,
                  guard: QualityGuard, merging_allowed: Callable[[str], bool], count: DispatchCounters,
-                 clock: Clock) -> None:
+                 clock: Clock, economy: MergeEconomy | None = None,
+                 rpm_pressure: Callable[[str], float] = lambda _model: 0.0) -> None:
         self._tiers = tiers
         self._options = options
         self._embedder = embedder
@@ -60,6 +68,10 @@ class BatchPlanner:
         self._merging_allowed = merging_allowed
         self._count = count
         self._clock = clock
+        self._economy = economy
+        self._rpm_pressure = rpm_pressure
+        self._header_tokens = count_text_tokens(options.header or DEFAULT_HEADER)
+        self._tag_tokens = BLOCK_OVERHEAD_TOKENS + REQUEST_TAG_TOKENS
         self._prefetching: set[asyncio.Future[Any]] = set()
 
     def prefetch(self, tier: str, jobs: list[ChatJob]) -> None:
@@ -99,11 +111,42 @@ class BatchPlanner:
             vectors = await self._vectors(tier, jobs, policy.similarity_budget_s)
             if vectors is None:
                 return [[j] for j in jobs]
-        budget = self._options.context_tokens.get(model, self._options.default_context_tokens)
-        costs = [j.reserved_tokens for j in jobs]
+        system = None if policy.tagged_system else jobs[0].shape.system_prompt
+        shared = count_text_tokens(system) if system else 0
+        # The shared prefix is sent once: each member costs the context only its own question, budget and tags.
+        budget = self._context_window(model) - shared - self._header_tokens
+        costs = [max(1, j.reserved_tokens - shared + self._tag_tokens) for j in jobs]
         plan = group_by_similarity(vectors, threshold=policy.threshold, max_batch=policy.max_batch,
-                                   costs=costs, budget=budget)
-        return [[jobs[i] for i in batch] for batch in plan]
+                                   costs=costs, budget=max(budget, 1))
+        return self._on_cost(model, system, shared, [[jobs[i] for i in batch] for batch in plan])
+
+    def _context_window(self, model: str) -> int:
+        configured = self._options.context_tokens.get(model)
+        if configured is not None or self._economy is None:
+            return configured if configured is not None else self._options.default_context_tokens
+        return self._economy.context_window(model, self._options.default_context_tokens)
+
+    def _on_cost(self, model: str, system: str | None, shared: int, batches: list[list[ChatJob]]
+                 ) -> list[list[ChatJob]]:
+        """Each batch cut into the merges worth making (`MergeEconomy.split`); members left alone are counted."""
+        if self._economy is None:
+            return batches
+        out: list[list[ChatJob]] = []
+        for batch in batches:
+            if len(batch) < 2:
+                out.append(batch)
+                continue
+            candidates = [Candidate(j.prompt_tokens, max(0, j.prompt_tokens - shared), j.max_tokens) for j in batch]
+            sizes = self._economy.split(model, system, candidates, rpm_pressure=self._rpm_pressure(model),
+                                        tag_tokens=BLOCK_OVERHEAD_TOKENS)
+            start = 0
+            for size in sizes:
+                out.append(batch[start:start + size])
+                start += size
+            alone = sum(1 for size in sizes if size == 1)
+            if alone and len(sizes) > 1:
+                self._count.similarity_skipped("not_cheaper", alone)
+        return out
 
     async def _vectors(self, tier: str, jobs: list[ChatJob], budget_s: float) -> Any:
         """The group's prompt vectors, or None when the model fails or is slower than `budget_s`.
