@@ -60,10 +60,11 @@ class Workload:
         return bodies
 
 
+# Sizes in the simulator's own token count (about one token per word here), as the issue measured them.
 WORKLOADS = (
-    Workload("long (2 system prompts of ~2,400 tokens)", 1800, 2, 30),
-    Workload("mid (1 system prompt of ~600 tokens)", 450, 1, 30),
-    Workload("short (no system prompt, ~15-token questions)", 0, 1, 11),
+    Workload("long (2 system prompts of ~2,400 tokens)", 2380, 2, 36),
+    Workload("mid (1 system prompt of ~600 tokens)", 585, 1, 36),
+    Workload("short (no system prompt, ~15-token questions)", 0, 1, 12),
 )
 
 
@@ -116,7 +117,7 @@ async def run_point(sim: Process, workload: Workload, point: str, n: int) -> dic
     return {"workload": workload.name, "prices": point, "direct_usd": direct["usd"], "broker_usd": through["usd"],
             "ratio": through["usd"] / direct["usd"] if direct["usd"] else float("nan"),
             "direct_calls": direct["requests"], "broker_calls": through["requests"],
-            "cached_tokens_direct": direct["cached_tokens"], "cached_tokens_broker": through["cached_tokens"],
+            "direct_bill": direct, "broker_bill": through,
             "wrong": wrong, "actual_usd": cost.get("actual_usd"), "alone_usd": cost.get("alone_usd"),
             "actual_vs_bill": _off(cost.get("actual_usd"), through["usd"]),
             "alone_vs_direct": _off(cost.get("alone_usd"), direct["usd"])}
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="80 requests per run instead of 240")
     args = parser.parse_args(argv)
     result = asyncio.run(main_async(args.quick))
-    publish(result, render(result), results_path("cost"))
+    publish(result, render(result), results_path("cost.json"))
     return 0
 
 

@@ -37,7 +37,8 @@ class TokenUsage:
         if prompt is None and completion is None:
             return None
         details = usage.get("prompt_tokens_details")
-        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        # OpenAI nests the cached part; a member's apportioned share (and the cluster wire) carries it flat.
+        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else _count(usage.get("cached_tokens"))
         written = _count(usage.get("cache_creation_input_tokens"))
         return cls(prompt or 0, completion or 0, min(cached or 0, prompt or 0), min(written or 0, prompt or 0))
 

@@ -167,9 +167,18 @@ class CountedUsage:
 def settle_usage(futures: Mapping[str, asyncio.Future[dict[str, int]]], usage: Mapping[str, Mapping[str, Any]]) -> None:
     """Hand each released member its final usage (the ledger waits for it); safe after cancellation.
 
-    Only the flat token counts travel: in cluster mode this usage crosses the wire as a mapping of integers
-    (`broker.cluster.wire`), which has no room yet for `prompt_tokens_details`.
+    Only flat token counts travel: in cluster mode this usage crosses the wire as a mapping of integers
+    (`broker.cluster.wire`), so the cached part of `prompt_tokens_details` goes as a flat `cached_tokens`
+    (which `TokenUsage.from_body` reads).
     """
     for member_id, future in futures.items():
         if not future.done() and member_id in usage:
-            future.set_result({k: v for k, v in usage[member_id].items() if isinstance(v, int)})
+            future.set_result(_flat(usage[member_id]))
+
+
+def _flat(usage: Mapping[str, Any]) -> dict[str, int]:
+    flat = {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, Mapping) and isinstance(details.get("cached_tokens"), int):
+        flat["cached_tokens"] = details["cached_tokens"]
+    return flat
