@@ -18,9 +18,11 @@ from typing import Any, Callable, Mapping, Sequence
 from mergebroker.confusables import fold, folded_with_positions
 
 # The header names the request tag only in words: a literal `<request` here would look like one more
-# block to anyone parsing the combined prompt (the simulated upstream does).
+# block to anyone parsing the combined prompt (the simulated upstream does). It does not say how many
+# requests follow, so it is the same for every merged call: the provider's prompt cache keeps the system
+# prompt and the header as one prefix across calls of any size.
 DEFAULT_HEADER = (
-    "{n} independent requests follow, each in a request block with its own id. "
+    "Independent requests follow, each in a request block with its own id. "
     "Answer each one separately and completely, as if it had been asked alone. "
     "Never mention, quote or use the other requests in an answer. "
     "Reply only with blocks of the form <response id=\"ID\">...</response>, one per request, in any order, "

@@ -19,7 +19,7 @@ from mergebroker.merge.prompt import (
 )
 
 # How a reader of the wire format (the simulated upstream) finds blocks in the combined user message.
-_REQUEST_BLOCK = re.compile(r'<request id="([^"]*)">\n(.*?)\n</request>', re.DOTALL)
+_REQUEST_BLOCK = re.compile(r'<request id="([^"]*)">\n?(.*?)\n?</request>', re.DOTALL)
 _ANY_TAG = re.compile(r"<\s*/?\s*(request|response)", re.IGNORECASE)
 
 
@@ -70,7 +70,7 @@ def test_combined_prompt_keeps_system_message_and_lists_each_member_once():
     assert messages[0] == {"role": "system", "content": "Be brief."}
     assert messages[1]["role"] == "user" and len(messages) == 2
     content = messages[1]["content"]
-    assert content.startswith(DEFAULT_HEADER.replace("{n}", "2") + "\n\n")
+    assert content.startswith(DEFAULT_HEADER + "\n\n")  # the same for every call: a cacheable prefix
     assert _REQUEST_BLOCK.findall(content) == [("aaa111", "First question?"), ("bbb222", "Second?")]
     assert '<request id="aaa111">\nFirst question?\n</request>\n\n<request id="bbb222">' in content
 

@@ -160,7 +160,7 @@ def default_tiers() -> list[TierSettings]:
     return [
         TierSettings(name="realtime", priority=100, window_ms=10, max_batch=4, request_timeout_s=30),
         TierSettings(name="standard", priority=50, window_ms=50, max_batch=4, request_timeout_s=60),
-        TierSettings(name="batch", priority=0, window_ms=250, max_batch=8, request_timeout_s=300,
+        TierSettings(name="batch", priority=0, window_ms=1000, max_batch=8, request_timeout_s=300,
                      similarity_threshold=0.0),
     ]
 
