@@ -7,7 +7,9 @@ Three measurements, each against real broker processes:
    restarted so its L1 is empty and the vector must come from Redis);
 3. on a stream where 40 % of the texts repeat an earlier one, the share of texts that reach the model;
 4. in this process, the similarity model's CPU per call and per text by batch size, float vs. int8 copy
-   (`merge.embedder: local` vs. `local-int8`), on one torch thread as the broker runs it.
+   (`merge.embedder: local` vs. `local-int8`), on one torch thread as the broker runs it;
+5. in this process, every similarity backend side by side (`bench.embedding_backends`): CPU per text and
+   cosine drift against the float model, torch beside onnxruntime.
 `python -m bench.embeddings [--quick]` writes `bench/results/embeddings.json`.
 """
 
@@ -29,6 +31,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 import aiohttp
 import redis.asyncio as aioredis
 
+from bench.embedding_backends import FULL_BACKEND_PLAN, QUICK_BACKEND_PLAN, BackendPlan
+from bench.embedding_backends import run as run_backends
 from bench.harness import (Process, RequestFn, Sample, closed_loop, cpu_probe_ms, free_port, off_loop_seconds,
                            percentile, run_meta, start_broker, start_simulator, write_json)
 from bench.merging import Metrics, delta, scrape
@@ -53,15 +57,18 @@ class EmbeddingPlan:
     repeat_concurrency: int = 16
     cost_batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
     cost_texts: int = 64  # texts per batch size and model (at least 3 calls each)
+    backends: BackendPlan = FULL_BACKEND_PLAN
 
     def step_count(self) -> int:
-        """How many progress steps `run_embeddings` reports: two setups, the cache probe, the model cost."""
-        return 4
+        """How many progress steps `run_embeddings` reports: two setups, the cache probe, the model cost, the
+        backends."""
+        return 5
 
 
 FULL_EMBEDDING_PLAN = EmbeddingPlan()
 QUICK_EMBEDDING_PLAN = EmbeddingPlan(concurrencies=(1, 16), seconds_per_level=1.0, cache_texts=10,
-                                     repeat_texts=60, cost_batch_sizes=(1, 8), cost_texts=8)
+                                     repeat_texts=60, cost_batch_sizes=(1, 8), cost_texts=8,
+                                     backends=QUICK_BACKEND_PLAN)
 
 
 @dataclass(frozen=True)
@@ -293,7 +300,9 @@ async def run_embeddings(plan: EmbeddingPlan = FULL_EMBEDDING_PLAN, *, on_step: 
         sim.stop()
     cost = await model_cost(plan)
     done("model cost")
-    return {"matrix": matrix, "cache": cache, "model_cost": cost,
+    backends = run_backends(plan.backends)
+    done("similarity backends")
+    return {"matrix": matrix, "cache": cache, "model_cost": cost, "backends": backends,
             "meta": {"plan": asdict(plan), "model": LOCAL_MODEL, **run_meta(started, probe)}}
 
 

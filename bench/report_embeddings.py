@@ -40,6 +40,7 @@ def findings(e: dict[str, Any]) -> list[str]:
     rep = setup["repeated"]
     saved = rep["texts"] - rep["texts_to_model"]
     out += _cost_finding(e.get("model_cost") or [])
+    out += _backend_finding(e.get("backends"))
     out.append(f"- With {pct(rep['repeat_share'])} repeated texts ({setup['name']}), {pct(rep['share_to_model'])} of "
                f"the texts reach the model; of the {int(saved)} that do not, {int(rep['l1_hits'])} are L1 hits and "
                f"{int(rep['coalesced'])} joined the pending computation of the same text.")
@@ -63,6 +64,49 @@ def _cost_finding(rows: list[dict[str, Any]]) -> list[str]:
                  f"the int8 copy's lowest cost per text ({num(cheapest, 1)} ms), so no batching meets it: only "
                  "embedding fewer texts than requests (or a cheaper model) can.")
     return [text]
+
+
+BROKER_ONNX = "onnxruntime int8, per channel (broker)"
+
+
+def _backend_finding(backends: dict[str, Any] | None) -> list[str]:
+    """The onnxruntime int8 copy against today's torch int8 copy: CPU per text and drift."""
+    rows = {r["backend"]: r for r in (backends or {}).get("rows", [])}
+    onnx, torch_int8 = rows.get(BROKER_ONNX), rows.get(backends["meta"]["baseline"]) if backends else None
+    if onnx is None or torch_int8 is None:
+        return []
+    ratios = onnx["vs_baseline"]
+    return [f"- Similarity backends (one thread, in-process): the onnxruntime int8 copy costs "
+            f"{num(min(ratios.values()), 2)}-{num(max(ratios.values()), 2)}x the CPU per text of the torch int8 copy "
+            f"across batch sizes and prompt lengths; its pair cosines stay within {num(onnx['max_abs_diff'], 3)} of "
+            f"the float model's (torch int8: {num(torch_int8['max_abs_diff'], 3)}), {onnx['crossings']} of "
+            f"{backends['meta']['pairs']} pairs crossing 0.85 differently (torch int8: {torch_int8['crossings']})."]
+
+
+def _backend_section(backends: dict[str, Any] | None) -> list[str]:
+    if not backends or not backends.get("rows"):
+        return []
+    rows = backends["rows"]
+    keys = list(rows[0]["cpu_ms_per_text"])
+    cpu_rows = [[r["backend"], *(f"{num(r['cpu_ms_per_text'][k], 2)} ({num(r['vs_baseline'][k], 2)}x)"
+                                 for k in keys)] for r in rows]
+    drift_rows = [[r["backend"], num(r["max_abs_diff"], 4), num(r["mean_abs_diff"], 4), r["crossings"],
+                   f"{r['label_agreement']} / {backends['meta']['pairs']}"] for r in rows]
+    missing = [f"- not measured: {name}: {why}" for name, why in backends.get("unavailable", {}).items()]
+    return [
+        "### Similarity model backends", "",
+        "all-MiniLM-L6-v2 from the bundled package, each backend on one thread in the benchmark process, in "
+        f"{backends['meta']['plan']['rounds']} interleaved rounds (median); CPU ms per text by text set and texts "
+        f"per call (prompts of {backends['meta']['plan']['min_words']}-{backends['meta']['plan']['max_words']} "
+        f"words, questions of 5-15), with the ratio to `{backends['meta']['baseline']}` (today's default).", "",
+        run_line(backends["meta"], "backends benchmark"), "",
+        table(["backend", *keys], cpu_rows), "",
+        f"Pair cosines against `{backends['meta']['reference']}` on {backends['meta']['pairs']} labelled question "
+        "pairs (paraphrases, decorated copies, near misses): the largest and mean absolute difference, how many pairs "
+        "fall on the other side of 0.85, and how many the backend puts on the side their label says.", "",
+        table(["backend", "max abs diff", "mean abs diff", "pairs crossing 0.85", "labels right"], drift_rows), "",
+        *missing, "",
+    ]
 
 
 def sections(e: dict[str, Any], images: dict[str, str]) -> list[str]:
@@ -109,7 +153,7 @@ def sections(e: dict[str, Any], images: dict[str, str]) -> list[str]:
         "`merge.embedder`).", "",
         table(["merge.embedder", "texts / call", "calls", "CPU ms / call", "CPU ms / text", "wall ms / call"],
               cost_rows), "",
-    ] if cost_rows else [])
+    ] if cost_rows else []) + _backend_section(e.get("backends"))
 
 
 def figures(e: dict[str, Any]) -> dict[str, Any]:

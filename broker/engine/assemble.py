@@ -139,10 +139,12 @@ def _similarity_model(settings: Settings, providers: list[ProviderSettings]
     """
     needs_model = not settings.cluster.enabled and settings.merge.enabled and settings.merge.embedder != "none" and any(
         t.merge and t.similarity_threshold > 0 for t in settings.tiers)
-    int8 = settings.merge.embedder == "local-int8"
+    int8 = settings.merge.embedder in ("local-onnx", "local-int8")
     if not needs_model and not any(p.kind == "local" for p in providers):
         return None, None
-    host = SentenceModelHost(threads=settings.embeddings.model_threads, int8_copy=needs_model and int8)
+    host = SentenceModelHost(threads=settings.embeddings.model_threads, int8_copy=needs_model and int8,
+                             int8_runtime="onnx" if settings.merge.embedder == "local-onnx" else "torch",
+                             onnx_cache_dir=settings.embeddings.onnx_cache_dir)
     embedder = CachingEmbedder(BatchingEmbedder(LocalEmbedder(host, int8=int8))) if needs_model else None
     return host, embedder
 
