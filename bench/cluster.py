@@ -38,7 +38,7 @@ from mergebroker.broker.cluster.partition import GROUP
 
 RESULTS_PATH = Path(__file__).parent / "results" / "cluster.json"
 TIER = "batch"
-CLUSTER = {"enabled": True, "partitions": 64, "claim_idle_ms": 1000, "lease_ms": 600}
+CLUSTER = {"enabled": True, "partitions": 64}  # claim_idle_ms, lease_ms, block_ms: the shipped defaults
 CLUSTER_PREFIX = "mb:cluster"  # the default `cluster.prefix`
 
 
@@ -392,7 +392,7 @@ def _echo_pair(redis_url: str, **overrides: Any) -> tuple[Any, Any, Any, Any]:
     from mergebroker.broker.engine.metrics import Metrics
     from mergebroker.broker.engine.settings import ClusterSettings, default_tiers
 
-    settings = ClusterSettings(**{**CLUSTER, "block_ms": 1000, **overrides})
+    settings = ClusterSettings(**{**CLUSTER, "claim_idle_ms": 1000, "lease_ms": 600, "block_ms": 1000, **overrides})
     keys, server_clock, metrics = Keys("mb:floor"), ServerClock(), Metrics()
     worker_redis, frontend_redis = (make_stream_client(redis_url, block_ms=settings.block_ms) for _ in range(2))
     leases = PartitionLeases(worker_redis, keys, "floor", partitions=settings.partitions, lease_ms=settings.lease_ms,

@@ -13,6 +13,7 @@ import redis.asyncio as redis
 import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from mergebroker.clock import Clock, monotonic
@@ -32,8 +33,10 @@ def make_redis_client(url: str, *, max_connections: int = 64, socket_timeout_s: 
         timeout=socket_timeout_s,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s,
-        # A miss is cheaper than a retry; RedisCache probes again later on its own schedule.
-        retry=Retry(NoBackoff(), 0),
+        # A miss is cheaper than a slow retry; RedisCache probes again later on its own schedule. One immediate
+        # retry on a connection error only: a pooled connection from before a Redis restart fails once, and
+        # reconnecting at once keeps that from switching the cache off after the outage is over.
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     )
     return redis.Redis.from_pool(pool)
 

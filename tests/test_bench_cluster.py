@@ -41,7 +41,14 @@ def test_the_cluster_keeps_the_single_replicas_savings_and_per_replica_mode_lose
 def test_a_lost_request_or_a_late_orphan_misses_its_target() -> None:
     text = render({"cluster": cluster_fixture(errors=1, orphans_answered_after_kill_s=9.0)}, {})
     assert "| 13 cluster | kill -9 of 1 of 2 workers: requests lost (non-200) | == 0 | 1.00 | **missed** |" in text
-    assert "orphans answered after the kill (s; claim_idle_ms + window + call) | <= 2.41 | 9.00 | **missed** |" in text
+    assert "orphans answered after the kill (s; claim_idle_ms + window + call) | <= 3.41 | 9.00 | **missed** |" in text
+
+
+def test_orphans_are_held_to_2_s_less_their_own_call_at_the_default_settings() -> None:
+    met = render({"cluster": cluster_fixture(orphans_answered_after_kill_less_call_s=1.4)}, {})
+    assert "orphans answered after the kill, less their own upstream call (s) | <= 2 | 1.40 | met |" in met
+    late = render({"cluster": cluster_fixture(orphans_answered_after_kill_less_call_s=3.9)}, {})
+    assert "orphans answered after the kill, less their own upstream call (s) | <= 2 | 3.90 | **missed** |" in late
 
 
 def test_histogram_quantile_interpolates_inside_the_bucket_like_prometheus() -> None:

@@ -30,10 +30,10 @@ SETTINGS = ClusterSettings(enabled=True, partitions=4, claim_idle_ms=5000, lease
 KEYS = Keys("mbt")
 
 
-def chat_job(text: str, *, deadline_s: float = 30.0, tenant: str = "t") -> ChatJob:
+def chat_job(text: str, *, deadline_s: float = 30.0, tenant: str = "t", merge_key: str | None = None) -> ChatJob:
     body = {"model": "m", "messages": [{"role": "user", "content": text}]}
     return ChatJob(request_id="r-" + text, caller=Caller(tenant, "batch"), body=body, model="m", priority=0.0,
-                   shape=None, merge_key="mk-" + text, prompt_tokens=5, max_tokens=10,
+                   shape=None, merge_key=merge_key or "mk-" + text, prompt_tokens=5, max_tokens=10,
                    deadline=monotonic() + deadline_s, enqueued_at=monotonic())
 
 
@@ -64,17 +64,25 @@ async def read_by_a_worker(redis, fe: ClusterQueue, text: str) -> tuple["Node", 
 class Node:
     """One worker's parts, driven by hand: leases renewed and reads, writes, claims called by the test."""
 
-    def __init__(self, redis, name: str, clock: FakeClock) -> None:
+    def __init__(self, redis, name: str, clock: FakeClock, tiers=None, settings: ClusterSettings = SETTINGS) -> None:
         self.queue = FakeJobQueue()
         self.metrics = Metrics()
         self.leases = PartitionLeases(redis, KEYS, name, partitions=SETTINGS.partitions, lease_ms=SETTINGS.lease_ms,
                                       server_clock=ServerClock(clock), clock=clock)
-        self.consumer = StreamConsumer(redis, self.queue, keys=KEYS, settings=SETTINGS, tiers=default_tiers(),
+        self.consumer = StreamConsumer(redis, self.queue, keys=KEYS, settings=settings, tiers=tiers or default_tiers(),
                                        leases=self.leases, server_clock=ServerClock(monotonic), consumer_id=name,
                                        aging_per_s=10.0, metrics=self.metrics, clock=clock)
 
     async def write(self) -> None:
-        await self.consumer.wait_for_replies()  # the answer reaches the outbox in the future's callback
+        """Write until an answer went out (its sent note may go first: the answer reaches the outbox in the
+        future's callback, a loop turn later)."""
+        while True:
+            await self.consumer.wait_for_replies()
+            if await self.consumer.write_once():
+                return
+
+    async def write_notes(self) -> None:
+        await self.consumer.wait_for_replies()
         await self.consumer.write_once()
 
     async def read(self) -> int:
@@ -123,7 +131,8 @@ async def test_a_job_goes_to_the_worker_and_its_answer_comes_back(redis, fronten
 
 
 async def test_the_worker_counts_a_jobs_window_from_when_its_front_end_queued_it(redis, frontend):
-    node = Node(redis, "w1", monotonic)  # real clocks on both sides, as in two processes
+    tiers = [t.model_copy(update={"window_ms": 2000}) if t.name == "batch" else t for t in default_tiers()]
+    node = Node(redis, "w1", monotonic, tiers)  # real clocks on both sides, as in two processes
     await node.leases.renew()
     queued = chat_job("early")
     queued.enqueued_at -= 0.3  # it waited 300 ms at the front-end before the send
@@ -137,6 +146,34 @@ async def test_the_worker_counts_a_jobs_window_from_when_its_front_end_queued_it
     assert job.enqueued_at <= monotonic() - 0.25
 
 
+async def test_a_job_that_arrives_after_its_window_would_have_closed_still_waits_for_its_backlog(redis, frontend):
+    tiers = [t.model_copy(update={"window_ms": 250}) if t.name == "batch" else t for t in default_tiers()]
+    node = Node(redis, "w1", monotonic, tiers)
+    await node.leases.renew()
+    late = chat_job("late")
+    late.enqueued_at -= 2.0  # far beyond the batch tier's 250 ms window (a backlog after a handover)
+    frontend().submit(late)
+    while not await node.read():
+        pass
+    job = await next_job(node.queue)
+    # Its window counts as if it had 50 ms left: the rest of its backlog, read a moment later, joins it.
+    read_at = node.consumer._held.get(next(iter(node.consumer._held))).read_at
+    assert abs(job.enqueued_at - (read_at - 0.25 + 0.05)) < 0.01
+
+
+async def test_a_backlog_of_one_merge_key_comes_in_whole_so_it_merges_as_in_one_process(redis, frontend):
+    node = Node(redis, "w1", FakeClock(), settings=SETTINGS.model_copy(update={"prefetch": 64}))
+    await node.leases.renew()
+    fe = frontend()
+    for i in range(40):  # one popular prompt while its worker was busy (or its partition changed hands)
+        fe.submit(chat_job(f"question {i}", merge_key="mk-popular"))
+    while sum([await redis.xlen(KEYS.jobs("batch", p)) for p in range(SETTINGS.partitions)]) < 40:
+        await asyncio.sleep(0.01)  # the send loop adds them on later turns
+    await node.read()  # the first read takes a fair share of every stream, and sees this one is full
+    await node.read()  # the next takes the rest of it in one piece (not a few per read, each merging alone)
+    assert len(node.queue.jobs) == 40
+
+
 async def test_an_answer_released_early_gets_the_providers_usage_at_the_front_end_when_it_arrives(redis, frontend):
     node, future, job = await read_by_a_worker(redis, frontend(), "released early")
     reported = asyncio.get_running_loop().create_future()
@@ -147,7 +184,7 @@ async def test_an_answer_released_early_gets_the_providers_usage_at_the_front_en
     assert outcome.settled_usage is not None and not outcome.settled_usage.done()  # the merged call goes on
     usage = {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52}
     reported.set_result(usage)  # the merged call ended: the provider's usage, apportioned to this member
-    await node.write()
+    await node.write_notes()
     assert await asyncio.wait_for(outcome.settled_usage, 10) == usage
 
 
@@ -203,36 +240,12 @@ async def test_held_jobs_are_heartbeated_and_a_dead_workers_jobs_are_claimed(red
     assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "answered by b"
 
 
-async def test_a_departed_workers_jobs_are_claimed_before_claim_idle_and_a_live_ones_are_not(redis, frontend):
-    clock = FakeClock()
-    a, b = Node(redis, "wa", clock), Node(redis, "wb", clock)
-    await a.leases.renew()
-    future, _job = await read_by(a, frontend(), "orphan")  # in progress at a when a dies
-    stream, entry = next(iter(a.consumer._held))
-    not_yet_claimable = SETTINGS.claim_idle_ms * 3 // 4  # past two heartbeat periods, short of claim_idle_ms
-    await redis.xclaim(stream, GROUP, "wa", 0, [entry], idle=not_yet_claimable, justid=True)
-    await a.leases.release(sorted(a.leases._owned))  # its partitions move to b; a stays in the live set
-    partition = next(p for p in range(SETTINGS.partitions) if stream == KEYS.jobs("batch", p))
-    await redis.set(KEYS.lease(partition), "wb", px=SETTINGS.lease_ms)
-    b.leases._owned.add(partition)
-    await b.leases.renew()  # a is still in the live set: its job gets the full claim_idle_ms
-    b.consumer._grouped.add(stream)
-    assert await b.consumer.claim_once() == 0
-    await redis.zrem(KEYS.workers, "wa")  # a was silent for a whole lease: gone from the live set
-    await b.leases.renew()
-    await redis.xclaim(stream, GROUP, "wa", 0, [entry], idle=not_yet_claimable, justid=True)
-    assert await b.consumer.claim_once() == 1  # claimed now, not after claim_idle_ms
-    answer(await next_job(b.queue), "answered by b")
-    await b.write()
-    assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "answered by b"
-
-
 async def test_the_first_reply_wins_and_later_ones_are_dropped_and_counted(redis, frontend):
     fe = frontend()
     future = fe.submit(chat_job("twice"))
-    while not fe._waiting:
+    while not len(fe._inflight):
         await asyncio.sleep(0)  # the send loop runs on the next turns of the loop
-    cid = next(iter(fe._waiting))
+    cid = fe._inflight.cids()[0]
     for text in ("first", "second"):
         outcome = ChatOutcome({"choices": [{"message": {"content": text}}]}, "sim", 0.0)
         await redis.xadd(KEYS.replies("f1"), encode_reply(WireReply(cid, outcome=outcome)))
@@ -244,9 +257,9 @@ async def test_the_first_reply_wins_and_later_ones_are_dropped_and_counted(redis
 async def test_a_job_whose_callers_all_left_is_taken_back_before_a_worker_reads_it(redis, frontend):
     fe = frontend()
     future = fe.submit(chat_job("abandoned"))
-    while not fe._entries:
+    while not fe._inflight.entries():
         await asyncio.sleep(0.01)  # the send loop adds it on a later turn
-    stream, _entry = next(iter(fe._entries.values()))
+    stream, _entry = fe._inflight.entries()[0]
     assert await redis.xlen(stream) == 1
     future.cancel()  # what SingleFlight does when the last caller leaves
     while await redis.xlen(stream):
@@ -271,7 +284,7 @@ async def test_an_expired_job_is_dropped_by_the_worker(redis, frontend):
     await node.leases.renew()
     fe = frontend()
     fe.submit(chat_job("too late", deadline_s=-1.0))
-    while not fe._waiting:
+    while not len(fe._inflight):
         await asyncio.sleep(0.01)  # the send loop adds it on a later turn
     assert await node.read() == 0
     assert node.queue.jobs == [] and node.metrics.cluster_jobs.labels("expired")._value.get() == 1
@@ -280,7 +293,7 @@ async def test_an_expired_job_is_dropped_by_the_worker(redis, frontend):
 async def test_frontend_falls_back_to_local_merging_and_returns(redis_server, redis, frontend):
     fe = frontend()
     waiting = fe.submit(chat_job("in flight"))
-    while not fe._waiting:
+    while not len(fe._inflight):
         await asyncio.sleep(0)
     redis_server.stop()
     local: FakeJobQueue = fe._local  # type: ignore[assignment]
@@ -333,10 +346,11 @@ async def test_a_frontend_in_cluster_mode_queues_on_redis_and_never_loads_the_si
 
 async def test_an_identical_job_read_right_after_an_answer_does_not_take_that_answer_from_its_caller(redis, frontend):
     node, first, job = await read_by_a_worker(redis, frontend(), "same question")
-    (stream, _entry), held = next(iter(node.consumer._held.items()))
+    stream, entry = next(iter(node.consumer._held))
+    held = node.consumer._held.get((stream, entry))
     answer(job, "first")  # the answer is set; the consumer hears of it only on the loop's next turn
     twin = replace(held.job, correlation_id="twin")
-    node.consumer._accept(stream, b"1-1", encode_job(twin))  # an identical job read in between: a new flight
+    node.consumer._accept(stream, b"1-1", encode_job(twin), monotonic())  # an identical job read in between: a new flight
     await node.write()
     assert (await asyncio.wait_for(first, 10)).body["choices"][0]["message"]["content"] == "first"
 

@@ -1,16 +1,23 @@
 """The worker's side of cluster mode: read jobs from the partitions it holds and feed today's queue.
 
 Reading (`XREADGROUP`) goes realtime before standard before batch, and only while the worker holds
-fewer than `prefetch` jobs: under load the backlog stays in Redis, where its length is exported. Each
-job becomes a `ChatJob` on the worker's own `JobQueue` (merge windows, priority with aging, similarity,
-dispatch, breakers), so a worker merges exactly as a single broker does. Identical jobs from any
-front-end share one `ChatJob` (the flight key).
+fewer than `prefetch` jobs: under load the backlog stays in Redis, where its length is exported. A
+stream whose read came back full is read again on its own, with the whole room, so a backlog arrives
+in one piece and merges as it would have in one process. Each job becomes a `ClusterJob` on the
+worker's own `JobQueue` (merge windows, priority with aging, similarity, dispatch, breakers), so a
+worker merges exactly as a single broker does. Identical jobs from any front-end share one job (the
+flight key).
 
-Every job held is heartbeated (`XCLAIM ... JUSTID` by its own consumer resets its idle time), so a
-long upstream call is never taken for a dead worker's. A dead worker's jobs idle past `claim_idle_ms`
-are taken over (`XAUTOCLAIM`) by whoever holds their partition now. An answer goes to the front-end's
-reply stream, then the job is acknowledged and deleted, in one round trip. A job already past its
-deadline is dropped unanswered: its front-end has answered 504 by then.
+A job's merge window counts from when its front-end queued it, so cluster mode adds no hop to a window;
+a job that arrives after its window would have closed still gets `late_grace` for the rest of its
+backlog to join it, instead of leaving alone.
+
+Every entry held is heartbeated (`holds`), and fenced: a job not yet sent upstream is dropped once its
+entries went unheartbeated for `FENCE_SHARE` of `claim_idle_ms`, or at once when Redis is lost
+(`fence_all`). A job that goes upstream gets a sent marker and a note to its front-end. Other workers'
+jobs are claimed by `claims`' rule. An answer goes to the front-end's reply stream, then the entry is
+acknowledged and deleted, in one round trip (`outbox`). A job already past its deadline is dropped
+unanswered: its front-end has answered 504 by then.
 """
 
 from __future__ import annotations
@@ -18,19 +25,21 @@ from __future__ import annotations
 import asyncio
 import math
 from functools import partial
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
-from mergebroker.broker.engine.limits.admission import Caller
+from mergebroker.broker.cluster.claims import Claimer
+from mergebroker.broker.cluster.holds import FENCE_SHARE, HEARTBEAT, ClusterJob, Flight, Held, Holds
 from mergebroker.broker.cluster.leases import PartitionLeases
+from mergebroker.broker.cluster.outbox import Outbox
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.cluster.server_time import ServerClock
-from mergebroker.broker.cluster.wire import WireJob, WireReply, decode_job, encode_reply
+from mergebroker.broker.cluster.wire import WireJob, WireReply, decode_job, stream_pairs
 from mergebroker.broker.engine.chat.job_queue import JobQueue
-from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
+from mergebroker.broker.engine.chat.jobs import ChatOutcome, aged_rank
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ClusterSettings, TierSettings
 from mergebroker.clock import Clock, monotonic
@@ -39,24 +48,19 @@ from mergebroker.merge.shape import merge_shape
 
 log = structlog.get_logger(__name__)
 
-REPLY_MAXLEN = 10_000  # a reply stream is read as it fills; this only bounds an abandoned one
-HEARTBEAT_SHARE = 1 / 3  # held jobs are heartbeated every claim_idle_ms x this
+LATE_GRACE_S = 0.05
+OUTCOMES = ("answered", "failed", "expired", "coalesced", "unreadable", "withdrawn", "fenced", "taken_over")
 
 
-@dataclass(eq=False)
-class _Held:
-    """One stream entry this worker is answering."""
-
-    stream: str
-    entry_id: bytes
-    job: WireJob
-    read_at: float = 0.0
+def late_grace(window_s: float) -> float:
+    """How long a job that arrives after its window would have closed still waits for the rest of its backlog."""
+    return min(window_s / 2, LATE_GRACE_S)
 
 
-@dataclass(eq=False)
-class _Flight:
-    job: ChatJob
-    entries: list[_Held] = field(default_factory=list)
+def window_anchor(now: float, queued: float, window_s: float) -> float:
+    """When the window of a job queued at `queued` (front-end time, on this clock) counts from: its queueing,
+    unless that leaves less than `late_grace`, and never in the future."""
+    return max(min(now, queued), now - window_s + late_grace(window_s))
 
 
 class StreamConsumer:
@@ -71,24 +75,26 @@ class StreamConsumer:
         self._settings = settings
         self._tiers = sorted(tiers, key=lambda t: -t.priority)  # reading order: highest priority first
         self._tier_priority = {t.name: t.priority for t in tiers}
+        self._windows = {t.name: t.window_ms / 1000 for t in tiers}
         self._leases = leases
         self._server_clock = server_clock
         self._id = consumer_id
         self._aging = aging_per_s
         self._metrics = metrics
         self._clock = clock
-        self._held: dict[tuple[str, bytes], _Held] = {}
-        self._flights: dict[str, _Flight] = {}
+        self._jobs = {o: metrics.cluster_jobs.labels(o) for o in OUTCOMES}
+        self._held = Holds(clock=clock, fence_s=settings.claim_idle_ms * FENCE_SHARE / 1000,
+                           count=lambda outcome: self._jobs[outcome].inc())
+        self._flights: dict[str, Flight] = {}
         self._grouped: set[str] = set()
-        self._backlogged = False  # the last read filled its count on some stream: more may be waiting
+        self._backlog: set[str] = set()  # streams whose last read came back full: more is waiting there
         self._streams_of: frozenset[int] | None = None
         self._streams: dict[str, list[str]] = {}
-        self._outbox: list[tuple[_Held, WireReply]] = []
-        self._notes: list[tuple[str, dict[bytes, bytes]]] = []  # (reply stream, fields) of settled usages
-        self._wrote = asyncio.Event()  # a reply was written: room to read again
-        self._outbox_ready = asyncio.Event()
-        self._jobs = {o: metrics.cluster_jobs.labels(o) for o in
-                      ("answered", "failed", "expired", "coalesced", "unreadable", "withdrawn")}
+        self._outbox = Outbox(keys)
+        self._wrote = asyncio.Event()  # a write went through: room to read again
+        self._claimer = Claimer(redis, keys, consumer_id, claim_idle_ms=settings.claim_idle_ms)
+        self._heartbeat = redis.register_script(HEARTBEAT)
+        self._dead: dict[str, float] = {}  # workers found dead -> when: their entries are claimed at once
 
     @property
     def tier_names(self) -> list[str]:
@@ -103,6 +109,11 @@ class StreamConsumer:
         """Jobs read and not yet answered."""
         return len(self._held)
 
+    @property
+    def fenced_at(self) -> float:
+        """When (local clock) this worker last dropped jobs at its fence: it may have to claim them back."""
+        return self._held.fenced_at
+
     def streams(self, tier: str | None = None) -> list[str]:
         """The job streams of the partitions held now (of one tier, or all, highest priority first)."""
         owned = self._leases.owned
@@ -115,26 +126,29 @@ class StreamConsumer:
     async def read_once(self, block_ms: int | None) -> int:
         """One read; jobs taken. Blocks up to `block_ms` for new jobs (None: never).
 
-        While a stream has more than one read takes (a backlog), reads go tier by tier, realtime first,
-        so a saturated worker takes the highest priority work; otherwise one read over every stream
-        takes whatever arrived, in one round trip.
+        While some streams are backlogged, reads go tier by tier, realtime first, each over the tier's
+        backlogged streams (or all its streams when none is), so a saturated worker takes the highest
+        priority work and a backlog comes in whole; otherwise one read over every stream takes whatever
+        arrived, in one round trip.
         """
         room = self._settings.prefetch - len(self._held)
         if room <= 0 or not self.streams():
             return 0
         await self._ensure_groups(self.streams())
-        if self._backlogged:
+        if self._backlog:
             for tier in self._tiers:
-                taken = await self._read(self.streams(tier.name), room, None)
+                streams = self.streams(tier.name)
+                taken = await self._read([s for s in streams if s in self._backlog] or streams, room, None)
                 if taken:
                     return taken
-            self._backlogged = False
+            self._backlog.clear()
         return await self._read(self.streams(), room, block_ms)
 
     async def _read(self, streams: list[str], room: int, block_ms: int | None) -> int:
         if not streams:
             return 0
         count = max(1, math.ceil(room / len(streams)))
+        started = self._clock()
         try:
             response = await self._redis.xreadgroup(GROUP, self._id, dict.fromkeys(streams, ">"), count=count,
                                                     block=block_ms)
@@ -143,18 +157,18 @@ class StreamConsumer:
                 raise
             self._grouped.clear()  # a stream was deleted (its group with it): create them again
             return 0
-        pairs = _by_stream(response or [])
-        self._backlogged = self._backlogged or any(len(entries) >= count for _s, entries in pairs)
-        return self._accept_all(pairs)
+        pairs = stream_pairs(response)
+        self._backlog.difference_update(streams)
+        self._backlog.update(s for s, entries in pairs if len(entries) >= count)
+        return self._accept_all(pairs, started)
 
-    def _accept_all(self, pairs: list[tuple[str, Any]]) -> int:
-        taken = 0
-        for stream, entries in pairs:
-            for entry_id, fields in entries:
-                taken += self._accept(stream, entry_id, fields)
+    def _accept_all(self, pairs: Iterable[tuple[str, Any]], touched: float) -> int:
+        taken = sum(self._accept(stream, entry_id, fields, touched) for stream, entries in pairs
+                    for entry_id, fields in entries)
+        self._held.arm()
         return taken
 
-    def _accept(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes] | None) -> int:
+    def _accept(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes] | None, touched: float) -> int:
         if (stream, entry_id) in self._held:
             return 0  # claimed back while still held here
         if not fields:
@@ -164,22 +178,22 @@ class StreamConsumer:
         except ValueError as exc:
             log.warning("cluster_job_unreadable", stream=stream, error=str(exc))
             self._jobs["unreadable"].inc()
-            self._finish(_Held(stream, entry_id, _placeholder()), None)
+            self._outbox.finish(Held(stream, entry_id, _placeholder()), None)
             return 0
-        held = _Held(stream, entry_id, wire, self._clock())
+        held = Held(stream, entry_id, wire, self._clock(), touched)
         if wire.deadline_ms <= self._server_clock.now_ms():
             self._jobs["expired"].inc()
-            self._finish(held, None)
+            self._outbox.finish(held, None)
             return 0
-        self._held[(stream, entry_id)] = held
+        self._held.add(held)
         flight = self._flights.get(wire.flight_key)
         if flight is not None and not flight.job.future.done():
-            flight.entries.append(held)
-            flight.job.extend_deadline(self._server_clock.to_local(wire.deadline_ms))
-            self._jobs["coalesced"].inc()
+            self._join(flight, held)
             return 1
         job = self._chat_job(wire)
-        flight = self._flights[wire.flight_key] = _Flight(job, [held])
+        flight = self._flights[wire.flight_key] = Flight(job, [held])
+        held.flight = flight
+        job.on_sent = partial(self._sent, flight)
         try:
             future = self._queue.submit(job)
         except BrokerError as exc:  # the worker's own hard cap: the front-end hears it as it would in-process
@@ -188,19 +202,36 @@ class StreamConsumer:
         future.add_done_callback(partial(self._answered, wire.flight_key, flight))
         return 1
 
-    def _chat_job(self, wire: WireJob) -> ChatJob:
-        # The job keeps the time its front-end queued it, so its merge window and its priority aging count
-        # the trip through Redis as time already waited: cluster mode adds no hop to a window that opens.
-        now = self._clock()
-        enqueued = min(now, self._server_clock.to_local(wire.enqueued_ms)) if wire.enqueued_ms else now
-        body = wire.body
-        return ChatJob(request_id=wire.request_id, caller=wire.caller, body=body, model=body["model"],
-                       priority=aged_rank(self._tier_priority.get(wire.caller.tier, 0), enqueued, self._aging),
-                       shape=merge_shape(body) if wire.merge_key is not None else None, merge_key=wire.merge_key,
-                       prompt_tokens=wire.prompt_tokens, max_tokens=wire.max_tokens,
-                       deadline=self._server_clock.to_local(wire.deadline_ms), enqueued_at=enqueued)
+    def _join(self, flight: Flight, held: Held) -> None:
+        """An identical job from another front-end (or a retry) rides on the flight under way."""
+        flight.entries.append(held)
+        held.flight = flight
+        flight.job.extend_deadline(self._server_clock.to_local(held.job.deadline_ms))
+        self._jobs["coalesced"].inc()
+        if flight.sent:
+            self._outbox.sent(held, self._id, held.job.deadline_ms)
 
-    def _answered(self, key: str, flight: _Flight, future: asyncio.Future[ChatOutcome]) -> None:
+    def _chat_job(self, wire: WireJob) -> ClusterJob:
+        # Priority ages from when the front-end queued the job; its window too, but for `late_grace`.
+        now = self._clock()
+        queued = self._server_clock.to_local(wire.enqueued_ms) if wire.enqueued_ms else now
+        tier = wire.caller.tier
+        body = wire.body
+        return ClusterJob(request_id=wire.request_id, caller=wire.caller, body=body, model=body["model"],
+                          priority=aged_rank(self._tier_priority.get(tier, 0), min(now, queued), self._aging),
+                          shape=merge_shape(body) if wire.merge_key is not None else None, merge_key=wire.merge_key,
+                          prompt_tokens=wire.prompt_tokens, max_tokens=wire.max_tokens,
+                          deadline=self._server_clock.to_local(wire.deadline_ms),
+                          enqueued_at=window_anchor(now, queued, self._windows.get(tier, 0.0)))
+
+    def _sent(self, flight: Flight) -> None:
+        """The engine is sending `flight` upstream: mark its entries, tell their front-ends."""
+        for held in flight.entries:
+            if self._held.stale(held):  # the fence drops such jobs first: a bug if ever seen
+                log.warning("cluster_sent_after_fence", request_id=held.job.request_id)
+            self._outbox.sent(held, self._id, held.job.deadline_ms)
+
+    def _answered(self, key: str, flight: Flight, future: asyncio.Future[ChatOutcome]) -> None:
         """Reply to every entry of `flight`; bound to the flight itself, because a newer flight may own
         `key` already (an identical job read after this one's answer was set, before this callback ran)."""
         if self._flights.get(key) is flight:
@@ -216,8 +247,8 @@ class StreamConsumer:
         settles = outcome is not None and outcome.settled_usage is not None
         for held in flight.entries:
             self._jobs["failed" if error else "answered"].inc()
-            self._finish(held, WireReply(held.job.correlation_id, outcome=outcome, error=error,
-                                         worker_s=self._clock() - held.read_at, settles=settles))
+            self._outbox.finish(held, WireReply(held.job.correlation_id, outcome=outcome, error=error,
+                                                worker_s=self._clock() - held.read_at, settles=settles))
         if settles:  # released early: the provider's usage follows when the merged call ends
             targets = [(h.job.reply_to, h.job.correlation_id) for h in flight.entries]
             outcome.settled_usage.add_done_callback(partial(self._settled, targets))  # type: ignore[union-attr]
@@ -228,134 +259,64 @@ class StreamConsumer:
         if usage.cancelled() or usage.exception() is not None:
             return
         for reply_to, cid in targets:
-            self._notes.append((reply_to, encode_reply(WireReply(cid, settled=usage.result()))))
-        self._outbox_ready.set()
+            self._outbox.note(reply_to, WireReply(cid, settled=usage.result()))
 
-    def _finish(self, held: _Held, reply: WireReply | None) -> None:
-        """Queue the reply (None: none) and the acknowledgement for the writer."""
-        self._outbox.append((held, reply))  # type: ignore[arg-type]
-        self._outbox_ready.set()
-
-    async def write_once(self) -> None:
-        """Send queued replies, then acknowledge and delete their entries, in one round trip.
-
-        On a Redis error they stay queued (and held, so heartbeated) for the next try.
-        """
-        batch, self._outbox = self._outbox, []
-        notes, self._notes = self._notes, []
-        self._outbox_ready.clear()
-        if not batch and not notes:
-            return
-        pipe = self._redis.pipeline(transaction=False)
-        for reply_to, fields in notes:
-            pipe.xadd(reply_to, fields, maxlen=REPLY_MAXLEN, approximate=True)
-        for held, reply in batch:
-            if reply is not None:
-                pipe.xadd(held.job.reply_to, encode_reply(reply), maxlen=REPLY_MAXLEN, approximate=True)
-            pipe.xack(held.stream, GROUP, held.entry_id)
-            pipe.xdel(held.stream, held.entry_id)
-        try:
-            await pipe.execute()
-        except RedisError:
-            self._outbox = batch + self._outbox
-            self._notes = notes + self._notes
-            raise
-        for held, _reply in batch:
-            self._held.pop((held.stream, held.entry_id), None)
+    async def write_once(self) -> int:
+        """Send queued markers, notes and replies, then acknowledge and delete the answered entries, in one
+        round trip; how many entries it finished. On a Redis error everything stays queued (and held, so
+        heartbeated) for the next try."""
+        finished = await self._outbox.flush(self._redis)
+        for held in finished:
+            self._held.finished(held)
         self._wrote.set()
+        return len(finished)
 
     async def heartbeat_once(self) -> None:
-        """Reset the idle time of every job held, so none is claimed while it is being answered.
+        """Reset the idle time of every entry held that is still this worker's (see `Holds.heartbeat`)."""
+        await self._held.heartbeat(self._redis, self._heartbeat, self._id)
 
-        An entry the heartbeat no longer finds was deleted by its front-end, whose callers all left
-        (`XCLAIM` skips deleted entries): its job is dropped here too if it has not been sent upstream.
-        """
-        by_stream: dict[str, list[bytes]] = {}
-        for stream, entry_id in list(self._held):
-            by_stream.setdefault(stream, []).append(entry_id)
-        if not by_stream:
-            return
-        pipe = self._redis.pipeline(transaction=False)
-        for stream, ids in by_stream.items():
-            pipe.xclaim(stream, GROUP, self._id, 0, ids, justid=True)
-        for (stream, ids), kept in zip(by_stream.items(), await pipe.execute(raise_on_error=False)):
-            if isinstance(kept, list):
-                for entry_id in set(ids) - set(kept):
-                    self._withdrawn(stream, entry_id)
+    def fence_all(self) -> int:
+        """Redis is lost: drop every job held that has not gone upstream (the front-ends serve them)."""
+        return self._held.fence_all()
 
-    def _withdrawn(self, stream: str, entry_id: bytes) -> None:
-        held = self._held.pop((stream, entry_id), None)
-        flight = self._flights.get(held.job.flight_key) if held is not None else None
-        if flight is None or held not in flight.entries:
-            return  # answered meanwhile (this worker deleted it), or never part of a live flight
-        flight.entries.remove(held)
-        if not flight.entries and not flight.job.dispatched:
-            self._jobs["withdrawn"].inc()
-            flight.job.future.cancel()  # the queue drops a cancelled job before dispatch
+    def mark_dead(self, workers: Iterable[str]) -> None:
+        """Workers found dead: their entries are claimed at once, even those that went upstream."""
+        now = self._clock()
+        self._dead.update(dict.fromkeys(workers, now))
+
+    def _dead_now(self) -> set[str]:
+        # After two claim periods the claim rule covers them anyway (their entries idle past claim_idle_ms).
+        horizon = self._clock() - 2 * self._settings.claim_idle_ms / 1000
+        self._dead = {w: at for w, at in self._dead.items() if at >= horizon}
+        return set(self._dead)
 
     async def claim_once(self) -> int:
-        """Take over the jobs of the held partitions that idled past `claim_idle_ms` (a dead worker's), and
-        sooner those of a worker that has left the live set (see `_claim_departed`)."""
+        """Take over the entries of the held partitions that `claims` allows: a dead worker's at once, a
+        silent one's after `claim_idle_ms` (unless sent upstream), and this worker's own dropped ones."""
         room = self._settings.prefetch - len(self._held)
         streams = [s for s in self.streams() if s in self._grouped]
         if room <= 0 or not streams:
             return 0
-        claimed = await self._claim_departed(streams, room)
-        room -= claimed
-        if room <= 0:
-            return claimed
-        pipe = self._redis.pipeline(transaction=False)
-        for stream in streams:
-            pipe.xautoclaim(stream, GROUP, self._id, self._settings.claim_idle_ms, "0-0", count=room)
-        for stream, result in zip(streams, await pipe.execute(raise_on_error=False)):
-            if isinstance(result, Exception) or not result or not result[1]:
-                continue
-            claimed += self._take_claimed(stream, result[1])
-        return claimed
-
-    async def _claim_departed(self, streams: list[str], room: int) -> int:
-        """Claim at once the jobs of consumers that are no longer live workers and stopped heartbeating.
-
-        A worker silent for a whole lease is gone from the live set (`PartitionLeases.live_workers`); a
-        job it holds whose idle time exceeds two heartbeat periods is not being worked on anywhere (a live
-        worker, even one draining after it left the set, heartbeats every job it holds each period). So a
-        dead worker's jobs move as soon as its partitions do, rather than after the full `claim_idle_ms`,
-        which stays the rule for consumers still in the set (a live but stalled one gets that much grace).
-        """
-        live = self._leases.live_workers
-        if not live:
-            return 0  # no renewal seen yet: nobody is known to be gone
-        idle_ms = int(self._settings.claim_idle_ms * HEARTBEAT_SHARE * 2)
-        pipe = self._redis.pipeline(transaction=False)
-        for stream in streams:
-            pipe.xpending_range(stream, GROUP, "-", "+", room, idle=idle_ms)
-        me = self._id.encode()
-        orphans: dict[str, list[bytes]] = {}
-        for stream, pending in zip(streams, await pipe.execute(raise_on_error=False)):
-            if isinstance(pending, Exception):
-                continue
-            ids = [p["message_id"] for p in pending if p["consumer"] not in live and p["consumer"] != me
-                   and (stream, p["message_id"]) not in self._held]
-            if ids:
-                orphans[stream] = ids
-        if not orphans:
-            return 0
-        pipe = self._redis.pipeline(transaction=False)
-        for stream, ids in orphans.items():
-            pipe.xclaim(stream, GROUP, self._id, idle_ms, ids)
+        dead = self._dead_now()
+        started = self._clock()
+        pending = await self._claimer.scan(streams, dead=dead, count=room)
+        held_ids: dict[str, set[bytes]] = {}
+        for stream, entry_id in self._held.keys():
+            held_ids.setdefault(stream, set()).add(entry_id)
         claimed = 0
-        for stream, result in zip(orphans, await pipe.execute(raise_on_error=False)):
-            if not isinstance(result, Exception) and result:
-                claimed += self._take_claimed(stream, result)
+        for stream, entries in pending.items():
+            plan = self._claimer.plan(entries, held=held_ids.get(stream, set()), dead=dead, room=room - claimed)
+            if plan:
+                claimed += self._take_claimed(stream, await self._claimer.claim(stream, plan), started)
         return claimed
 
-    def _take_claimed(self, stream: str, result: list[Any]) -> int:
-        entries = [(entry_id, fields) for entry_id, fields in result if (stream, entry_id) not in self._held]
+    def _take_claimed(self, stream: str, entries: list[tuple[bytes, dict[bytes, bytes]]], touched: float) -> int:
+        entries = [(entry_id, fields) for entry_id, fields in entries if (stream, entry_id) not in self._held]
         if not entries:
             return 0
         log.info("cluster_jobs_claimed", stream=stream, count=len(entries))
         self._metrics.cluster_claims.inc(len(entries))
-        return self._accept_all([(stream, entries)])
+        return self._accept_all([(stream, entries)], touched)
 
     async def _ensure_groups(self, streams: list[str]) -> None:
         missing = [s for s in streams if s not in self._grouped]
@@ -386,15 +347,9 @@ class StreamConsumer:
         return True
 
     async def wait_for_replies(self) -> None:
-        """Return when a reply (or an acknowledgement) is waiting to be written."""
-        if not self._outbox and not self._notes:
-            await self._outbox_ready.wait()
-
-
-def _by_stream(response: Any) -> list[tuple[str, list[tuple[bytes, dict[bytes, bytes] | None]]]]:
-    """`XREADGROUP`'s answer (a list of pairs in RESP2, a mapping in RESP3) as (stream name, entries)."""
-    pairs = response.items() if isinstance(response, dict) else response
-    return [(s.decode() if isinstance(s, bytes) else s, entries) for s, entries in pairs]
+        """Return when something is waiting to be written."""
+        if not self._outbox:
+            await self._outbox.ready.wait()
 
 
 def _placeholder() -> WireJob:

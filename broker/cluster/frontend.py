@@ -7,10 +7,12 @@ job answered twice after a claim, or one whose caller left) is dropped and count
 
 Redis down, or no live worker (none renewed its liveness within `lease_ms`; `local_without_workers`):
 the front-end falls back to its in-process queue (`local`, today's merge windows and workers, without the
-similarity model), logs it and exports `cluster_fallback = 1`. Jobs sent and not yet answered are handed
-to the local queue too, so no caller waits for a reply that cannot come (an answer may then be computed
-twice; the caller still gets exactly one). A probe every `fallback_probe_s` returns the front-end to
-cluster mode once Redis answers again and a worker is alive.
+similarity model), logs it and exports `cluster_fallback = 1`. Jobs sent and not yet answered move to
+the local queue too, except those a worker noted it sent upstream (`inflight`): they keep waiting for
+that worker's reply, so no job goes upstream twice; a sender found dead (`presence`) gives its jobs up.
+Entries of the jobs moved are deleted from their streams (once Redis answers again), so no worker runs
+them later. A probe every `fallback_probe_s` (more often while only workers are missing) returns the
+front-end to cluster mode once Redis answers again and a worker is alive.
 
 Streaming jobs (a tier's `merge_streams`) always go to the local queue: their outcome is a live stream,
 which a reply stream cannot carry.
@@ -28,12 +30,14 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError
 
+from mergebroker.broker.cluster.inflight import InFlight
 from mergebroker.broker.cluster.partition import Keys, flight_key, partition_of
+from mergebroker.broker.cluster.presence import absent_workers
 from mergebroker.broker.cluster.server_time import ServerClock
-from mergebroker.broker.cluster.wire import WireJob, decode_reply, encode_job
+from mergebroker.broker.cluster.wire import WireJob, decode_reply, encode_job, next_stream_id, stream_pairs
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.metrics import Metrics, preinitialise_cluster
 from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.engine.assemble import QueueChoice
 from mergebroker.broker.engine.settings import ClusterSettings, Settings
@@ -46,6 +50,8 @@ log = structlog.get_logger(__name__)
 REPLY_TTL_MS = 60_000  # a dead front-end's reply stream disappears after this; a live one renews it
 TRIM_EVERY = 256  # replies read between two trims of the reply stream (a trim costs a round trip)
 SETTLE_GRACE_S = 5.0  # how long past a job's deadline its early-released answer's usage may still arrive
+WITHDRAW_KEEP = 100_000  # entries to take back kept through an outage (each a few dozen bytes)
+WORKERS_PROBE_S = 0.25  # how often a front-end without live workers looks for one (a worker renews this often)
 
 
 class ClusterQueue:
@@ -68,10 +74,8 @@ class ClusterQueue:
         self._metrics = metrics
         self._sleep = sleep
         self._reply_stream = keys.replies(frontend_id or uuid.uuid4().hex[:16])
-        self._waiting: dict[str, ChatJob] = {}  # correlation ID -> job, sent and not answered
-        self._sent_at: dict[str, float] = {}  # correlation ID -> when it was sent (for the hop metric)
-        self._entries: dict[str, tuple[str, Any]] = {}  # correlation ID -> its (stream, entry ID), while awaited
-        self._withdrawn: list[tuple[str, Any]] = []  # entries of jobs whose every caller left, to delete
+        self._inflight = InFlight()  # jobs sent and not answered
+        self._withdrawn: list[tuple[str, Any]] = []  # entries of jobs served elsewhere or abandoned, to delete
         self._settling: dict[str, asyncio.Future[dict[str, int]]] = {}  # correlation ID -> usage to come
         self._outbox: list[ChatJob] = []
         self._outbox_ready = asyncio.Event()
@@ -121,11 +125,15 @@ class ClusterQueue:
         """Refuse new jobs, answer the waiting ones with `Overloaded`, stop the loops and the local queue."""
         self._closed = True
         self._outbox_ready.set()
-        await stop_tasks(self._tasks, self._settings.block_ms)
-        for job in self._outbox + list(self._waiting.values()):
+        # Each loop ends after its current blocking read: cancelling redis-py in the middle of one can leave
+        # the task waiting on its connection for seconds.
+        stuck = await stop_loops(set(self._tasks), grace_s=self._settings.block_ms / 1000 + 0.5)
+        if stuck:
+            log.error("cluster_loops_stuck", loops=sorted(t.get_name() for t in stuck))
+        for job in self._outbox + self._inflight.jobs():
             job.fail(Overloaded("The broker is shutting down.", retry_after=1))
         self._outbox.clear()
-        self._waiting.clear()
+        self._inflight.clear()
         for settling in list(self._settling.values()):
             settling.cancel()  # the ledger keeps the counted usage
         await self._local.stop()
@@ -164,29 +172,27 @@ class ClusterQueue:
             streams = []
             for job in jobs:
                 wire = self._wire(job)
-                self._waiting[wire.correlation_id] = job
-                self._sent_at[wire.correlation_id] = self._clock()
+                self._inflight.add(wire.correlation_id, job, self._clock())
                 job.future.add_done_callback(partial(self._forget, wire.correlation_id))
                 streams.append(self._keys.jobs(job.tier, partition_of(job.merge_key or wire.flight_key,
                                                                       self._partitions)))
                 pipe.xadd(streams[-1], encode_job(wire))
                 sent.append((wire.correlation_id, job))
-            for (cid, job), stream, entry_id in zip(sent, streams, await pipe.execute()):
-                if cid in self._waiting and not job.future.done():
-                    self._entries[cid] = (stream, entry_id)
-                else:  # while it was being sent, every caller left or a fallback moved it to the local queue
-                    self._withdrawn.append((stream, entry_id))  # (or a worker answered it: deleting is harmless)
+            for (cid, _job), stream, entry_id in zip(sent, streams, await pipe.execute()):
+                if not self._inflight.entry_added(cid, (stream, entry_id)):
+                    # While it was being sent, every caller left or a fallback moved it to the local queue
+                    # (or a worker answered it already: deleting is harmless).
+                    self._withdrawn.append((stream, entry_id))
             return None
         except RedisError as exc:
-            log.warning("cluster_send_failed", error=type(exc).__name__, jobs=len(jobs))
+            log.info("cluster_send_failed", error=type(exc).__name__, jobs=len(jobs))
             if not sent:
                 return jobs
-            return [job for cid, job in sent if self._waiting.pop(cid, None) is not None]
+            return [job for cid, job in sent if self._inflight.pop(cid) is not None]
 
     def _forget(self, cid: str, future: Any) -> None:
-        self._waiting.pop(cid, None)
-        self._sent_at.pop(cid, None)
-        entry = self._entries.pop(cid, None)
+        awaited = self._inflight.pop(cid)
+        entry = awaited.entry if awaited is not None else None
         if entry is not None and future.cancelled():
             # Every caller left (SingleFlight cancelled the job): take it back from its stream, so a
             # worker that has not read it yet never makes the upstream call (in-process, the queue drops
@@ -194,7 +200,8 @@ class ClusterQueue:
             self._withdrawn.append(entry)
             self._outbox_ready.set()
 
-    async def _withdraw(self) -> None:
+    async def _withdraw(self) -> bool:
+        """Delete the entries of jobs served elsewhere or abandoned; False (they stay queued) if Redis is away."""
         batch, self._withdrawn = self._withdrawn, []
         pipe = self._redis.pipeline(transaction=False)
         for stream, entry_id in batch:
@@ -202,7 +209,10 @@ class ClusterQueue:
         try:
             await pipe.execute()
         except RedisError:
-            pass  # a worker reads it and answers a caller who has left: wasted, never wrong
+            # Redis is away: try again when it is back (the probe does), before any worker reads them.
+            self._withdrawn = (batch + self._withdrawn)[-WITHDRAW_KEEP:]
+            return False
+        return True
 
     def _wire(self, job: ChatJob) -> WireJob:
         deadline = job.mark_sent()  # its deadline leaves with it
@@ -223,10 +233,10 @@ class ClusterQueue:
                 response = await self._redis.xread({self._reply_stream: last_id}, count=512,
                                                    block=self._settings.block_ms)
             except RedisError as exc:
-                log.warning("cluster_replies_failed", error=type(exc).__name__)
+                log.info("cluster_replies_failed", error=type(exc).__name__)
                 self._fall_back([], "redis")
                 continue
-            for _stream, entries in _pairs(response):
+            for _stream, entries in stream_pairs(response):
                 for entry_id, fields in entries:
                     last_id = entry_id
                     since_trim += 1
@@ -241,18 +251,20 @@ class ClusterQueue:
         except ValueError as exc:
             log.warning("cluster_reply_unreadable", error=str(exc))
             return
+        if reply.sent_by is not None:  # a worker sent it upstream: only that worker may answer it now
+            self._inflight.note(reply.correlation_id, reply.sent_by)
+            return
         if reply.settled is not None:  # the reported usage of an answer released early, delivered before
             settling = self._settling.pop(reply.correlation_id, None)
             if settling is not None and not settling.done():
                 settling.set_result(reply.settled)
             return
-        job = self._waiting.pop(reply.correlation_id, None)
-        if job is None or job.future.done():
+        awaited = self._inflight.pop(reply.correlation_id)
+        if awaited is None or awaited.job.future.done():
             self._metrics.cluster_duplicates_dropped.inc()
             return
-        sent_at = self._sent_at.pop(reply.correlation_id, None)
-        if sent_at is not None:
-            self._metrics.cluster_hop.observe(max(0.0, self._clock() - sent_at - reply.worker_s))
+        job = awaited.job
+        self._metrics.cluster_hop.observe(max(0.0, self._clock() - awaited.sent_at - reply.worker_s))
         if reply.outcome is not None:
             outcome = reply.outcome
             if reply.settles:
@@ -276,30 +288,30 @@ class ClusterQueue:
     async def _trim(self, last_id: Any) -> None:
         """Drop what was read (later ones stay) and keep the stream's expiry renewed while this front-end lives."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.xtrim(self._reply_stream, minid=_next_id(last_id))
+        pipe.xtrim(self._reply_stream, minid=next_stream_id(last_id))
         pipe.pexpire(self._reply_stream, REPLY_TTL_MS)
         try:
             await pipe.execute()
         except RedisError:
             pass  # the next read notices
 
-    def _fall_back(self, unsent: list[ChatJob], reason: str) -> None:
-        """Serve `unsent` and every job awaiting a reply from the local queue, and stay local until Redis is
-        back and a worker alive (`reason`: "redis" or "no_workers")."""
+    def _fall_back(self, unsent: list[ChatJob], reason: str, dead: set[str] | frozenset[str] = frozenset()) -> None:
+        """Serve `unsent`, and every awaited job no worker will answer (`InFlight.release`), from the local
+        queue, and stay local until Redis is back and a worker alive (`reason`: "redis" or "no_workers")."""
+        released, entries = self._inflight.release(dead)
+        moved = unsent + released + self._outbox
         if not self._fallback:
             self._fallback, self._fallback_reason = True, reason
             # Redis lost is an outage; no worker yet is also what a deployment starting up looks like.
             (log.error if reason == "redis" else log.warning)("cluster_fallback", reason=reason,
-                                                              message=_FALLBACK_MESSAGES[reason])
+                                                              message=_FALLBACK_MESSAGES[reason], moved=len(moved),
+                                                              awaiting_workers=len(self._inflight))
             self._metrics.cluster_fallback.set(1)
             self._metrics.cluster_fallback_transitions.labels("local").inc()
-        moved = unsent + list(self._waiting.values()) + self._outbox
-        if reason == "no_workers":  # Redis answers: take the moved jobs back, a worker arriving later must not run them
-            self._withdrawn.extend(self._entries.values())
-            self._outbox_ready.set()
-        self._waiting.clear()
-        self._sent_at.clear()
-        self._entries.clear()
+        # Take the moved jobs back from their streams (now, or once Redis answers again): a worker reading
+        # them later must not run them.
+        self._withdrawn.extend(entries)
+        self._outbox_ready.set()
         self._outbox = []
         for job in moved:
             if job.future.done():
@@ -310,19 +322,25 @@ class ClusterQueue:
                 job.fail(exc)
 
     async def _probe(self) -> None:
-        await self._sleep(self._settings.fallback_probe_s)
+        await self._sleep(self._settings.fallback_probe_s if self._fallback_reason == "redis"
+                          else min(self._settings.fallback_probe_s, WORKERS_PROBE_S))
         try:
             if self._fallback_reason == "redis":
                 await self._redis.connection_pool.disconnect()  # connections from before the outage are stale
                 await self._redis.ping()
                 await self._server_clock.sync(self._redis)
                 self._fallback_reason = "no_workers"  # Redis is back; a worker must be too
+            if self._withdrawn and not await self._withdraw():
+                return
+            dead = await self._dead_senders()
+            if dead:  # jobs a worker sent upstream wait for its reply, unless it died meanwhile
+                self._fall_back([], self._fallback_reason or "no_workers", dead)
             if self._settings.local_without_workers and not await self._workers_alive():
                 return
         except RedisError:
             return
         self._fallback = False
-        log.warning("cluster_resumed", message="Redis and a worker are back: sending jobs to the cluster again.")
+        log.info("cluster_resumed", message="Redis and a worker are back: sending jobs to the cluster again.")
         self._metrics.cluster_fallback.set(0)
         self._metrics.cluster_fallback_transitions.labels("cluster").inc()
 
@@ -333,10 +351,15 @@ class ClusterQueue:
             if not self._fallback:
                 try:
                     if not await self._workers_alive() and not self._fallback:
-                        self._fall_back([], "no_workers")
+                        self._fall_back([], "no_workers", await self._dead_senders())
                 except RedisError:
                     pass  # the send and reply loops notice Redis trouble
             await self._sleep(self._settings.fallback_probe_s)
+
+    async def _dead_senders(self) -> set[str]:
+        """Workers that sent awaited jobs upstream and died since (`presence`): those jobs are served here."""
+        senders = self._inflight.senders()
+        return senders & await absent_workers(self._redis, self._keys, me="") if senders else set()
 
     async def _workers_alive(self) -> bool:
         """Whether some worker renewed its liveness (`PartitionLeases`) within the last `lease_ms`."""
@@ -355,6 +378,7 @@ _FALLBACK_MESSAGES = {
 def build_cluster_queue(settings: Settings, local: JobQueue, *, metrics: Metrics, clock: Clock = monotonic,
                         sleep: Sleep = asyncio.sleep) -> ClusterQueue:
     """The front-end's queue for `settings` (cluster mode on, `redis.url` set), with its own stream client."""
+    preinitialise_cluster(metrics)
     c = settings.cluster
     return ClusterQueue(make_stream_client(settings.redis.url or "", block_ms=c.block_ms), local,
                         keys=Keys(c.prefix), settings=c, partitions=c.partitions, server_clock=ServerClock(clock),
@@ -367,27 +391,3 @@ def front_end_queue(settings: Settings) -> QueueChoice | None:
     if not settings.cluster.enabled:
         return None
     return functools.partial(build_cluster_queue, settings)
-
-
-async def stop_tasks(tasks: set[asyncio.Task[None]], block_ms: int) -> None:
-    """Stop loops that check a closed flag: wait out a blocking read in progress, then cancel what is left.
-
-    Cancelling redis-py in the middle of a blocking read can leave the task waiting on its connection
-    for seconds; letting the read end (within `block_ms`) is faster and leaves the connection clean.
-    """
-    stuck = await stop_loops(set(tasks), grace_s=block_ms / 1000 + 0.5)
-    if stuck:
-        log.error("cluster_loops_stuck", loops=sorted(t.get_name() for t in stuck))
-
-
-def _pairs(response: Any) -> Any:
-    if not response:
-        return []
-    return response.items() if isinstance(response, dict) else response
-
-
-def _next_id(entry_id: Any) -> str:
-    """The smallest stream ID after `entry_id` (XTRIM MINID keeps IDs at or above it)."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-    ms, seq = text.split("-")
-    return f"{ms}-{int(seq) + 1}"

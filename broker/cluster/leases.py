@@ -9,6 +9,11 @@ A worker that cannot renew (Redis unreachable, the process paused) stops treatin
 its own once `lease_ms` has passed since its last successful renewal, the moment another worker may
 take them: a zombie stops taking work by itself, without being told. Its next renewal keeps the
 leases nobody took meanwhile and reports the others lost.
+
+A worker found dead (`presence`) is forgotten at once (`forget`): out of the live set, its leases
+deleted, so the others take its partitions in their next round (which `wake` brings forward) instead
+of after its leases expire. A worker short of its share (partitions still held by one that is giving
+them up) tries again every `SHORT_RETRY_SHARE` of a round until it has it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from redis.exceptions import RedisError
 
 from mergebroker.broker.cluster.partition import Keys, fair_share, lease_plan, preferred_order
 from mergebroker.broker.cluster.server_time import ServerClock
-from mergebroker.clock import Clock, Sleep, monotonic
+from mergebroker.clock import Clock, Sleep, monotonic, sleep_or_event
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +37,15 @@ for i, key in ipairs(KEYS) do
 end
 return kept"""
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# Every lease held by one of the workers in ARGV, deleted; how many.
+_FORGET = """local gone, freed = {}, 0
+for _, worker in ipairs(ARGV) do gone[worker] = true end
+for _, key in ipairs(KEYS) do
+  local holder = redis.call('get', key)
+  if holder and gone[holder] then freed = freed + redis.call('del', key) end
+end
+return freed"""
+SHORT_RETRY_SHARE = 1 / 4
 
 LeaseEvent = Callable[[int, str], None]
 """`(partition, event)` with event one of acquired, released, lost."""
@@ -58,6 +72,11 @@ class PartitionLeases:
         """When (local clock) orphaned jobs last became possible: a partition acquired, a worker gone."""
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
+        self._forget = redis.register_script(_FORGET)
+        self._short = False  # the last round got fewer partitions than the share
+        self.wake = asyncio.Event()
+        """Set it to bring the next round forward (a worker was found dead: take its partitions now)."""
+        self._round_waiters: list[asyncio.Future[None]] = []
 
     @property
     def owned(self) -> frozenset[int]:
@@ -100,6 +119,7 @@ class PartitionLeases:
             await self.release(release)
         if acquire:
             await self._acquire(acquire, share - len(self._owned))
+        self._short = len(self._owned) < share
 
     @property
     def live_workers(self) -> frozenset[bytes]:
@@ -124,6 +144,25 @@ class PartitionLeases:
                     wanted -= 1
                     self._event(p, "acquired")
 
+    async def next_round(self) -> None:
+        """Bring the next round forward and return when it is done (`run` must be running)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._round_waiters.append(waiter)
+        self.wake.set()
+        await waiter
+
+    async def forget(self, workers: set[str]) -> int:
+        """Take dead `workers` out of the live set and delete their leases; the partitions freed."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zrem(self._keys.workers, *workers)
+        pipe.hdel(self._keys.presence, *workers)
+        _script(pipe, self._forget, [self._keys.lease(p) for p in range(self._partitions)], *sorted(workers))
+        freed = (await pipe.execute())[2]
+        self._live -= {w.encode() for w in workers}
+        self.orphans_at = self._clock()
+        log.warning("cluster_worker_dead", workers=sorted(workers), partitions_freed=freed)
+        return int(freed)
+
     async def release(self, partitions: list[int] | None = None) -> None:
         """Give up `partitions` (all held when None) at once, so another worker can take them now."""
         chosen = sorted(self._owned) if partitions is None else partitions
@@ -147,15 +186,21 @@ class PartitionLeases:
         if self._on_change is not None:
             self._on_change(partition, event)
 
-    async def run(self, sleep: Sleep, changed: asyncio.Event) -> None:
-        """Renew forever; sets `changed` after each round (the reader picks up new partitions at once)."""
+    async def run(self, sleep: Sleep, changed: asyncio.Event, on_error: Callable[[str, RedisError], None]) -> None:
+        """Renew forever; sets `changed` after each round (the reader picks up new partitions at once) and
+        hands Redis errors to `on_error` (which reports an outage once)."""
         while True:
+            self.wake.clear()
+            waiters, self._round_waiters = self._round_waiters, []  # a waiter that came mid-round waits for the next
             try:
                 await self.renew()
             except RedisError as exc:
-                log.warning("partition_lease_renew_failed", error=type(exc).__name__, held=len(self.owned))
+                on_error("leases", exc)
             changed.set()
-            await sleep(self.interval_s)
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            await sleep_or_event(sleep, self.interval_s * (SHORT_RETRY_SHARE if self._short else 1), self.wake)
 
 
 def _script(pipe: Any, script: Any, keys: list[str], *args: Any) -> None:

@@ -51,6 +51,19 @@ class Keys:
     def replies(self, frontend_id: str) -> str:
         return f"{self.prefix}:replies:{frontend_id}"
 
+    def sent_prefix(self, stream: str) -> str:
+        """Where the sent markers of `stream`'s entries live: this prefix followed by the entry ID."""
+        return f"{self.prefix}:sent:{stream.rpartition(':jobs:')[2]}:"
+
+    def sent(self, stream: str, entry_id: bytes | str) -> str:
+        """The marker a worker sets when it sends the entry's job upstream (value: the worker's ID)."""
+        return self.sent_prefix(stream) + (entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
+
+    @property
+    def presence(self) -> str:
+        """A hash: worker ID -> the Redis client ID of the connection that says it is alive (`presence`)."""
+        return f"{self.prefix}:presence"
+
     @property
     def workers(self) -> str:
         """A sorted set: worker ID -> last renewal (server ms); its live members share the partitions."""

@@ -40,8 +40,9 @@ class WireJob:
 
 @dataclass(frozen=True)
 class WireReply:
-    """A worker's answer for one correlation ID: an outcome or an error; or, later, the usage the provider
-    reported for an outcome released early (`settled`, a message of its own)."""
+    """A worker's answer for one correlation ID: an outcome or an error; or a message of its own, either
+    the note that the job went upstream (`sent_by`, the worker's ID: no one may run it again while that
+    worker lives) or the usage the provider reported for an outcome released early (`settled`)."""
 
     correlation_id: str
     outcome: ChatOutcome | None = None
@@ -49,6 +50,7 @@ class WireReply:
     worker_s: float = 0.0  # from the worker's read to its reply: the rest of the round trip is the hop
     settles: bool = False  # the outcome was released early: a `settled` message for it follows
     settled: dict[str, int] | None = None
+    sent_by: str | None = None
 
 
 def encode_job(job: WireJob) -> dict[bytes, bytes]:
@@ -78,7 +80,9 @@ def decode_job(fields: dict[bytes, bytes]) -> WireJob:
 def encode_reply(reply: WireReply) -> dict[bytes, bytes]:
     """Stream-entry fields for `reply`."""
     doc: dict[str, Any] = {"v": WIRE_VERSION, "cid": reply.correlation_id, "ws": round(reply.worker_s, 6)}
-    if reply.settled is not None:
+    if reply.sent_by is not None:
+        doc["sent"] = reply.sent_by
+    elif reply.settled is not None:
         doc["settled"] = reply.settled
     elif reply.outcome is not None:
         o = reply.outcome
@@ -96,6 +100,8 @@ def decode_reply(fields: dict[bytes, bytes]) -> WireReply:
     doc = _document(fields)
     try:
         cid = str(doc["cid"])
+        if "sent" in doc:
+            return WireReply(cid, sent_by=str(doc["sent"]))
         if "settled" in doc:
             return WireReply(cid, settled={k: int(v) for k, v in dict(doc["settled"]).items()})
         if "ok" in doc:
@@ -106,6 +112,21 @@ def decode_reply(fields: dict[bytes, bytes]) -> WireReply:
         return WireReply(cid, error=_error(*doc["err"]), worker_s=float(doc.get("ws", 0.0)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"unreadable reply entry: {type(exc).__name__}") from exc
+
+
+def stream_pairs(response: Any) -> list[tuple[str, Any]]:
+    """An `XREAD`/`XREADGROUP` answer (a list of pairs in RESP2, a mapping in RESP3) as (stream name, entries)."""
+    if not response:
+        return []
+    pairs = response.items() if isinstance(response, dict) else response
+    return [(s.decode() if isinstance(s, bytes) else s, entries) for s, entries in pairs]
+
+
+def next_stream_id(entry_id: Any) -> str:
+    """The smallest stream ID after `entry_id` (XTRIM MINID keeps IDs at or above it)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    ms, seq = text.split("-")
+    return f"{ms}-{int(seq) + 1}"
 
 
 # The classes the front-end's own code tells apart (ChatService retries a shared job cut by its deadline).

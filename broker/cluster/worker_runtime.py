@@ -17,10 +17,12 @@ from typing import Any
 import structlog
 
 from mergebroker.broker.engine.assemble import assemble, stop_engine
+from mergebroker.broker.engine.metrics import preinitialise_cluster
 from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.cluster.consumer import StreamConsumer
 from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.partition import Keys
+from mergebroker.broker.cluster.presence import Presence, make_presence_client
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.worker import ClusterWorker
 from mergebroker.broker.engine.settings import Settings
@@ -53,6 +55,7 @@ async def start_worker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     local = settings.model_copy(update={"cluster": settings.cluster.model_copy(update={"enabled": False})})
     sleep = sleep or clock.sleep
     broker = await assemble(local, clock=clock, sleep=sleep)
+    preinitialise_cluster(broker.metrics)
     c = settings.cluster
     redis = make_stream_client(settings.redis.url, block_ms=c.block_ms)
     keys = Keys(c.prefix)
@@ -64,8 +67,9 @@ async def start_worker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     consumer = StreamConsumer(redis, broker.queue, keys=keys, settings=c, tiers=settings.tiers, leases=leases,
                               server_clock=server_clock, consumer_id=worker_id,
                               aging_per_s=settings.server.aging_per_s, metrics=broker.metrics, clock=clock)
+    presence = Presence(make_presence_client(settings.redis.url, worker_id), keys, worker_id)
     cluster = ClusterWorker(redis, consumer, leases, keys=keys, settings=c, metrics=broker.metrics, sleep=sleep,
-                            clock=clock)
+                            clock=clock, presence=presence, worker_id=worker_id)
     cluster.start()
     log.info("worker_started", worker_id=worker_id, partitions=c.partitions)
     return Worker(broker, cluster, redis, worker_id)

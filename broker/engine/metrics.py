@@ -116,11 +116,11 @@ class Metrics:
         self.cluster_lease_changes = Counter(p + "cluster_lease_changes", "Partition leases acquired, released "
                                              "(rebalancing) or lost (another worker holds it now, or renewal failed).",
                                              ["event"], registry=r)
-        self.cluster_claims = Counter(p + "cluster_claims", "Jobs claimed from a dead worker after claim_idle_ms.",
-                                      registry=r)
+        self.cluster_claims = Counter(p + "cluster_claims", "Jobs taken over: a dead worker's at once, a silent "
+                                      "worker's after claim_idle_ms.", registry=r)
         self.cluster_jobs = Counter(p + "cluster_jobs", "Jobs a worker finished, by outcome (answered, failed, "
                                     "expired: dropped past its deadline, coalesced, unreadable, withdrawn: every caller left before "
-                                    "it was sent).",
+                                    "it was sent, fenced: dropped unsent by a worker that lost it, taken_over).",
                                     ["outcome"], registry=r)
         self.cluster_duplicates_dropped = Counter(p + "cluster_duplicates_dropped", "Replies a front-end dropped: "
                                                   "a later reply for a job already answered or no longer awaited.",
@@ -281,7 +281,8 @@ def preinitialise(metrics: Metrics, *, tiers: list[str], providers: list[str], m
             m.embedding_cache_events.labels(level=level, result=result)
 
 
-CLUSTER_JOB_OUTCOMES = ("answered", "failed", "expired", "coalesced", "unreadable", "withdrawn")
+CLUSTER_JOB_OUTCOMES = ("answered", "failed", "expired", "coalesced", "unreadable", "withdrawn", "fenced",
+                        "taken_over")
 LEASE_EVENTS = ("acquired", "released", "lost")
 
 

@@ -213,16 +213,11 @@ class MergeSettings(_Strict):
                                                             "background at the lowest priority, to score the merge.")
     shadow_tpm: int = Field(20_000, ge=0, description="Tokens per minute shadow calls may spend (0: none).")
     embedder: Literal["local-onnx", "local-int8", "local", "none"] = Field(
-        "local-onnx", description="Similarity model: all-MiniLM-L6-v2 quantised to int8 on onnxruntime (default: "
-                                  "1.3-2.7x cheaper per prompt than local-int8 and closer to the float model; exported "
-                                  "once from the bundled weights into embeddings.onnx_cache_dir, local-int8 if that "
-                                  "fails, logged), the int8 copy on torch, the float model, or none (no similarity "
-                                  "merging).")
+        "local-onnx", description="Similarity model: int8 all-MiniLM-L6-v2 on onnxruntime (exported once into "
+                                  "embeddings.onnx_cache_dir; local-int8 if that fails), on torch, float, or none.")
     policy: Literal["cost", "always"] = Field(
-        "cost", description="cost: a group merges, at the size it merges, only where the merged call's expected bill "
-                            "is lower than its members' bills alone with the provider's prompt cache (or where a "
-                            "binding rate limit makes the capacity worth a premium); always: merge whatever is "
-                            "compatible (a model with no price always merges this way).")
+        "cost", description="cost: merge, and at the size it merges, only where the merged bill is below the members' "
+                            "bills alone with the provider's cache (README: When merging pays); always: as before.")
     capacity_merge: bool = Field(True, description="Under a binding rate limit, merge even at a cost premium of up to "
                                                    "capacity_max_premium (the call it saves is the scarce thing).")
     capacity_pressure: float = Field(0.9, gt=0, le=1, description="Share of the provider's or tier's RPM in use at "
@@ -251,7 +246,9 @@ class ClusterSettings(_Strict):
 
     enabled: bool = Field(False, description="Front-ends send chat jobs to workers through Redis (needs redis.url).")
     partitions: int = Field(64, ge=1, le=4096, description="Partition streams per tier; a merge key maps to one.")
-    claim_idle_ms: int = Field(5000, gt=0, description="A job idle this long in a dead worker's hands is claimed.")
+    claim_idle_ms: int = Field(5000, gt=0, description="A job idle this long in a silent (paused or cut-off) worker's "
+                                                       "hands is claimed unless it went upstream; a dead worker's jobs "
+                                                       "move at once.")
     lease_ms: int = Field(3000, gt=0, description="Partition lease lifetime; renewed every lease_ms / 3.")
     prefetch: int = Field(256, gt=0, description="Jobs a worker holds at once; the rest of the backlog stays in Redis.")
     block_ms: int = Field(1000, gt=0, description="Longest blocking read on the streams.")
