@@ -60,3 +60,37 @@ async def test_a_group_whose_vectors_miss_the_budget_is_sent_unmerged(simulator)
     finally:
         embedder.release.set()
         await pools.close()
+
+
+async def test_the_similarity_budget_counts_from_the_groups_first_arrival(simulator):
+    """A group that already waited its budget in the window does not wait for the model again at release;
+    vectors that are ready (embedded while the window was open) are still used."""
+    from mergebroker.clock import FakeClock
+
+    clock = FakeClock()
+    metrics = Metrics()
+    provider = OpenAICompatProvider(HttpProviderSettings(name="sim", base_url=simulator.url))
+    pools = ProviderPools([Upstream(provider)], observer=PoolMetrics(metrics), clock=clock)
+    embedder = StuckEmbedder()
+    dispatcher = Dispatcher(
+        pools, tiers={"standard": TierMergePolicy(True, 0.85, 4, similarity_budget_s=0.2)},
+        options=MergeOptions(None, 8, {}, 8192), embedder=embedder, guard=QualityGuard(GuardSettings()),
+        merging_allowed=lambda model: True, metrics=metrics, clock=clock)
+    stale = [job("How do I reset my password?"), job("How can I reset my password?")]
+    for j in stale:
+        j.enqueued_at = clock() - 0.5  # arrived before the budget: the model gets no more time at release
+    try:
+        await asyncio.wait_for(dispatcher.run_group(ReleasedGroup("standard", "k", stale, 0.0)), 10)
+        assert [j.future.result().batch_size for j in stale] == [1, 1]
+        assert metrics.registry.get_sample_value("mergebroker_merge_skipped_total",
+                                                 {"reason": "similarity_slow"}) == 2
+        embedder.release.set()  # the model answers at once now: ready vectors are used however late
+        ready = [job("What is the capital of France?"), job("What's the capital city of France?")]
+        for j in ready:
+            j.enqueued_at = clock() - 0.5
+        await asyncio.wait_for(dispatcher.run_group(ReleasedGroup("standard", "k", ready, 0.0)), 10)
+        assert metrics.registry.get_sample_value("mergebroker_merge_skipped_total",
+                                                 {"reason": "similarity_slow"}) == 2
+    finally:
+        embedder.release.set()
+        await pools.close()

@@ -149,18 +149,24 @@ class BatchPlanner:
         return out
 
     async def _vectors(self, tier: str, jobs: list[ChatJob], budget_s: float) -> Any:
-        """The group's prompt vectors, or None when the model fails or is slower than `budget_s`.
+        """The group's prompt vectors, or None when the model fails or they are not ready `budget_s` after the
+        group's first request arrived.
 
         A worker never waits long on the model: a busy model would otherwise hold every group behind it.
         Past the budget the group goes out unmerged (always correct), and the encode still finishes in the
         background, so the vectors are cached for the paraphrases that come next.
         """
         started = self._clock()
+        # The budget counts from the group's first arrival, not from its release: the prompts were embedded
+        # while the window was open (`prefetch`), so the time the window took is time the model already had.
+        first_arrival = min(j.enqueued_at for j in jobs)
         encode = asyncio.ensure_future(self._embedder.embed([j.shape.user_text for j in jobs]))  # type: ignore
         try:
-            async with self._clock.timeout_at(started + budget_s):
+            async with self._clock.timeout_at(first_arrival + budget_s):
                 vectors = await asyncio.shield(encode)
         except TimeoutError:
+            if encode.done() and not encode.cancelled() and encode.exception() is None:
+                return encode.result()  # ready (cached vectors) though the budget ran out during the window
             encode.add_done_callback(_retrieve)
             self._count.similarity_skipped("similarity_slow", len(jobs))
             return None
