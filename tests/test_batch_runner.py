@@ -48,3 +48,49 @@ async def test_window_end_expires_the_job_and_its_unsent_lines(simulator, tmp_pa
     finally:
         await service.stop()
         await pools.close()
+
+
+class Sink:
+    """The results a job hands on, by custom_id (the first one kept, as the batch store keeps it)."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, tuple[int, dict]] = {}
+
+    async def record(self, job, results) -> None:
+        for custom_id, status, body in results:
+            self.results.setdefault(custom_id, (status, body))
+
+
+async def test_lines_that_break_planning_or_sending_fail_alone(simulator, tmp_path):
+    """A lone surrogate or a 900-deep vendor field (a file stored before uploads were checked) fails its own line;
+    the job's good lines are answered (finding 3)."""
+    from mergebroker.broker.bulk.lines import BatchLine
+    from mergebroker.broker.bulk.runner import BulkJob, BulkRunner
+    from mergebroker.broker.bulk.store import BatchStore
+
+    deep: dict = {"x": 1}
+    for _ in range(900):
+        deep = {"x": deep}
+    settings = load_settings(None, environ={}, overrides={"batches": {"dir": str(tmp_path)},
+                                                          "merge": {"embedder": "none"}})
+    pools = ProviderPools([Upstream(OpenAICompatProvider(HttpProviderSettings("sim", simulator.url)))])
+    store = BatchStore(tmp_path / "state.sqlite3")
+    runner = BulkRunner(settings, pools=pools, store=store, batch_apis={}, limits=Limits(RateLimiter(monotonic),
+                        lambda c: []), embedder=None, merging_allowed=lambda m: True, metrics=Metrics(),
+                        clock=monotonic, sleep=asyncio.sleep, wall=monotonic)
+
+    def chat(custom_id: str, content: str, **extra) -> BatchLine:
+        return BatchLine(custom_id, "/v1/chat/completions", {"model": "sim-small", "messages": [
+            {"role": "system", "content": "Answer."}, {"role": "user", "content": content}], **extra})
+
+    lines = [chat("good1", "first question"), chat("lone", "broken \ud800 text"), chat("deep", "deep", vendor=deep),
+             chat("good2", "second question")]
+    sink = Sink()
+    try:
+        await runner.run(BulkJob("batch_x", Caller("t", "batch"), lines, 4e9, "24h"), sink, set())
+    finally:
+        store.close()
+        await pools.close()
+    assert set(sink.results) == {"good1", "lone", "deep", "good2"}
+    assert sink.results["good1"][0] == 200 and sink.results["good2"][0] == 200
+    assert sink.results["lone"][0] >= 400 and sink.results["deep"][0] >= 400

@@ -261,3 +261,39 @@ async def test_provider_batch_api_reruns_failed_splits_in_a_second_upstream_batc
                                                         for r in rows})
     assert (await sim_batches(simulator)).counters["batches_created"] == 2
     assert simulator.stats()["chat_calls"] == 2  # the merged call, then the dropped member alone
+
+
+async def test_metadata_follows_openais_limits(simulator, start_broker, tmp_path):
+    b = await start_broker(config(simulator, tmp_path))
+    good = await b.openai.files.create(file=("f.jsonl", jsonl([line("a", "x")])), purpose="batch")
+    bad = ({f"k{n}": "v" for n in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}, ["k", "v"])
+    for metadata in bad:
+        async with b.http.post("/v1/batches", json={"input_file_id": good.id, "endpoint": "/v1/chat/completions",
+                                                    "completion_window": "24h", "metadata": metadata}) as resp:
+            body = await resp.json()
+            assert resp.status == 400 and body["error"]["param"] == "metadata", metadata
+    largest = {f"{n:02d}" + "k" * 62: "v" * 512 for n in range(16)}
+    batch = await b.openai.batches.create(input_file_id=good.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h", metadata=largest)
+    assert batch.metadata == largest
+
+
+async def test_a_list_cursor_of_another_tenant_reads_like_an_unknown_one(simulator, start_broker, tmp_path):
+    keys = [{"sha256": hashlib.sha256(k.encode()).hexdigest(), "tenant": k, "tiers": ["batch", "standard"]}
+            for k in ("alpha-key", "beta-key")]
+    b = await start_broker({**config(simulator, tmp_path), "auth": {"mode": "keys", "keys": keys}})
+    alpha, beta = (openai.AsyncOpenAI(base_url=b.url + "/v1", api_key=k, max_retries=0) for k in ("alpha-key", "beta-key"))
+    try:
+        for n in range(3):  # beta's batches come first: a leaking cursor would list those older than alpha's
+            await finished(beta, b, await run_batch(beta, b, [line(f"b{n}", f"question b{n}")]))
+        theirs = await finished(alpha, b, await run_batch(alpha, b, [line("a", "question a")]))
+        for path, foreign in (("/v1/batches", theirs.id), ("/v1/files", theirs.input_file_id)):
+            pages = []
+            for after in (foreign, "no-such-id"):
+                async with b.http.get(path, params={"after": after},
+                                      headers={"Authorization": "Bearer beta-key"}) as resp:
+                    pages.append((resp.status, await resp.json()))
+            assert pages[0] == pages[1] and pages[0][0] == 200, pages
+    finally:
+        await alpha.close()
+        await beta.close()

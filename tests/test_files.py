@@ -22,7 +22,9 @@ async def test_expired_files_are_cleaned_up_with_their_bytes(tmp_path):
     with pytest.raises(NotFound):
         await files.content("other-tenant", kept.id)
     wall.advance(30)
-    later = await files.save_output("t", "out.jsonl", b"{}\n", 1)
+    async with files.output("t", "out.jsonl") as out:
+        await out.write(b"{}\n", 1)
+        later = await out.keep()
     assert await files.clean_expired() == 0
     wall.advance(31)
     assert await files.clean_expired() == 1

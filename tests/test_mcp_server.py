@@ -17,7 +17,11 @@ from typing import AsyncIterator
 
 import pytest
 import yaml
+import aiohttp
+import httpx2
 from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
 
 from tests.conftest import free_port, provider_for
 
@@ -38,9 +42,11 @@ def _config(tmp_path: Path, sim, **extra) -> Path:
     return path
 
 
-def _env() -> dict[str, str]:
+def _env(**extra: str | None) -> dict[str, str]:
+    """The child's environment: the test key unless `MERGEBROKER_API_KEY=None` removes it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERGEBROKER_")}
-    return {**env, "MERGEBROKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**env, "MERGEBROKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **extra}
+    return {k: v for k, v in env.items() if v is not None}
 
 
 async def _wait_for_port(port: int, proc: subprocess.Popen, log: Path) -> None:
@@ -53,10 +59,10 @@ async def _wait_for_port(port: int, proc: subprocess.Popen, log: Path) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _process(args: list[str], port: int, log: Path) -> AsyncIterator[None]:
+async def _process(args: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> AsyncIterator[None]:
     """A `mergebroker` command running until the block ends, once it listens on `port`."""
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mergebroker.broker.cli", *args], env=_env(),
+        proc = subprocess.Popen([sys.executable, "-m", "mergebroker.broker.cli", *args], env=env or _env(),
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         await _wait_for_port(port, proc, log)
@@ -67,10 +73,11 @@ async def _process(args: list[str], port: int, log: Path) -> AsyncIterator[None]
 
 
 @contextlib.asynccontextmanager
-async def _client(transport: str, mcp_args: list[str], tmp_path: Path) -> AsyncIterator[Client]:
+async def _client(transport: str, mcp_args: list[str], tmp_path: Path,
+                  env: dict[str, str] | None = None) -> AsyncIterator[Client]:
     """The SDK's client of a `mergebroker mcp` process over `transport`."""
     if transport == "stdio":
-        params = StdioServerParameters(command=sys.executable, env=_env(),
+        params = StdioServerParameters(command=sys.executable, env=env or _env(),
                                        args=["-m", "mergebroker.broker.cli", "mcp", *mcp_args])
         async with Client(params, read_timeout_seconds=60) as client:
             yield client
@@ -160,3 +167,57 @@ async def test_an_unreachable_broker_is_a_tool_error_not_a_crash(tmp_path):
     assert first.is_error and first.structured_content["error"]["code"] == "broker_unreachable"
     assert stats.is_error and stats.structured_content["error"]["status"] == 502
     assert not tokens.is_error and tokens.structured_content["tokens"] > 0
+
+
+async def test_a_large_embed_is_read_over_http_in_pages_the_official_client_accepts(simulator, tmp_path):
+    """2,048 vectors (about 15 MB of JSON) come back as pages, each under the client's 1 MiB event limit."""
+    texts = [f"text number {n}" for n in range(2048)]
+    async with _mcp("embedded", "http", simulator, tmp_path) as client:
+        large = await client.call_tool("embed", {"texts": texts, "model": "sim-embed"})
+        pages = large.structured_content["pages"]
+        vectors = []
+        for uri in pages:
+            vectors += json.loads((await client.read_resource(uri)).contents[0].text)
+        small = await client.call_tool("embed", {"texts": texts[:2], "model": "sim-embed"})
+    assert not large.is_error and large.structured_content["count"] == 2048 and len(pages) > 1
+    assert len(vectors) == 2048 and {len(v) for v in vectors} == {384}
+    assert vectors[:2] == small.structured_content["vectors"]
+
+
+async def test_the_http_transport_serves_only_callers_with_its_token(simulator, tmp_path):
+    token = "mcp-transport-token"
+    port = free_port()
+    args = ["mcp", "--config", str(_config(tmp_path, simulator)), "--transport", "http", "--port", str(port)]
+    async with _process(args, port, tmp_path / "mcp.log", env=_env(MERGEBROKER_MCP_TOKEN=token)):
+        url = f"http://127.0.0.1:{port}/mcp"
+        async with aiohttp.ClientSession() as session:
+            for given in (None, "Bearer wrong-token", f"Bearer {token}x", token):
+                headers = {"Accept": "application/json, text/event-stream", **({"Authorization": given} if given else {})}
+                async with session.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+                                        headers=headers) as resp:
+                    assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_mcp_token"
+        http = create_mcp_http_client(headers={"Authorization": f"Bearer {token}"},
+                                      timeout=httpx2.Timeout(60, read=60))
+        async with http, Client(streamable_http_client(url, http_client=http), read_timeout_seconds=60) as client:
+            counted = await client.call_tool("count_tokens", {"text": "served with the token"})
+    assert not counted.is_error and counted.structured_content["tokens"] > 0
+
+
+def test_without_a_token_the_http_transport_will_not_listen_beyond_loopback(simulator, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mergebroker.broker.cli", "mcp", "--transport", "http", "--host",
+                           "0.0.0.0", "--port", str(free_port())], env=_env(), capture_output=True, timeout=60)
+    assert done.returncode == 2 and b"MERGEBROKER_MCP_TOKEN" in done.stderr
+
+
+async def test_without_a_key_no_tool_answers(simulator, tmp_path):
+    """In keys mode, a server started without a broker key answers every tool with the broker's 401."""
+    digest = hashlib.sha256(KEY.encode()).hexdigest()
+    auth = {"mode": "keys", "keys": [{"sha256": digest, "tenant": "agents", "tiers": ["batch", "standard"]}]}
+    args = ["--config", str(_config(tmp_path, simulator, auth=auth))]
+    async with _client("stdio", args, tmp_path, env=_env(MERGEBROKER_API_KEY=None)) as client:
+        results = [await client.call_tool("count_tokens", {"text": "hello"}),
+                   await client.call_tool("broker_stats", {}), await client.call_tool("chat", _chat(0)),
+                   await client.call_tool("embed", {"texts": ["a"], "model": "sim-embed"})]
+    assert [r.is_error for r in results] == [True] * 4
+    assert {r.structured_content["error"]["status"] for r in results} == {401}
+    assert simulator.stats()["chat_calls"] == 0

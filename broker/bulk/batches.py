@@ -1,11 +1,16 @@
 """`/v1/batches`: create, retrieve, list and cancel bulk jobs; their life cycle, output files and resumption.
 
 A batch moves validating -> in_progress -> finalizing -> completed (or cancelling -> cancelled, expired,
-failed), as OpenAI's do. Its object (with `request_counts`) is kept in the batch store after every
-change; a broker that starts finds the batches still active and runs them again from their unanswered
-lines (`broker.bulk.runner`). A tenant sees only its own batches. The output file holds every line
-answered 2xx and the error file every other line (unsent lines of a cancelled or expired batch
-included), so each `custom_id` appears exactly once across the two.
+failed), as OpenAI's do, and always reaches one of the four final states: a failure while writing its files
+fails it (`finalize_failed`), an output too large for one file fails it with every answer that did not fit
+in the error file (`output_too_large`), and a broker that stops mid-way finishes it on its next start. Its
+object (with `request_counts`) is kept in the batch store after every change; a broker that starts finds the
+batches still active and runs them again from their unanswered lines (`broker.bulk.runner`). The input file
+is pinned while the batch runs, so deleting it loses nothing; were the pinned copy gone too, the batch ends
+from the answers it stored. A tenant sees only its own batches. The output file holds every line answered
+2xx and the error file every other line (unsent lines of a cancelled or expired batch included), so each
+`custom_id` appears exactly once across the two. A finished batch's state leaves memory (and its per-line
+results leave the store, now that its files hold them).
 """
 
 from __future__ import annotations
@@ -15,18 +20,20 @@ import secrets
 import sqlite3
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import structlog
 
-from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.background import spawn
-from mergebroker.broker.bulk.lines import BatchLine, jsonl, output_line
+from mergebroker.broker.bulk.files import BATCH_PURPOSE, FileService
+from mergebroker.broker.bulk.finalize import Written, write_files
+from mergebroker.broker.bulk.lines import BatchLine, LineLimits
+from mergebroker.broker.bulk.batch_request import WINDOWS_S, check_create
 from mergebroker.broker.bulk.runner import BulkJob, BulkRunner, Limits, Result
 from mergebroker.broker.bulk.store import BatchRow, BatchStore
-from mergebroker.broker.bulk.files import BATCH_PURPOSE, FileService
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ProviderSettings, Settings
 from mergebroker.clock import Clock, Sleep
@@ -38,18 +45,22 @@ from mergebroker.providers.pool import ProviderPools
 
 log = structlog.get_logger(__name__)
 
-WINDOWS_S = {"24h": 24 * 3600}
 FINAL = ("completed", "failed", "expired", "cancelled")
-UNSENT = {"cancelled": ("batch_cancelled", "The batch was cancelled before this request was sent."),
-          "expired": ("batch_expired", "The batch's completion window ended before this request was sent."),
-          "failed": ("batch_failed", "The batch failed before this request was answered.")}
+
+
+@dataclass
+class _Progress:
+    """A running batch's answered lines (custom_id -> answered 2xx), counted once each."""
+
+    answered: dict[str, bool] = field(default_factory=dict)
+    completed: int = 0
 
 
 class BatchService:
     """Owns the bulk jobs: their objects, their runs, and the clean-up of expired files."""
 
     def __init__(self, settings: Settings, *, store: BatchStore, files: FileService, runner: BulkRunner,
-                 metrics: Metrics, sleep: Sleep, wall: Clock = time.time) -> None:
+                 metrics: Metrics, sleep: Sleep, wall: Clock = time.time, max_output_bytes: int | None = None) -> None:
         self._settings = settings
         self._store = store
         self.files = files
@@ -57,16 +68,23 @@ class BatchService:
         self._metrics = metrics
         self._sleep = sleep
         self._wall = wall
+        self._max_output_bytes = max_output_bytes or settings.batches.max_file_bytes
         self._jobs: dict[str, BulkJob] = {}
-        self._answered: dict[str, dict[str, bool]] = {}  # batch -> custom_id -> answered 2xx
-        self._rows: dict[str, BatchRow] = {}
+        self._progress: dict[str, _Progress] = {}
+        self._rows: dict[str, BatchRow] = {}  # active batches only: a finished one is read from the store
         self._tasks: set[asyncio.Task[Any]] = set()
         self._changed: asyncio.Condition | None = None
+        self._saving = asyncio.Lock()
 
     async def start(self) -> None:
-        """Resume the batches a previous run left active, and start the expired-file clean-up."""
+        """Finish what a crash left half done, resume the batches a previous run left active, and start the
+        expired-file clean-up."""
         self._changed = asyncio.Condition()
-        for row in await self._store.active_batches():
+        active = await self._store.active_batches()
+        removed = await self.files.sweep(row.id for row in active)
+        if removed:
+            log.info("batch_files_swept", removed=removed)
+        for row in active:
             log.info("batch_resumed", batch_id=row.id, status=row.data["status"])
             self._spawn(self._resume(row), row.id)
         self._spawn(self._clean_up(), "cleanup")
@@ -82,32 +100,21 @@ class BatchService:
 
     async def create(self, caller: Caller, body: Any) -> dict[str, Any]:
         """Check the request and its input file, store the batch, start it; the batch object."""
-        if not isinstance(body, dict):
-            raise InvalidRequest("The request body must be a JSON object.", code="invalid_body")
-        endpoint, window, metadata = body.get("endpoint"), body.get("completion_window"), body.get("metadata")
-        if endpoint != "/v1/chat/completions":
-            raise InvalidRequest(f"Unsupported endpoint {endpoint!r}: use '/v1/chat/completions'.", param="endpoint",
-                                 code="unsupported_endpoint")
-        if window not in WINDOWS_S:
-            raise InvalidRequest(f"Unsupported completion_window {window!r}: use '24h'.", param="completion_window")
-        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-            raise InvalidRequest("'metadata' must be an object of at most 16 string values.", param="metadata")
-        file_id = body.get("input_file_id")
-        if not isinstance(file_id, str) or not file_id:
-            raise InvalidRequest("Missing required parameter: 'input_file_id'.", param="input_file_id")
-        record = await self.files.get(caller.tenant, file_id)
+        request = check_create(body)
+        record = await self.files.get(caller.tenant, request.input_file_id)
         if record.purpose != BATCH_PURPOSE:
-            raise InvalidRequest(f"File {file_id} was not uploaded with purpose 'batch'.", param="input_file_id")
+            raise InvalidRequest(f"File {record.id} was not uploaded with purpose 'batch'.", param="input_file_id")
         lines = await self.files.batch_lines(record)
         now = int(self._wall())
-        data = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": endpoint, "errors": None,
-                "input_file_id": record.id, "completion_window": window, "status": "in_progress",
-                "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": now,
-                "expires_at": now + WINDOWS_S[window], "finalizing_at": None, "completed_at": None,
-                "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                "request_counts": {"total": len(lines), "completed": 0, "failed": 0}, "metadata": metadata}
+        data = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": request.endpoint,
+                "errors": None, "input_file_id": record.id, "completion_window": request.window,
+                "status": "in_progress", "output_file_id": None, "error_file_id": None, "created_at": now,
+                "in_progress_at": now, "expires_at": now + WINDOWS_S[request.window], "finalizing_at": None,
+                "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
+                "cancelled_at": None, "request_counts": {"total": len(lines), "completed": 0, "failed": 0},
+                "metadata": request.metadata}
         row = BatchRow(data["id"], caller.tenant, caller.tier, data, asdict(caller))
+        await self.files.pin(record, row.id)  # before the row: a pin without a batch is swept at the next start
         await self._save(row)
         self._spawn(self._run(row, lines), row.id)
         return dict(data)
@@ -130,9 +137,8 @@ class BatchService:
         if status in FINAL:
             raise BrokerError(f"Cannot cancel a batch with status '{status}'.", status=409,
                               code="batch_not_cancellable")
-        if status != "cancelling":
-            row.data.update(status="cancelling", cancelling_at=int(self._wall()))
-            await self._save(row)
+        if status not in ("cancelling", "finalizing"):
+            await self._save(row, status="cancelling", cancelling_at=int(self._wall()))
         job = self._jobs.get(batch_id)
         if job is not None:
             job.cancel.set()
@@ -141,25 +147,29 @@ class BatchService:
     async def wait_until(self, batch_id: str, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         """Wait until the batch's object satisfies `predicate` (for tests and embedders of the broker)."""
         assert self._changed is not None, "start() first"
-        async with self._changed:
-            await self._changed.wait_for(lambda: batch_id in self._rows and predicate(self._rows[batch_id].data))
-        return dict(self._rows[batch_id].data)
+        async with self._changed:  # held while checking: a change saved meanwhile notifies only once we wait
+            while True:
+                row = self._rows.get(batch_id) or await self._store.batch(batch_id)
+                if row is not None and predicate(row.data):
+                    return dict(row.data)
+                await self._changed.wait()
 
     async def record(self, job: BulkJob, results: list[Result]) -> None:
         """The runner's results: persisted at once, counted once per line."""
         if not results:
             return
         await self._store.add_results(job.batch_id, results)
-        answered = self._answered.setdefault(job.batch_id, {})
-        fresh = [(cid, status < 300) for cid, status, _ in results if cid not in answered]
-        answered.update(fresh)
-        for _, ok in fresh:
+        progress = self._progress[job.batch_id]
+        for custom_id, status, _ in results:
+            if custom_id in progress.answered:
+                continue
+            ok = status < 300
+            progress.answered[custom_id] = ok
+            progress.completed += ok
             self._metrics.bulk_lines.labels("completed" if ok else "failed").inc()
         row = self._rows[job.batch_id]
-        counts = row.data["request_counts"]
-        counts["completed"] = sum(answered.values())
-        counts["failed"] = len(answered) - counts["completed"]
-        await self._save(row)
+        await self._save(row, request_counts={**row.data["request_counts"], "completed": progress.completed,
+                                              "failed": len(progress.answered) - progress.completed})
 
     async def _own(self, tenant: str, batch_id: str) -> BatchRow:
         row = self._rows.get(batch_id) or await self._store.batch(batch_id)
@@ -167,74 +177,108 @@ class BatchService:
             raise NotFound(f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
         return row
 
-    async def _save(self, row: BatchRow) -> None:
-        self._rows[row.id] = row
-        await self._store.put_batch(row)
+    async def _save(self, row: BatchRow, **changes: Any) -> None:
+        """Store the batch with `changes`; its object shows them only once the store holds them, so nobody
+        reads a state (a final one above all) that a crash could still take back."""
+        async with self._saving:  # in order: an earlier state never overwrites a later one in the store
+            await self._store.put_batch(replace(row, data={**row.data, **changes}))
+            row.data.update(changes)
+        if row.data["status"] in FINAL:
+            self._rows.pop(row.id, None)
+        else:
+            self._rows[row.id] = row
         if self._changed is not None:
             async with self._changed:
                 self._changed.notify_all()
 
     async def _resume(self, row: BatchRow) -> None:
-        try:
-            record = await self.files.get(row.tenant, row.data["input_file_id"])
-            lines = await self.files.batch_lines(record)
-        except (BrokerError, OSError) as exc:
-            log.warning("batch_input_gone", batch_id=row.id, error=type(exc).__name__)
-            self._rows[row.id] = row
-            await self._end(row, [], "failed", errors=[{"code": "input_file_gone", "message": str(exc)}])
-            return
+        lines = await self.files.pinned_lines(row.id, row.data["request_counts"]["total"])
+        if lines is None:  # created before inputs were pinned, or the pinned copy is gone
+            try:
+                lines = await self.files.batch_lines(await self.files.get(row.tenant, row.data["input_file_id"]))
+            except (BrokerError, OSError) as exc:
+                log.warning("batch_input_gone", batch_id=row.id, error=type(exc).__name__)
+                await self._finish(row, None, "failed", errors=[{
+                    "code": "input_file_gone", "message": "The input file could not be read back: the answers "
+                    "stored are in the output and error files; the other lines could not be named."}])
+                return
         await self._run(row, lines)
 
     async def _run(self, row: BatchRow, lines: list[BatchLine]) -> None:
         structlog.contextvars.clear_contextvars()  # this task's own copy: the creating request's IDs go
         structlog.contextvars.bind_contextvars(batch_id=row.id, tenant=row.tenant)
+        self._rows[row.id] = row
+        custom_ids = [line.custom_id for line in lines]
+        if row.data["status"] == "finalizing":  # stopped while writing its files: write them again
+            await self._finish(row, custom_ids, self._ending(row))
+            return
         caller = Caller(**row.caller) if row.caller else Caller(row.tenant, row.tier)
         job = BulkJob(row.id, caller, lines, float(row.data["expires_at"]), row.data["completion_window"])
-        self._jobs[row.id] = job
-        self._rows[row.id] = row
+        del lines
         if row.data["status"] == "cancelling":
             job.cancel.set()
-        results = await self._store.results(row.id)
-        self._answered[row.id] = {cid: status < 300 for cid, (status, _) in results.items()}
+        answered = await self._store.answered(row.id)
+        completed = sum(answered.values())
+        self._progress[row.id] = _Progress(answered, completed)
+        self._jobs[row.id] = job
         self._metrics.bulk_active.inc()
         try:
-            await self._runner.run(job, self, set(results))
-            status = "cancelled" if job.cancel.is_set() else "expired" if self._wall() >= job.expires_at else "completed"
-            await self._end(row, lines, status)
+            await self._runner.run(job, self, set(answered))
+            status, errors = self._ending(row), None
         except asyncio.CancelledError:
             raise  # the broker is stopping: the batch stays active and resumes on the next start
         except Exception as exc:  # noqa: BLE001 - a bug fails this batch, with its answered lines kept
             log.exception("batch_failed", batch_id=row.id)
-            await self._end(row, lines, "failed", errors=[{"code": "internal_error", "message": type(exc).__name__}])
+            status, errors = "failed", [{"code": "internal_error", "message": type(exc).__name__}]
         finally:
             self._metrics.bulk_active.dec()
             self._jobs.pop(row.id, None)
+        del job
+        await self._finish(row, custom_ids, status, errors=errors)
 
-    async def _end(self, row: BatchRow, lines: list[BatchLine], status: str, errors: list | None = None) -> None:
-        """Write the output and error files and set the final status."""
-        now = int(self._wall())
-        row.data.update(status="finalizing", finalizing_at=now)
-        await self._save(row)
-        results = await self._store.results(row.id)
-        good, bad = [], []
-        for line in lines:
-            found = results.get(line.custom_id)
-            if found is None:
-                code, message = UNSENT[status if status in UNSENT else "failed"]
-                bad.append({"id": "batch_req_" + secrets.token_hex(12), "custom_id": line.custom_id,
-                            "response": None, "error": {"code": code, "message": message}})
-            else:
-                (good if found[0] < 300 else bad).append(output_line(line.custom_id, *found))
-        for key, rows, name in (("output_file_id", good, "output"), ("error_file_id", bad, "error")):
-            if rows:
-                saved = await self.files.save_output(row.tenant, f"{row.id}_{name}.jsonl", jsonl(rows), len(rows))
-                row.data[key] = saved.id
-        row.data["request_counts"].update(completed=len(good), failed=len(bad))
-        row.data.update(status=status, errors={"object": "list", "data": errors} if errors else None)
-        row.data[f"{status}_at"] = int(self._wall())
+    def _ending(self, row: BatchRow) -> str:
+        """The final status of a batch whose lines are all settled or stopped."""
+        if row.data["cancelling_at"] is not None:
+            return "cancelled"
+        return "expired" if self._wall() >= row.data["expires_at"] else "completed"
+
+    async def _finish(self, row: BatchRow, custom_ids: list[str] | None, status: str,
+                      errors: list[dict[str, str]] | None = None) -> None:
+        """Write the output and error files and set the final status, whatever fails on the way."""
+        errors = list(errors or [])
+        if row.data["status"] != "finalizing":
+            await self._save(row, status="finalizing", finalizing_at=int(self._wall()))
+        total = row.data["request_counts"]["total"]
+        try:
+            written: Written | None = await write_files(
+                self._store, self.files, batch_id=row.id, tenant=row.tenant, custom_ids=custom_ids, total=total,
+                status=status, max_output_bytes=self._max_output_bytes)
+        except Exception as exc:  # noqa: BLE001 - whatever fails here, the batch must still reach a final state
+            log.exception("batch_files_failed", batch_id=row.id)
+            written, status = None, "failed"
+            errors.append({"code": "finalize_failed", "message": f"The output files could not be written "
+                                                                 f"({type(exc).__name__})."})
+        files: dict[str, str | None] = {}
+        if written is not None:
+            if written.overflow:
+                status = "failed"
+                errors.append({"code": "output_too_large", "message": f"{written.overflow} answered lines did not "
+                               f"fit in an output file of at most {self._max_output_bytes} bytes; they are in the "
+                               "error file as output_too_large."})
+            files = {"output_file_id": written.output.id if written.output else None,
+                     "error_file_id": written.errors.id if written.errors else None}
+            completed = written.completed
+        else:
+            completed = (self._progress.get(row.id) or _Progress()).completed
+        await self._save(row, **files, status=status, errors={"object": "list", "data": errors} if errors else None,
+                         request_counts={**row.data["request_counts"], "completed": completed,
+                                         "failed": total - completed}, **{f"{status}_at": int(self._wall())})
         self._metrics.bulk_batches.labels(status).inc()
-        log.info("batch_ended", batch_id=row.id, status=status, completed=len(good), failed=len(bad))
-        await self._save(row)
+        log.info("batch_ended", batch_id=row.id, status=status, completed=completed, failed=total - completed)
+        self._progress.pop(row.id, None)
+        await self.files.unpin(row.id)
+        if written is not None:
+            await self._store.forget_results(row.id)
 
     async def _clean_up(self) -> None:
         while True:
@@ -263,10 +307,13 @@ def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: 
         directory = Path(tempfile.mkdtemp(prefix="mergebroker-batches-"))
         log.warning("batches_not_durable", dir=str(directory),
                     message="batches.dir is not set: Batch API files and state live in a temporary directory.")
+    s = settings.server
+    line_limits = LineLimits(b.max_lines, max_line_bytes=s.max_body_bytes, max_depth=s.max_json_depth,
+                             max_messages=s.max_messages)  # each line as the live endpoint takes it
     try:
         store = BatchStore(directory / "batches.sqlite3")
         files = FileService(directory, store, max_bytes=b.max_file_bytes, max_lines=b.max_lines, ttl_s=b.file_ttl_s,
-                            wall=wall)
+                            wall=wall, line_limits=line_limits)
     except (OSError, sqlite3.Error) as exc:  # the broker still serves everything else
         log.error("batches_unavailable", dir=str(directory), error=repr(exc))
         return None
@@ -274,5 +321,6 @@ def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: 
         name=p.name, base_url=p.base_url, api_key=p.api_key.get_secret_value() if p.api_key else None,
         connect_timeout_s=p.connect_timeout_s)) for p in providers if p.batch_api and p.kind == "openai"}
     runner = BulkRunner(settings, pools=pools, store=store, batch_apis=apis, limits=limits,  # type: ignore
-                        embedder=embedder, merging_allowed=merging_allowed, metrics=metrics, clock=clock, sleep=sleep, wall=wall)
+                        embedder=embedder, merging_allowed=merging_allowed, metrics=metrics, clock=clock, sleep=sleep,
+                        wall=wall)
     return BatchService(settings, store=store, files=files, runner=runner, metrics=metrics, sleep=sleep, wall=wall)

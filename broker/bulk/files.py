@@ -1,60 +1,125 @@
 """`/v1/files` for the Batch API: files on disk, their records in the batch store, one owner each.
 
 A tenant sees only its own files: another tenant's file ID is answered exactly like an unknown one (404),
-so IDs reveal nothing. Batch input files are checked in full at upload (`broker.bulk.lines`); output and
-error files are written by the batch runner. Every file expires `file_ttl_s` after it was created and
-`clean_expired` removes it (record and bytes). Disk work runs in a worker thread.
+so IDs reveal nothing. An upload streams to a temporary file (`Incoming`, at most `max_bytes`, a few at a
+time per tenant); its name and every line are checked (`broker.bulk.lines`) before anything is kept, and the
+temporary file becomes the file only after its record commits. So no failure leaves bytes nobody lists: a
+crash between the two is finished (or undone) by `sweep` at the next start. Output and error files are
+written the same way (`Outgoing`). A batch pins its input file (a hard link) while it runs, so deleting or
+expiring the file never takes the batch's lines away. Every file expires `file_ttl_s` after it was created
+and `clean_expired` removes it (record and bytes). Disk work runs in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import secrets
+import shutil
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, AsyncIterator, Callable, Iterable
 
-from mergebroker.broker.bulk.lines import BatchLine, parse_batch_file
+import structlog
+
+from mergebroker.broker.bulk.lines import BatchLine, LineLimits, count_batch_file, read_batch_file
 from mergebroker.broker.bulk.store import BatchStore, FileRecord
-from mergebroker.errors import InvalidRequest, NotFound
+from mergebroker.errors import InvalidRequest, NotFound, RateLimited
+
+log = structlog.get_logger(__name__)
 
 BATCH_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
+MAX_UPLOADS_PER_TENANT = 4
+"""Uploads one tenant may stream at once (429 past it); wants a `batches.max_concurrent_uploads` setting."""
+MAX_FILENAME_CHARS = 255
+WRITE_CHUNK_BYTES = 1 << 20
+"""Bytes an upload gathers before a worker thread writes them out."""
+PARTIAL = ".partial"
 
 
 class FileService:
     """Stores, checks, lists and expires a tenant's files."""
 
     def __init__(self, directory: Path, store: BatchStore, *, max_bytes: int, max_lines: int, ttl_s: float,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, line_limits: LineLimits | None = None,
+                 max_uploads_per_tenant: int = MAX_UPLOADS_PER_TENANT) -> None:
         self._dir = directory / "files"
         self._dir.mkdir(parents=True, exist_ok=True)
+        self._pins = directory / "inputs"
+        self._pins.mkdir(parents=True, exist_ok=True)
         self._store = store
         self.max_bytes = max_bytes
-        self._max_lines = max_lines
+        self._limits = line_limits or LineLimits(max_lines)
         self._ttl_s = ttl_s
         self._wall = wall
+        self._max_uploads = max_uploads_per_tenant
+        self._uploading: Counter[str] = Counter()
+
+    @contextlib.asynccontextmanager
+    async def receive(self, tenant: str) -> AsyncIterator[Incoming]:
+        """A temporary file for one upload of `tenant` (429 when it already streams its most at once);
+        removed at the end of the block unless `commit` kept it."""
+        if self._uploading[tenant] >= self._max_uploads:
+            raise RateLimited(f"Too many uploads at once: at most {self._max_uploads} per tenant. Retry when one "
+                              "has finished.", retry_after=1.0, code="too_many_uploads")
+        self._uploading[tenant] += 1
+        incoming = Incoming(self._path("file-" + secrets.token_hex(12), PARTIAL), self.max_bytes)
+        try:
+            yield incoming
+        finally:
+            self._uploading[tenant] -= 1
+            if not self._uploading[tenant]:
+                del self._uploading[tenant]
+            await asyncio.to_thread(incoming.discard)
+
+    async def commit(self, tenant: str, incoming: Incoming, *, purpose: str, filename: str) -> FileRecord:
+        """Check an upload's purpose, name and every line, then keep it: the record first, then the bytes."""
+        if purpose != BATCH_PURPOSE:
+            raise InvalidRequest(f"Unsupported purpose {purpose[:40]!r}: this broker stores files for 'batch' only.",
+                                 param="purpose", code="invalid_purpose")
+        name = check_filename(filename)
+        await asyncio.to_thread(incoming.close)
+        lines = await asyncio.to_thread(_count_lines, incoming.path, self._limits)
+        return await self._keep(incoming, tenant, BATCH_PURPOSE, name, lines)
 
     async def upload(self, tenant: str, purpose: str, filename: str, data: bytes) -> FileRecord:
-        """Store an uploaded batch input file after checking every line."""
-        if purpose != BATCH_PURPOSE:
-            raise InvalidRequest(f"Unsupported purpose {purpose!r}: this broker stores files for 'batch' only.",
-                                 param="purpose", code="invalid_purpose")
-        lines = await asyncio.to_thread(parse_batch_file, data, max_lines=self._max_lines)
-        return await self._save(tenant, purpose, filename, data, len(lines))
+        """Store an uploaded batch input file already in memory (the library's and tests' way in)."""
+        async with self.receive(tenant) as incoming:
+            await incoming.write(data)
+            return await self.commit(tenant, incoming, purpose=purpose, filename=filename)
 
-    async def save_output(self, tenant: str, filename: str, data: bytes, lines: int) -> FileRecord:
-        """Store an output or error file written for a batch."""
-        return await self._save(tenant, OUTPUT_PURPOSE, filename, data, lines)
+    @contextlib.asynccontextmanager
+    async def output(self, tenant: str, filename: str) -> AsyncIterator[Outgoing]:
+        """An output or error file being written for a batch; `Outgoing.keep` stores it."""
+        outgoing = Outgoing(self, tenant, filename, self._path("file-" + secrets.token_hex(12), PARTIAL))
+        try:
+            yield outgoing
+        finally:
+            await asyncio.to_thread(outgoing.incoming.discard)
 
-    async def _save(self, tenant: str, purpose: str, filename: str, data: bytes, lines: int) -> FileRecord:
-        if len(data) > self.max_bytes:
-            raise too_large(self.max_bytes)
+    async def _keep(self, incoming: Incoming, tenant: str, purpose: str, filename: str, lines: int) -> FileRecord:
         now = int(self._wall())
-        record = FileRecord("file-" + secrets.token_hex(12), tenant, purpose, filename[:255] or "upload.jsonl",
-                            len(data), now, now + int(self._ttl_s), lines)
-        await asyncio.to_thread(_write_atomically, self._path(record.id), data)
-        await self._store.add_file(record)
+        record = FileRecord(incoming.path.stem, tenant, purpose, filename, incoming.size, now, now + int(self._ttl_s),
+                            lines)
+        incoming.committing = True  # from here `_commit` owns the temporary file, whatever happens to the caller
+        return await asyncio.shield(self._commit(incoming, record))  # a client leaving cannot cut it in half
+
+    async def _commit(self, incoming: Incoming, record: FileRecord) -> FileRecord:
+        """The record, then the bytes under its ID; on a failure, neither."""
+        try:
+            await self._store.add_file(record)
+        except BaseException:
+            await asyncio.to_thread(incoming.discard, force=True)
+            raise
+        try:
+            await asyncio.to_thread(incoming.path.replace, self._path(record.id))
+        except BaseException:
+            await self._store.delete_file(record.id)  # no record without its bytes
+            await asyncio.to_thread(incoming.discard, force=True)
+            raise
         return record
 
     async def get(self, tenant: str, file_id: str) -> FileRecord:
@@ -66,13 +131,31 @@ class FileService:
 
     async def content(self, tenant: str, file_id: str) -> bytes:
         """The bytes of the tenant's file."""
-        record = await self.get(tenant, file_id)
-        return await asyncio.to_thread(self._path(record.id).read_bytes)
+        return await asyncio.to_thread(self.content_path(await self.get(tenant, file_id)).read_bytes)
+
+    def content_path(self, record: FileRecord) -> Path:
+        """Where a record's bytes are (to stream them)."""
+        return self._path(record.id)
 
     async def batch_lines(self, record: FileRecord) -> list[BatchLine]:
         """The requests of a stored batch input file (checked again, as the runner reads it)."""
-        data = await asyncio.to_thread(self._path(record.id).read_bytes)
-        return await asyncio.to_thread(parse_batch_file, data, max_lines=max(self._max_lines, record.lines))
+        return await asyncio.to_thread(_read_lines, self._path(record.id), self._run_limits(record.lines))
+
+    async def pin(self, record: FileRecord, batch_id: str) -> None:
+        """Keep the input file's bytes for `batch_id` while it runs, whatever happens to the file."""
+        await asyncio.to_thread(_link_or_copy, self._path(record.id), self._pins / f"{batch_id}.jsonl")
+
+    async def pinned_lines(self, batch_id: str, lines: int) -> list[BatchLine] | None:
+        """The requests of the input `batch_id` pinned, or None when nothing is pinned."""
+        path = self._pins / f"{batch_id}.jsonl"
+        try:
+            return await asyncio.to_thread(_read_lines, path, self._run_limits(lines))
+        except FileNotFoundError:
+            return None
+
+    async def unpin(self, batch_id: str) -> None:
+        """Let go of a finished batch's input."""
+        await asyncio.to_thread((self._pins / f"{batch_id}.jsonl").unlink, missing_ok=True)
 
     async def delete(self, tenant: str, file_id: str) -> FileRecord:
         """Delete the tenant's file (record and bytes)."""
@@ -94,12 +177,100 @@ class FileService:
             await self._remove(record)
         return len(expired)
 
+    async def sweep(self, running: Iterable[str]) -> int:
+        """At start: finish or undo what a crash left half done (a temporary file whose record committed
+        becomes the file, any other goes), and drop pinned inputs of batches no longer `running`. How many
+        files it removed."""
+        known = await self._store.file_ids()
+        return await asyncio.to_thread(_sweep, self._dir, self._pins, known, set(running))
+
     async def _remove(self, record: FileRecord) -> None:
         await self._store.delete_file(record.id)
         await asyncio.to_thread(self._path(record.id).unlink, missing_ok=True)
 
-    def _path(self, file_id: str) -> Path:
-        return self._dir / f"{file_id}.jsonl"
+    def _run_limits(self, lines: int) -> LineLimits:
+        # A stored file was checked at upload: limits lowered since then must not make it unreadable.
+        return LineLimits(max(self._limits.max_lines, lines), max_line_bytes=1 << 62, max_depth=1 << 30,
+                          max_messages=1 << 62)
+
+    def _path(self, file_id: str, suffix: str = ".jsonl") -> Path:
+        return self._dir / f"{file_id}{suffix}"
+
+
+class Incoming:
+    """Bytes arriving for one file, gathered and written to its temporary path by a worker thread."""
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        self.path = path
+        self.size = 0
+        self.committing = False
+        self._max = max_bytes
+        self._pending = bytearray()
+        self._file: IO[bytes] | None = None
+
+    async def write(self, chunk: bytes) -> None:
+        """Add `chunk`; 413 once the file passes its limit."""
+        self.size += len(chunk)
+        if self.size > self._max:
+            raise too_large(self._max)
+        self._pending += chunk
+        if len(self._pending) >= WRITE_CHUNK_BYTES:
+            data, self._pending = bytes(self._pending), bytearray()
+            await asyncio.to_thread(self._write, data)
+
+    def _write(self, data: bytes) -> None:
+        if self._file is None:
+            self._file = self.path.open("xb")
+        self._file.write(data)
+
+    def close(self) -> None:
+        """Write what is still gathered and close the file (in a worker thread)."""
+        data, self._pending = bytes(self._pending), bytearray()
+        self._write(data)
+        assert self._file is not None
+        self._file.close()
+
+    def discard(self, *, force: bool = False) -> None:
+        """Close and remove the temporary file, if it is still there and no commit owns it (in a worker thread)."""
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+        if force or not self.committing:
+            self.path.unlink(missing_ok=True)
+
+
+class Outgoing:
+    """An output or error file being written line by line; nothing is listed until `keep`."""
+
+    def __init__(self, files: FileService, tenant: str, filename: str, path: Path) -> None:
+        self.incoming = Incoming(path, max_bytes=1 << 62)  # the batch decides what fits (see `broker.bulk.finalize`)
+        self._files, self._tenant, self._filename = files, tenant, filename
+        self.lines = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far."""
+        return self.incoming.size
+
+    async def write(self, data: bytes, lines: int) -> None:
+        """Append `lines` lines."""
+        self.lines += lines
+        await self.incoming.write(data)
+
+    async def keep(self) -> FileRecord:
+        """Store the file: its record, then its bytes under its ID."""
+        await asyncio.to_thread(self.incoming.close)
+        return await self._files._keep(self.incoming, self._tenant, OUTPUT_PURPOSE, self._filename, self.lines)
+
+
+def check_filename(name: str) -> str:
+    """An upload's name as it is kept: printable text of valid UTF-8, cut at `MAX_FILENAME_CHARS`; 400 otherwise."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("The file name is not valid UTF-8.", param="file", code="invalid_filename") from None
+    if not name.isprintable():
+        raise InvalidRequest("The file name holds control characters.", param="file", code="invalid_filename")
+    return name[:MAX_FILENAME_CHARS] or "upload.jsonl"
 
 
 def file_object(record: FileRecord) -> dict[str, Any]:
@@ -115,8 +286,35 @@ def too_large(limit: int) -> InvalidRequest:
                           code="file_too_large", status=413)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    # Written beside, then renamed: a crash never leaves a half-written file under a live ID.
-    partial = path.with_suffix(".partial")
-    partial.write_bytes(data)
-    partial.replace(path)
+def _count_lines(path: Path, limits: LineLimits) -> int:
+    with path.open("rb") as stream:
+        return count_batch_file(stream, limits)
+
+
+def _read_lines(path: Path, limits: LineLimits) -> list[BatchLine]:
+    with path.open("rb") as stream:
+        return read_batch_file(stream, limits)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        pass  # pinned by an earlier attempt
+    except OSError:  # a file system without hard links
+        shutil.copyfile(source, target)
+
+
+def _sweep(files: Path, pins: Path, known: set[str], running: set[str]) -> int:
+    removed = 0
+    for path in files.iterdir():
+        if path.suffix == PARTIAL and path.stem in known:
+            path.replace(path.with_suffix(".jsonl"))  # its record committed before the crash
+        elif path.stem not in known or path.suffix not in (".jsonl", PARTIAL):
+            path.unlink(missing_ok=True)
+            removed += 1
+    for path in pins.iterdir():
+        if path.stem not in running:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed

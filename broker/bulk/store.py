@@ -2,7 +2,9 @@
 
 One database file (`batches.sqlite3` in the batch directory) with four tables. A line's result is written
 once (`INSERT OR IGNORE` on `(batch_id, custom_id)`) as soon as it is known, so a broker restarted
-mid-batch resumes with the lines still unanswered and never sends finished work again. A round sent
+mid-batch resumes with the lines still unanswered and never sends finished work again; a finished batch's
+results are read back a page at a time (its files are written from them) and then dropped. Cursors page
+a tenant's rows by its own IDs only: another tenant's ID reads like an unknown one. A round sent
 through a provider's Batch API is recorded (its upstream batch ID and its plan) before it is polled, so a
 restart polls that upstream batch instead of submitting a second one. Work runs in a worker thread under
 a lock, off the event loop, as the ledger's SQLite store does.
@@ -123,11 +125,15 @@ class BatchStore:
             sql, args = "SELECT * FROM files WHERE tenant = ?", [tenant]
             if purpose:
                 sql, args = sql + " AND purpose = ?", [*args, purpose]
-            if after:
-                sql += " AND (created_at, id) < (SELECT created_at, id FROM files WHERE id = ?)"
-                args.append(after)
+            if after:  # the cursor is looked up among the tenant's own files: another's ID is an unknown one
+                sql += " AND (created_at, id) < (SELECT created_at, id FROM files WHERE id = ? AND tenant = ?)"
+                args += [after, tenant]
             return c.execute(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit)).fetchall()
         return [FileRecord(*r) for r in await self._run(query)]
+
+    async def file_ids(self) -> set[str]:
+        """Every stored file's ID."""
+        return {r[0] for r in await self._run(lambda c: c.execute("SELECT id FROM files").fetchall())}
 
     async def expired_files(self, now: int) -> list[FileRecord]:
         """Files whose expiry has passed."""
@@ -154,9 +160,9 @@ class BatchStore:
         """A tenant's batches, newest first, starting after the batch `after` (cursor pagination)."""
         def query(c: sqlite3.Connection) -> list[Any]:
             sql, args = "SELECT id, tenant, tier, data, caller FROM batches WHERE tenant = ?", [tenant]
-            if after:
-                sql += " AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ?)"
-                args.append(after)
+            if after:  # the cursor is looked up among the tenant's own batches: another's ID is an unknown one
+                sql += " AND (created_at, id) < (SELECT created_at, id FROM batches WHERE id = ? AND tenant = ?)"
+                args += [after, tenant]
             return c.execute(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit)).fetchall()
         return [_batch_row(r) for r in await self._run(query)]
 
@@ -172,11 +178,25 @@ class BatchStore:
         rows = [(batch_id, cid, status, json.dumps(body)) for cid, status, body in results]
         await self._run(lambda c: c.executemany("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?)", rows))
 
-    async def results(self, batch_id: str) -> dict[str, tuple[int, dict[str, Any]]]:
-        """Every recorded result of a batch: custom_id -> (status, body)."""
-        rows = await self._run(lambda c: c.execute("SELECT custom_id, status_code, body FROM results "
+    async def answered(self, batch_id: str) -> dict[str, bool]:
+        """Which lines of a batch have a result, and whether it is a success: custom_id -> status < 300."""
+        rows = await self._run(lambda c: c.execute("SELECT custom_id, status_code < 300 FROM results "
                                                    "WHERE batch_id = ?", (batch_id,)).fetchall())
-        return {cid: (status, json.loads(body)) for cid, status, body in rows}
+        return {cid: bool(ok) for cid, ok in rows}
+
+    async def result_page(self, batch_id: str, *, after: int, limit: int) -> list[tuple[int, str, int, str]]:
+        """Up to `limit` results of a batch past row `after`, in the order they were recorded:
+        (row, custom_id, status, body as JSON text). Pages keep a large batch's results out of memory."""
+        return await self._run(lambda c: c.execute(
+            "SELECT rowid, custom_id, status_code, body FROM results WHERE batch_id = ? AND rowid > ? "
+            "ORDER BY rowid LIMIT ?", (batch_id, after, limit)).fetchall())
+
+    async def forget_results(self, batch_id: str) -> None:
+        """Drop a finished batch's results and rounds (its output and error files hold them now)."""
+        def forget(c: sqlite3.Connection) -> None:
+            c.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,))
+            c.execute("DELETE FROM rounds WHERE batch_id = ?", (batch_id,))
+        await self._run(forget)
 
     async def put_round(self, batch_id: str, found: UpstreamRound) -> None:
         """Record a round submitted to a provider's Batch API."""

@@ -2,16 +2,14 @@
 
 Files are per tenant (any tier of the caller may manage them); creating a batch authenticates the caller
 into the bulk tier (`Settings.batch_tier`, unless `X-Broker-Tier` names another), whose merge rules the
-job follows. Uploads are read part by part and refused past `batches.max_file_bytes` (413), without
-holding more than the limit in memory.
+job follows. Uploads stream to disk through `http.uploads` (inflated, bounded, refused past
+`batches.max_file_bytes` with 413) and are kept only once every line passed its checks; contents stream back
+from disk.
 """
 
 from __future__ import annotations
 
-import asyncio
-
-from aiohttp import BodyPartReader, ClientPayloadError, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp import web
 
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.bulk.batches import BatchService
@@ -19,13 +17,11 @@ from mergebroker.broker.http.body import BODY_LIMITS, read_json
 from mergebroker.broker.bulk.files import file_object, too_large
 from mergebroker.broker.http.middleware import INFO
 from mergebroker.broker.http.keys import BATCHES, BROKER
-from mergebroker.errors import InvalidRequest, NotFound, RequestTimeout, UnsupportedMediaType
+from mergebroker.broker.http.uploads import FORM_OVERHEAD_BYTES, body_encoding, read_form
+from mergebroker.errors import InvalidRequest, NotFound, UnsupportedMediaType
 
 MAX_FILES_PAGE = 10_000  # as OpenAI: up to 10,000 files, 100 batches a page
 MAX_BATCHES_PAGE = 100
-CHUNK_BYTES = 1 << 16
-FORM_OVERHEAD_BYTES = 64 * 1024
-"""Room for the multipart boundaries and small fields around a file of the largest size allowed."""
 
 
 def add_batch_routes(app: web.Application) -> None:
@@ -63,49 +59,18 @@ async def upload_file(request: web.Request) -> web.Response:
     service, caller = _service(request)
     if not request.content_type.startswith("multipart/"):
         raise UnsupportedMediaType("Upload files as multipart/form-data with fields 'purpose' and 'file'.")
+    encoding = body_encoding(request)
     limit = service.files.max_bytes
     if request.content_length is not None and request.content_length > limit + FORM_OVERHEAD_BYTES:
         raise too_large(limit)
-    try:
-        fields, filename, data = await _read_form(request, limit, request.app[BODY_LIMITS].timeout_s)
-    except TimeoutError:
-        raise RequestTimeout("The upload stalled: no data for too long.") from None
-    except (ValueError, AssertionError, ClientPayloadError, HttpProcessingError):  # a malformed multipart body
-        raise InvalidRequest("The body is not valid multipart/form-data.", code="invalid_multipart") from None
-    if data is None:
-        raise InvalidRequest("Missing the 'file' field.", param="file")
-    record = await service.files.upload(caller.tenant, fields.get("purpose", ""), filename, data)
+    async with service.files.receive(caller.tenant) as incoming:
+        form = await read_form(request, incoming, encoding=encoding, max_bytes=limit + FORM_OVERHEAD_BYTES,
+                               idle_s=request.app[BODY_LIMITS].timeout_s)
+        if not form.has_file:
+            raise InvalidRequest("Missing the 'file' field.", param="file")
+        record = await service.files.commit(caller.tenant, incoming, purpose=form.fields.get("purpose", ""),
+                                            filename=form.filename)
     return web.json_response(file_object(record))
-
-
-async def _read_form(request: web.Request, limit: int, idle_s: float) -> tuple[dict[str, str], str, bytes | None]:
-    """The form's small fields, the file's name and its bytes (at most `limit`)."""
-    fields: dict[str, str] = {}
-    data, filename = None, "upload.jsonl"
-    async for part in await request.multipart():
-        if not isinstance(part, BodyPartReader):
-            continue
-        if part.name == "file":
-            filename = part.filename or filename
-            data = await _read_limited(part, limit, idle_s)
-        elif part.name:
-            fields[part.name] = (await _read_limited(part, 1024, idle_s)).decode("utf-8", "replace")
-    return fields, filename, data
-
-
-async def _read_limited(part: BodyPartReader, limit: int, idle_s: float) -> bytes:
-    """A part's bytes, refused past `limit` (413); a client silent for `idle_s` is cut off (a slow but
-    moving upload of a large file is fine)."""
-    chunks, size = [], 0
-    while True:
-        async with asyncio.timeout(idle_s):
-            chunk = await part.read_chunk(CHUNK_BYTES)
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
 
 
 async def list_files(request: web.Request) -> web.Response:
@@ -129,10 +94,11 @@ async def delete_file(request: web.Request) -> web.Response:
     return web.json_response({"id": record.id, "object": "file", "deleted": True})
 
 
-async def file_content(request: web.Request) -> web.Response:
+async def file_content(request: web.Request) -> web.StreamResponse:
     service, caller = _service(request)
-    data = await service.files.content(caller.tenant, request.match_info["file_id"])
-    return web.Response(body=data, content_type="application/jsonl")
+    record = await service.files.get(caller.tenant, request.match_info["file_id"])
+    # Streamed from disk: a large output file is never read into memory.
+    return web.FileResponse(service.files.content_path(record), headers={"Content-Type": "application/jsonl"})
 
 
 async def create_batch(request: web.Request) -> web.Response:

@@ -6,7 +6,9 @@
 
 Both authenticate the same way: the API key from the environment (read by the command line, passed in
 here) as `Authorization: Bearer`, and the tool call's tier as `X-Broker-Tier`. So agent calls are admitted,
-limited, coalesced and merged like any other traffic of that key's tenant and tier.
+limited, coalesced and merged like any other traffic of that key's tenant and tier. `authenticate` checks
+the key alone, as the broker would, before tools that need no broker call (`count_tokens`, `broker_stats`)
+answer; a remote broker's acceptance is remembered for `AUTH_TTL_S`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ import aiohttp
 
 from mergebroker.broker.engine.limits.admission import TIER_HEADER
 from mergebroker.broker.library import Broker, Reply
+from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError
 
 _REPLY_HEADERS = ("x-broker-", "x-ratelimit-", "x-request-id", "retry-after")
 """The response headers a remote reply keeps: the broker's own, rate limits, the request ID."""
+AUTH_TTL_S = 60.0
+"""How long a remote broker's acceptance of the key is trusted before it is asked again."""
 
 
 class ToolBackend(Protocol):
@@ -29,6 +34,9 @@ class ToolBackend(Protocol):
     async def __aenter__(self) -> ToolBackend: ...
 
     async def __aexit__(self, *exc_info: object) -> None: ...
+
+    async def authenticate(self) -> None:
+        """Return when the broker accepts the key (or needs none); raise its `Unauthorized` otherwise."""
 
     async def chat(self, body: dict[str, Any], tier: str | None) -> Reply:
         """A `/v1/chat/completions` answer for `body`, in `tier` (None: the key's default tier)."""
@@ -62,6 +70,9 @@ class EmbeddedBackend:
     async def __aexit__(self, *exc_info: object) -> None:
         await self._broker.__aexit__(*exc_info)
 
+    async def authenticate(self) -> None:
+        self._broker.engine.auth.authenticate(caller_headers(self._api_key, None))
+
     async def chat(self, body: dict[str, Any], tier: str | None) -> Reply:
         return await self._broker.chat_reply(body, caller=caller_headers(self._api_key, tier))
 
@@ -75,11 +86,14 @@ class EmbeddedBackend:
 class RemoteBackend:
     """A client of a running broker at `url` (e.g. http://127.0.0.1:8080)."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 clock: Clock = monotonic) -> None:
         self._url = url.rstrip("/")
         self._api_key = api_key
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._clock = clock
+        self._accepted_until = float("-inf")
 
     async def __aenter__(self) -> RemoteBackend:
         # The pool is as large as the broker will admit: concurrent agent calls must reach its windows together.
@@ -89,6 +103,17 @@ class RemoteBackend:
     async def __aexit__(self, *exc_info: object) -> None:
         if self._session is not None:
             await self._session.close()
+
+    async def authenticate(self) -> None:
+        if self._clock() < self._accepted_until:
+            return
+        try:
+            await self._request("GET", "/v1/models", None, None)  # authenticated from the headers alone
+        except BrokerError as exc:
+            if exc.status in (401, 403) or self._api_key is None:
+                raise
+            return  # unreachable: a key cannot be checked now; tools that need the broker fail on their own
+        self._accepted_until = self._clock() + AUTH_TTL_S
 
     async def chat(self, body: dict[str, Any], tier: str | None) -> Reply:
         return await self._request("POST", "/v1/chat/completions", body, tier)

@@ -49,18 +49,27 @@ def run_mcp(args: argparse.Namespace) -> int:
     except ModuleNotFoundError:
         print(MISSING_EXTRA, file=sys.stderr)
         return 2
+    from mergebroker.broker.mcp.http_transport import MCP_TOKEN_ENV, bind_check
+
+    token = os.environ.get(MCP_TOKEN_ENV) or None
+    refusal = bind_check(settings.mcp.host, token) if settings.mcp.transport == "http" else None
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)  # stderr: stdout is MCP's
     try:
-        asyncio.run(serve(settings, api_key=os.environ.get(settings.mcp.api_key_env) or None))
+        asyncio.run(serve(settings, api_key=os.environ.get(settings.mcp.api_key_env) or None, http_token=token))
     except KeyboardInterrupt:
         pass
     return 0
 
 
-async def serve(settings: Settings, *, api_key: str | None) -> None:
-    """Start the backend (the embedded broker, or a client of `mcp.broker_url`) and serve MCP over it."""
+async def serve(settings: Settings, *, api_key: str | None, http_token: str | None = None) -> None:
+    """Start the backend (the embedded broker, or a client of `mcp.broker_url`) and serve MCP over it (over HTTP
+    behind `http_token`, when given: see `broker.mcp.http_transport`)."""
     from mergebroker.broker.library import Broker
     from mergebroker.broker.mcp.backend import EmbeddedBackend, RemoteBackend, ToolBackend
+    from mergebroker.broker.mcp.http_transport import serve_http
     from mergebroker.broker.mcp.server import build_server
 
     mcp: McpSettings = settings.mcp
@@ -71,4 +80,4 @@ async def serve(settings: Settings, *, api_key: str | None) -> None:
         if mcp.transport == "stdio":
             await server.run_stdio_async()
         else:
-            await server.run_streamable_http_async(host=mcp.host, port=mcp.port)
+            await serve_http(server, host=mcp.host, port=mcp.port, token=http_token)

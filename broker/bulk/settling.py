@@ -1,0 +1,75 @@
+"""Turn one planned call's outcome into its lines' results (pure): who got an answer, who failed, who goes again.
+
+A call of one member answers each of its identical lines with the reply (usage split evenly among them); a
+merged call is settled with `merge.settle` and its members whose block failed (missing, leaked, unreadable)
+are named with the reason, to be re-run alone. An error outcome is every line's error, except in a merged
+call, whose members all go again alone (`settle_call_error` decides which errors allow that).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from mergebroker.errors import BrokerError
+from mergebroker.merge.compaction import PlannedCall, PlannedMember
+from mergebroker.merge.completion import member_completion
+from mergebroker.merge.settle import BAD_REPLY, SettleOptions, every_member, settle, settle_call_error
+from mergebroker.merge.usage import largest_remainder
+
+log = structlog.get_logger(__name__)
+
+Result = tuple[str, int, dict[str, Any]]
+"""One line's result: custom_id, HTTP status, body."""
+Outcome = dict[str, Any] | BrokerError
+"""What one upstream call gave: the reply body, or the error."""
+
+
+def judge(call: PlannedCall, outcome: Outcome, *, stop: Any, leak_min_words: int) -> tuple[list[Result], dict[str, str]]:
+    """Results per line, and the members (by tag) to re-run alone with the reason (`stop`: the lines' stop)."""
+    if not call.merged:
+        if isinstance(outcome, BrokerError):
+            return failed(call.custom_ids, outcome), {}
+        return shared(call.members[0], outcome), {}
+    members = [m.settle_member(stop) for m in call.members]
+    if isinstance(outcome, BrokerError):
+        settlement = settle_call_error(outcome, members)
+    else:
+        try:
+            settlement = settle(outcome, members, SettleOptions(leak_min_words))
+        except Exception:  # noqa: BLE001 - a reply we cannot read must not cost the members their answers
+            log.exception("merged_reply_unreadable", call_id=call.call_id)
+            settlement = every_member(members, BAD_REPLY)
+    results: list[Result] = []
+    for m in call.members:
+        answer = settlement.answers.get(m.tag)  # type: ignore[arg-type]
+        error = settlement.errors.get(m.tag)  # type: ignore[arg-type]
+        if answer is not None:
+            results += shared(m, member_completion(outcome, answer.text, answer.usage))  # type: ignore[arg-type]
+        elif error is not None:
+            results += failed(m.custom_ids, error)
+    return results, settlement.fallbacks
+
+
+def failed(custom_ids: list[str] | tuple[str, ...], error: BrokerError) -> list[Result]:
+    """The same error for each line."""
+    body = error.body()
+    return [(c, error.status, body) for c in custom_ids]
+
+
+def shared(member: PlannedMember, body: dict[str, Any]) -> list[Result]:
+    """One member's completion for each of its identical lines, the call's usage split evenly among them."""
+    ids = member.custom_ids
+    usage = body.get("usage")
+    if len(ids) == 1 or not isinstance(usage, dict):
+        return [(c, 200, body) for c in ids]
+    ones = [1] * len(ids)
+    prompts = largest_remainder(_tokens(usage.get("prompt_tokens")), ones)
+    completions = largest_remainder(_tokens(usage.get("completion_tokens")), ones)
+    return [(c, 200, {**body, "usage": {"prompt_tokens": p, "completion_tokens": o, "total_tokens": p + o}})
+            for c, p, o in zip(ids, prompts, completions)]
+
+
+def _tokens(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
