@@ -45,6 +45,9 @@ from mergebroker.providers.pool import ProviderPools
 
 log = structlog.get_logger(__name__)
 
+LineHook = Callable[[BulkJob, str, int, dict[str, Any]], None]
+"""`hook(job, custom_id, status, response body)`: called once per answered line."""
+
 FINAL = ("completed", "failed", "expired", "cancelled")
 
 
@@ -60,7 +63,9 @@ class BatchService:
     """Owns the bulk jobs: their objects, their runs, and the clean-up of expired files."""
 
     def __init__(self, settings: Settings, *, store: BatchStore, files: FileService, runner: BulkRunner,
-                 metrics: Metrics, sleep: Sleep, wall: Clock = time.time, max_output_bytes: int | None = None) -> None:
+                 metrics: Metrics, sleep: Sleep, wall: Clock = time.time, max_output_bytes: int | None = None,
+                 on_line: LineHook | None = None) -> None:
+        self._on_line = on_line  # each line's answer, once: the usage ledger's account of it
         self._settings = settings
         self._store = store
         self.files = files
@@ -160,9 +165,11 @@ class BatchService:
             return
         await self._store.add_results(job.batch_id, results)
         progress = self._progress[job.batch_id]
-        for custom_id, status, _ in results:
+        for custom_id, status, body in results:
             if custom_id in progress.answered:
                 continue
+            if self._on_line is not None:
+                self._on_line(job, custom_id, status, body)
             ok = status < 300
             progress.answered[custom_id] = ok
             progress.completed += ok
@@ -296,8 +303,10 @@ class BatchService:
 
 def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: list[ProviderSettings],
                         limits: Limits, embedder: Embedder | None, merging_allowed: Callable[[str], bool],
-                        metrics: Metrics, clock: Clock, sleep: Sleep, wall: Clock = time.time) -> BatchService | None:
-    """The Batch API over `batches.dir` (see `BatchSettings`), or None when it is disabled."""
+                        metrics: Metrics, clock: Clock, sleep: Sleep, wall: Clock = time.time,
+                        on_line: LineHook | None = None) -> BatchService | None:
+    """The Batch API over `batches.dir` (see `BatchSettings`), or None when it is disabled; `on_line` hears of
+    each line's answer once (the usage ledger)."""
     b = settings.batches
     if not b.enabled:
         return None
@@ -323,4 +332,5 @@ def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: 
     runner = BulkRunner(settings, pools=pools, store=store, batch_apis=apis, limits=limits,  # type: ignore
                         embedder=embedder, merging_allowed=merging_allowed, metrics=metrics, clock=clock, sleep=sleep,
                         wall=wall)
-    return BatchService(settings, store=store, files=files, runner=runner, metrics=metrics, sleep=sleep, wall=wall)
+    return BatchService(settings, store=store, files=files, runner=runner, metrics=metrics, sleep=sleep, wall=wall,
+                        on_line=on_line)

@@ -9,12 +9,13 @@ provider is configured, has to be listening before the pools can point at it) an
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
 from mergebroker.broker.bulk.batches import BatchService, build_batch_service
-from mergebroker.broker.bulk.runner import Limits
+from mergebroker.broker.bulk.runner import BulkJob, Limits
+from mergebroker.broker.engine.accounting.request_record import record_bulk_line
 from mergebroker.broker.cluster.frontend import front_end_queue
 from mergebroker.broker.engine.assemble import assemble, freeze_startup_objects, stop_engine
 from mergebroker.broker.engine.broker import Broker
@@ -68,10 +69,14 @@ def batch_service(broker: Broker) -> BatchService | None:
     """The Batch API over the engine's pools, limits and similarity model (None when disabled)."""
     limiter = broker.limiter
     assert limiter is not None, "assemble() sets the limiter"
+    def ledger_line(job: BulkJob, custom_id: str, status: int, body: dict[str, Any]) -> None:
+        record_bulk_line(broker.metrics, broker.ledger, broker.costs, line_id=f"{job.batch_id}:{custom_id}",
+                         tenant=job.tenant, tier=job.tier, status=status, body=body)
+
     return build_batch_service(broker.settings, pools=broker.pools, providers=list(broker.providers),
                                limits=Limits(limiter, broker.chat.limit_specs), embedder=broker.embedder,
                                merging_allowed=broker.policy.merging_allowed, metrics=broker.metrics,
-                               clock=broker.clock, sleep=broker.sleep or broker.clock.sleep)
+                               clock=broker.clock, sleep=broker.sleep or broker.clock.sleep, on_line=ledger_line)
 
 
 def connection_limits(settings: Settings) -> ConnectionLimits:

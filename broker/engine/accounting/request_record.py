@@ -132,3 +132,17 @@ def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float,
         endpoint=endpoint if endpoint in ("embeddings", "batch") else "chat",  # type: ignore[arg-type]
         cached_tokens=0 if reused else info.cached_tokens, cache_write_tokens=0 if reused else info.cache_write_tokens,
         usage_counted=info.usage_counted, actual_usd=dollars[0], alone_usd=dollars[1])
+
+
+def record_bulk_line(metrics: Metrics | None, ledger: Ledger | None, costs: CostBook | None, *, line_id: str,
+                     tenant: str, tier: str, status: int, body: Mapping[str, Any]) -> None:
+    """Account one answered Batch API line like a request (`endpoint=batch`, keyed by its job and custom_id,
+    so a line answered again after a restart is ledgered once), with its apportioned usage."""
+    model = body.get("model") if isinstance(body.get("model"), str) else ""
+    info = RequestInfo(line_id, line_id, tenant=tenant, tier=tier, model=model, cache="miss", batch_size=1)
+    note_usage(info, TokenUsage.from_body(dict(body)))
+    info.alone_prompt_tokens = info.prompt_tokens
+    if costs is not None and costs.price(model) is not None:
+        info.costs = costs
+    if ledger is not None or info.costs is not None:
+        _record(ledger, info, "batch", status, 0.0)
