@@ -8,7 +8,8 @@ import zlib
 
 import pytest
 
-from mergebroker.broker.http.body import depth_exceeds, inflate, parse_json
+from mergebroker.broker.http.body import inflate, parse_json
+from mergebroker.jsonio import depth_exceeds
 from mergebroker.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from tests.conftest import NO_MERGE_MODEL, provider_for
 

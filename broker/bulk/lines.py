@@ -3,7 +3,7 @@
 Pure. Each input line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body"}`; a
 file is refused as a whole, naming the first bad line, when a line is not such an object, a `custom_id`
 repeats, a URL is not supported, or the file is over its limits. Each line is held to what the live endpoint
-accepts (`LineLimits`): its size, strict JSON (`broker.bulk.strict_json`: UTF-8, no NaN or overflowing
+accepts (`LineLimits`): its size, strict JSON (`mergebroker.jsonio.parse_strict`: UTF-8, no NaN or overflowing
 numbers, no lone surrogates, bounded nesting) and the chat body's own checks, with its message count.
 Lines are split on `\\n` only: a raw U+2028 inside a JSON string is text, not a line break. Files are read
 from an open binary stream line by line, so a large one is never in memory as bytes. Output lines follow
@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from mergebroker.broker.bulk.strict_json import NotStrictJson, parse_strict
+from mergebroker.jsonio import NotStrictJson, parse_strict
 from mergebroker.broker.engine.schemas import parse_chat
 from mergebroker.errors import InvalidRequest
 

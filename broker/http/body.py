@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import math
-import re
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from mergebroker import jsonio
+from mergebroker.jsonio import NotStrictJson, parse_strict
 from mergebroker.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 
 HANDLER_ARGS = {"auto_decompress": False}
 """aiohttp handler arguments for apps that read their bodies through `read_json` (it decompresses itself)."""
 
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 @dataclass(frozen=True)
@@ -86,53 +82,16 @@ def inflate(raw: bytes, encoding: str, max_bytes: int) -> bytes:
 
 
 def parse_json(raw: bytes, max_depth: int) -> Any:
-    """Strict JSON: UTF-8, finite numbers, no lone surrogates, nesting at most `max_depth` deep."""
-    value = jsonio.parse_fast(raw)  # orjson's rules are these (save the depth): only its refusals need more
-    if value is jsonio.NOT_PARSED:
-        try:
-            text = raw.decode("utf-8")
-            value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
-        except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
-            raise InvalidRequest("We could not parse the JSON body of your request.", code="invalid_json") from None
-        if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
-            raise InvalidRequest("The JSON body holds a lone UTF-16 surrogate (\\ud800-\\udfff) that is not "
-                                 "part of a pair.", code="invalid_json")
-    if raw.count(b"[") + raw.count(b"{") > max_depth and depth_exceeds(value, max_depth):
-        raise InvalidRequest(f"The JSON body is nested deeper than {max_depth} levels.", code="invalid_json")
-    return value
-
-
-def depth_exceeds(value: Any, max_depth: int) -> bool:
-    """True when containers in `value` nest deeper than `max_depth` (iterative: no recursion limit)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        for child in children:
-            if isinstance(child, (dict, list)):
-                if depth + 1 > max_depth:
-                    return True
-                stack.append((child, depth + 1))
-    return False
-
-
-def _has_lone_surrogate(value: Any) -> bool:
+    """Strict JSON (`mergebroker.jsonio.parse_strict`), or the 400 that says which rule the body broke."""
     try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(literal: str) -> float:
-    value = float(literal)
-    if not math.isfinite(value):
-        raise ValueError(f"{literal} overflows a double")
-    return value
+        return parse_strict(raw, max_depth)
+    except NotStrictJson as exc:
+        if exc.reason == "depth":
+            raise InvalidRequest(f"The JSON body is nested deeper than {max_depth} levels.", code="invalid_json") from None
+        if exc.reason == "surrogate":
+            raise InvalidRequest("The JSON body holds a lone UTF-16 surrogate (\\ud800-\\udfff) that is not "
+                                 "part of a pair.", code="invalid_json") from None
+        raise InvalidRequest("We could not parse the JSON body of your request.", code="invalid_json") from None
 
 
 def _too_large(limits: BodyLimits) -> PayloadTooLarge:
