@@ -2,22 +2,28 @@
 
 Pure and synchronous. A bulk file is known in full before anything is sent, so every line can find its
 partners at once: identical requests (same fingerprint) are sent once; the distinct ones are grouped by
-compatibility key (`merge.shape`), then by similarity, `max_batch` and the context budget
-(`merge.grouping`), and each group of two or more becomes one merged call (`merge.prompt`). A line that
-may not merge (tools, multi-turn...) is a call of its own. The runner sends the calls, settles merged
-replies with `merge.settle`, and plans the members that failed a second time with `max_batch=1`.
+compatibility key (`merge.shape`), then by similarity, `max_batch` and the model's context window with
+the shared system prompt and header counted once (`merge.grouping`, `merge.budget.context_shares`), then
+cut into the merges that pay and whose members' budgets fit the model's output limit (`Economics`: the
+broker's `engine.merge_economy`, the live path's rule), and each group of two or more becomes one merged
+call (`merge.prompt`) whose `max_tokens` holds every member's own budget plus its response tags. A line
+that may not merge (tools, multi-turn...) is a call of its own. The runner sends the calls, settles merged
+replies with `merge.settle` (each member cut at its own budget, `merge.member_budget`), and plans the
+members that failed a second time with `max_batch=1`.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from mergebroker.merge.budget import context_shares, token_budget
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
-from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
+from mergebroker.merge.member_budget import TokenCounter, estimate_tokens
+from mergebroker.merge.prompt import DEFAULT_HEADER, MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.settle import SettleMember, member_request_text
 from mergebroker.merge.shape import MergeShape
 
@@ -33,7 +39,7 @@ class BulkItem:
     merge_key: str | None  # `merge.shape.compatibility_key`; None: the line may not merge
     prompt_tokens: int  # the whole request's estimated prompt tokens
     user_tokens: int  # the user text's own tokens (its share of a merged call's prompt)
-    max_tokens: int
+    max_tokens: int  # its output budget, the broker's default where the line sets none (sizes merged calls)
 
 
 @dataclass(frozen=True)
@@ -45,10 +51,12 @@ class PlannedMember:
     request_text: str = ""  # what leak checks protect: the user text (with its system prompt in tagged mode)
     user_tokens: int = 0  # its own text's share of the merged prompt
     prompt_tokens: int = 0  # its prompt had it been sent alone
+    max_tokens: int | None = None  # its lines' own budget: its answer is cut there; None: they set none
 
     def settle_member(self, stop: str | list[str] | None) -> SettleMember:
         """What `merge.settle.settle` needs about this member (`stop`: its lines' stop sequences)."""
-        return SettleMember(self.tag or "", self.request_text, self.user_tokens, self.prompt_tokens, stop)
+        return SettleMember(self.tag or "", self.request_text, self.user_tokens, self.prompt_tokens, stop,
+                            self.max_tokens)
 
 
 @dataclass(frozen=True)
@@ -78,9 +86,25 @@ class PlannedCall:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PlannedCall:
         """The inverse of `to_json`."""
+        # `max_tokens` is absent from plans stored before members had budgets of their own.
         members = tuple(PlannedMember(tuple(m["custom_ids"]), m["tag"], m["request_text"], m["user_tokens"],
-                                      m["prompt_tokens"]) for m in data["members"])
+                                      m["prompt_tokens"], m.get("max_tokens")) for m in data["members"])
         return cls(data["call_id"], data["model"], dict(data["body"]), members, int(data["tokens"]))
+
+
+class Economics(Protocol):
+    """What merging costs and what a model allows, as the broker knows them (prices, limits, its policy)."""
+
+    def split(self, model: str, system_prompt: str | None, members: Sequence[BulkItem], shared_tokens: int
+              ) -> list[int]:
+        """The sizes, in order, that a planned batch of `members` (each the head of its identical lines) is
+        cut into, 1 being a member sent alone: merged only where the members' budgets fit the model's output
+        limit and, by the merge policy, where it pays. `shared_tokens`: the shared system prompt's tokens."""
+        ...
+
+    def max_output_tokens(self, model: str) -> int | None:
+        """The most output tokens one call to `model` may ask for; None where unknown."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -89,9 +113,11 @@ class CompactionRules:
 
     threshold: float
     max_batch: int
-    budget: Callable[[str], int]  # the model's context budget in tokens
+    budget: Callable[[str], int]  # the model's context window in tokens
     header: str | None = None
     tagged_system: bool = False
+    count_tokens: TokenCounter = estimate_tokens  # the broker's tokenizer: shared prefix, header, response tags
+    economics: Economics | None = None  # None: every planned batch merges whole (as for an unpriced model)
 
 
 def plan_compaction(items: Sequence[BulkItem], rules: CompactionRules, *, vectors: Mapping[str, np.ndarray] | None = None,
@@ -130,10 +156,29 @@ def _batches(group: list[list[BulkItem]], rules: CompactionRules,
         if vectors is None or any(h.custom_id not in vectors for h in heads):
             return [[copies] for copies in group]
         matrix = np.stack([vectors[h.custom_id] for h in heads])
-    costs = [h.prompt_tokens + h.max_tokens for h in heads]
+    model = str(heads[0].body.get("model"))
+    system = None if rules.tagged_system else heads[0].shape.system_prompt  # type: ignore[union-attr]
+    shared = rules.count_tokens(system) if system else 0
+    costs, budget = context_shares([h.prompt_tokens + h.max_tokens for h in heads], window=rules.budget(model),
+                                   shared=shared, header=rules.count_tokens(rules.header or DEFAULT_HEADER))
     plan = group_by_similarity(matrix, threshold=rules.threshold, max_batch=rules.max_batch, costs=costs,
-                               budget=rules.budget(str(heads[0].body.get("model"))))
-    return [[group[i] for i in batch] for batch in plan]
+                               budget=budget)
+    batches = [[group[i] for i in batch] for batch in plan]
+    if rules.economics is None:
+        return batches
+    return [part for batch in batches for part in _on_cost(batch, rules.economics, model, system, shared)]
+
+
+def _on_cost(batch: list[list[BulkItem]], economics: Economics, model: str, system: str | None,
+             shared: int) -> list[list[list[BulkItem]]]:
+    """A planned batch cut into the merges worth making (`Economics.split`), in order."""
+    if len(batch) < 2:
+        return [batch]
+    parts, start = [], 0
+    for size in economics.split(model, system, [copies[0] for copies in batch], shared):
+        parts.append(batch[start:start + size])
+        start += size
+    return parts
 
 
 def _call(call_id: str, batch: list[list[BulkItem]], rules: CompactionRules, rng: random.Random | None) -> PlannedCall:
@@ -141,17 +186,29 @@ def _call(call_id: str, batch: list[list[BulkItem]], rules: CompactionRules, rng
     model = str(head.body.get("model"))
     tokens = sum(copies[0].prompt_tokens + copies[0].max_tokens for copies in batch)
     if len(batch) == 1:
-        member = PlannedMember(tuple(i.custom_id for i in batch[0]), None, "", head.user_tokens, head.prompt_tokens)
+        member = PlannedMember(tuple(i.custom_id for i in batch[0]), None, "", head.user_tokens, head.prompt_tokens,
+                               _own_budget(head))
         return PlannedCall(call_id, model, dict(head.body), (member,), tokens)
     tags = new_batch_ids(len(batch), rng)
     shapes: list[MergeShape] = [copies[0].shape for copies in batch]  # type: ignore[misc]
     merge_members = [MergeMember(tag, s.user_text, copies[0].max_tokens, s.system_prompt)
                      for tag, s, copies in zip(tags, shapes, batch)]
     body = merged_request_body(head.body, merge_members, system_prompt=shapes[0].system_prompt,
-                               header=rules.header, tagged_system=rules.tagged_system)
+                               header=rules.header, tagged_system=rules.tagged_system, count_tokens=rules.count_tokens)
+    limit = rules.economics.max_output_tokens(model) if rules.economics is not None else None
+    if limit is not None and body["max_tokens"] > limit:
+        # The split sized the batch with average tags; a few tokens of exact tags must not cross the limit (a
+        # block this cuts short ends "length" where it reached its member's budget, else goes again alone).
+        body["max_tokens"] = limit
     members = tuple(PlannedMember(tuple(i.custom_id for i in copies), tag,
                                   member_request_text(s.system_prompt, s.user_text, rules.tagged_system),
-                                  copies[0].user_tokens, copies[0].prompt_tokens)
+                                  copies[0].user_tokens, copies[0].prompt_tokens, _own_budget(copies[0]))
                     for tag, s, copies in zip(tags, shapes, batch))
     return PlannedCall(call_id, model, body, members, tokens)
+
+
+def _own_budget(item: BulkItem) -> int | None:
+    """The budget a line set itself: the broker's default only sizes a merged call, so a line without one
+    is never cut at it (alone, it would not have been)."""
+    return token_budget(item.body, 0) or None
 

@@ -8,6 +8,9 @@ import numpy as np
 
 from mergebroker.merge.compaction import BulkItem, CompactionRules, PlannedCall, plan_compaction
 from mergebroker.merge.fingerprint import chat_fingerprint
+from mergebroker.merge.member_budget import estimate_tokens
+from mergebroker.merge.merge_cost import REQUEST_TAG_TOKENS
+from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS, DEFAULT_HEADER, response_tag_tokens
 from mergebroker.merge.settle import SettleOptions, settle
 from mergebroker.merge.shape import compatibility_key, merge_shape
 from mergebroker.providers.simulator.content import answer_for
@@ -38,7 +41,11 @@ def test_max_batch_budget_and_compatibility_split_groups():
     assert [len(c.members) for c in calls] == [4, 4, 1, 1]
     assert calls[2].members[0].custom_ids == ("8",) and not calls[2].merged
     assert calls[3].body["messages"][0]["content"] == "Summarise."
-    tight = CompactionRules(threshold=0.0, max_batch=8, budget=lambda model: 125)
+    # The window holds the header and the shared system prompt once, and two members (each its prompt less the
+    # shared prompt, its budget and its tags): not three.
+    member = 10 - estimate_tokens("Classify.") + 50 + BLOCK_OVERHEAD_TOKENS + REQUEST_TAG_TOKENS
+    window = estimate_tokens(DEFAULT_HEADER) + estimate_tokens("Classify.") + 2 * member
+    tight = CompactionRules(threshold=0.0, max_batch=8, budget=lambda model: window)
     assert [len(c.members) for c in plan_compaction(items[:4], tight)] == [2, 2]
 
 
@@ -55,7 +62,8 @@ def test_unmergeable_lines_go_alone_and_similarity_needs_vectors():
 def test_merged_call_settles_back_to_each_member_and_round_trips_as_json():
     items = [item("a", "What is a circuit breaker?", max_tokens=40), item("b", "Define merge window.")]
     (call,) = plan_compaction(items, RULES)
-    assert call.body["max_tokens"] == 40 + 50 + 2 * 12 and "stop" not in call.body
+    tags = sum(response_tag_tokens(m.tag, estimate_tokens) for m in call.members)
+    assert call.body["max_tokens"] == 40 + 50 + tags and "stop" not in call.body
     assert PlannedCall.from_json(call.to_json()) == call
     blocks = "\n".join(f'<response id="{m.tag}">{answer_for(items[n].shape.user_text)}</response>'
                        for n, m in enumerate(call.members))

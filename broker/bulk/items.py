@@ -18,6 +18,7 @@ from mergebroker.broker.bulk.settling import Result
 from mergebroker.broker.engine.settings import Settings
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.errors import InvalidRequest, NotFound
+from mergebroker.merge.budget import token_budget
 from mergebroker.merge.compaction import BulkItem
 from mergebroker.merge.fingerprint import chat_fingerprint
 from mergebroker.merge.shape import compatibility_key, merge_shape
@@ -70,7 +71,7 @@ def _item(line: BatchLine, ctx: ItemContext) -> BulkItem:
     fingerprint = scope + ":" + chat_fingerprint(
         body, lowercase=settings.merge.lowercase, collapse_whitespace=settings.merge.collapse_whitespace,
         cache_version=settings.merge.cache_version)
-    max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or settings.merge.default_max_tokens)
+    max_tokens = token_budget(body, settings.merge.default_max_tokens)
     return BulkItem(line.custom_id, body, fingerprint, shape, key, estimate_prompt_tokens(body["messages"]),
                     count_text_tokens(shape.user_text) if shape else 0, max_tokens)
 

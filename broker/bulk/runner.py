@@ -1,7 +1,9 @@
 """Run one bulk job: compact its unanswered lines, send the calls, settle the replies, re-run failures alone.
 
 Deciding is pure (`broker.bulk.items`, `merge.compaction.plan_compaction`, `broker.bulk.settling`); this
-module acts. Round 0 sends the compacted plan; members whose block failed (or whose merged call failed) go
+module acts. The plan follows the live path's rules: the model's real context window, each member's own
+budget in the merged call's `max_tokens` (within the model's output limit), and `merge.policy` on cost
+(`engine.merge_economy`, over the broker's price table). Round 0 sends the compacted plan; members whose block failed (or whose merged call failed) go
 to round 1, planned with `max_batch=1`, where each line is a call of its own and any failure is that line's
 error. Each model's calls go through a provider's own Batch API when one serving it has `batch_api: true`
 (`broker.bulk.upstream_rounds`), otherwise through the provider pools at the lowest priority, within the
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import structlog
 
@@ -28,16 +30,20 @@ from mergebroker.broker.bulk.lines import BatchLine
 from mergebroker.broker.bulk.settling import Outcome, Result, failed, judge
 from mergebroker.broker.bulk.store import BatchStore
 from mergebroker.broker.bulk.upstream_rounds import RoundHooks, UpstreamRounds
+from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.chat.jobs import aged_rank
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec
+from mergebroker.broker.engine.merge_economy import Candidate, MergeEconomy, economy_for
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.clock import Clock, Sleep, sleep_or_event
 from mergebroker.errors import BrokerError, RateLimited, UpstreamUnavailable
 from mergebroker.merge.compaction import BulkItem, CompactionRules, PlannedCall, plan_compaction
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import needs_embedding
+from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS
 from mergebroker.providers.openai_batches import BatchApi
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.reply_usage import usage_tokens
@@ -87,7 +93,7 @@ class BulkRunner:
 
     def __init__(self, settings: Settings, *, pools: ProviderPools, store: BatchStore, batch_apis: dict[str, BatchApi],
                  limits: Limits, embedder: Embedder | None, merging_allowed: Callable[[str], bool], metrics: Metrics,
-                 clock: Clock, sleep: Sleep, wall: Clock) -> None:
+                 clock: Clock, sleep: Sleep, wall: Clock, costs: CostBook | None = None) -> None:
         self.settings = settings
         self.pools = pools
         self.store = store
@@ -99,6 +105,8 @@ class BulkRunner:
         self.clock = clock
         self.sleep = sleep
         self.wall = wall
+        # Prices and limits (the broker's own `CostBook` where given, for one price table and calibration).
+        self.costs = costs if costs is not None else CostBook(settings.price_table(), metrics=metrics, clock=clock)
         # The compacted calls in flight through the pools, shared by every job: many jobs never put more than
         # `batches.concurrency` bulk calls on the upstreams at once, and tenants take the slots in turn.
         self.slots = FairSlots(settings.batches.concurrency)
@@ -115,6 +123,31 @@ class BulkRunner:
         return None
 
 
+class _BulkEconomics:
+    """`merge.compaction.Economics` over the live path's `MergeEconomy`: one rule for what merging costs.
+
+    The Batch API's own discount (half price at a provider's Batch API) scales a merged call's bill and its
+    members' bills alone alike, so the comparison comes out the same at list prices: the price table
+    decides as it does live. The capacity rule is left out (`rpm_pressure` 0): a bulk call has no deadline
+    to keep, so it waits its turn under a binding RPM limit rather than pay a premium to merge, and a
+    whole file is planned at once, long before the pressure it would read has any bearing on its calls.
+    Each job plans with its own `MergeEconomy` (planning runs in a worker thread, and the economy's model
+    of the provider's prompt cache is then the job's own: its first call warms the shared prefix).
+    """
+
+    def __init__(self, economy: MergeEconomy) -> None:
+        self._economy = economy
+
+    def split(self, model: str, system_prompt: str | None, members: Sequence[BulkItem], shared_tokens: int
+              ) -> list[int]:
+        candidates = [Candidate(m.prompt_tokens, max(0, m.prompt_tokens - shared_tokens), m.max_tokens)
+                      for m in members]
+        return self._economy.split(model, system_prompt, candidates, tag_tokens=BLOCK_OVERHEAD_TOKENS)
+
+    def max_output_tokens(self, model: str) -> int | None:
+        return self._economy.max_output_tokens(model)
+
+
 class _Run:
     """The state of one job's run: its items by custom_id and the results it hands on."""
 
@@ -125,10 +158,15 @@ class _Run:
         self.items: dict[str, BulkItem] = {}
         tier = runner.settings.tier(job.tier)
         merge = runner.settings.merge
-        self.rules = CompactionRules(tier.similarity_threshold, tier.max_batch,
-                                     lambda model: merge.context_tokens.get(model, merge.default_context_tokens),
-                                     merge.header, tier.system_prompts == "tagged")
-        self.alone = CompactionRules(0.0, 1, self.rules.budget, merge.header, self.rules.tagged_system)
+        economy = economy_for(runner.settings, runner.costs, runner.clock)
+
+        def window(model: str) -> int:  # the configured limit wins, then the price table's context window
+            configured = merge.context_tokens.get(model)
+            return configured if configured is not None else economy.context_window(model, merge.default_context_tokens)
+
+        self.rules = CompactionRules(tier.similarity_threshold, tier.max_batch, window, merge.header,
+                                     tier.system_prompts == "tagged", count_text_tokens, _BulkEconomics(economy))
+        self.alone = CompactionRules(0.0, 1, window, merge.header, self.rules.tagged_system, count_text_tokens)
         lowest = min(t.priority for t in runner.settings.tiers)
         self.rank = lambda: aged_rank(lowest, runner.clock(), runner.settings.server.aging_per_s)
         self.rounds = UpstreamRounds(batch_id=job.batch_id, completion_window=job.completion_window, cancel=job.cancel,

@@ -1,8 +1,10 @@
 """Turn one planned call's outcome into its lines' results (pure): who got an answer, who failed, who goes again.
 
 A call of one member answers each of its identical lines with the reply (usage split evenly among them); a
-merged call is settled with `merge.settle` and its members whose block failed (missing, leaked, unreadable)
-are named with the reason, to be re-run alone. An error outcome is every line's error, except in a merged
+merged call is settled with `merge.settle`: each member's answer ends at its own `max_tokens` (counted with
+the broker's tokenizer, `finish_reason: "length"`, usage to match), a block the merged call's limit cut
+short is an answer once it reached its member's budget, and the members whose block failed (missing,
+truncated, leaked, unreadable) are named with the reason, to be re-run alone. An error outcome is every line's error, except in a merged
 call, whose members all go again alone (`settle_call_error` decides which errors allow that).
 """
 
@@ -12,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.errors import BrokerError
 from mergebroker.merge.compaction import PlannedCall, PlannedMember
 from mergebroker.merge.completion import member_completion
@@ -37,7 +40,7 @@ def judge(call: PlannedCall, outcome: Outcome, *, stop: Any, leak_min_words: int
         settlement = settle_call_error(outcome, members)
     else:
         try:
-            settlement = settle(outcome, members, SettleOptions(leak_min_words))
+            settlement = settle(outcome, members, SettleOptions(leak_min_words, count_text_tokens))
         except Exception:  # noqa: BLE001 - a reply we cannot read must not cost the members their answers
             log.exception("merged_reply_unreadable", call_id=call.call_id)
             settlement = every_member(members, BAD_REPLY)
@@ -46,7 +49,9 @@ def judge(call: PlannedCall, outcome: Outcome, *, stop: Any, leak_min_words: int
         answer = settlement.answers.get(m.tag)  # type: ignore[arg-type]
         error = settlement.errors.get(m.tag)  # type: ignore[arg-type]
         if answer is not None:
-            results += shared(m, member_completion(outcome, answer.text, answer.usage))  # type: ignore[arg-type]
+            completion = member_completion(outcome, answer.text, answer.usage,  # type: ignore[arg-type]
+                                           finish_reason=answer.finish_reason)
+            results += shared(m, completion)
         elif error is not None:
             results += failed(m.custom_ids, error)
     return results, settlement.fallbacks

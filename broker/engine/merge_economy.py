@@ -18,7 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from mergebroker.broker.engine.accounting.costs import CostBook
+from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.clock import Clock
 from mergebroker.merge.merge_cost import MemberTokens, MergeDecision, MergeLayout, MergePolicy, decide
+from mergebroker.merge.prompt import DEFAULT_HEADER
 from mergebroker.merge.prompt_cache import CacheKey, PrefixCache, ProviderCacheModel
 from mergebroker.merge.pricing import CacheStyle
 
@@ -50,6 +54,11 @@ class MergeEconomy:
                       for style in (CacheStyle.OPENAI, CacheStyle.ANTHROPIC)}
         self.last: list[MergeDecision] = []  # the decisions of the latest `split`, for counters and tests
 
+    def max_output_tokens(self, model: str) -> int | None:
+        """The most output one call to `model` may ask for, from the price table; None where unknown."""
+        price = self._costs.price(model)
+        return price.max_output_tokens if price is not None else None
+
     def context_window(self, model: str, default: int) -> int:
         """The model's context window from the price table, else `default` (the configured limit)."""
         price = self._costs.price(model)
@@ -71,8 +80,7 @@ class MergeEconomy:
     def _output_fits(self, model: str, batch: Sequence[Candidate], tag_tokens: int) -> list[int]:
         """`batch` cut, in order, into runs whose summed output budgets fit the model's output limit (a member
         over the limit on its own goes alone: the provider judges it as it would any request)."""
-        price = self._costs.price(model)
-        limit = price.max_output_tokens if price is not None else None
+        limit = self.max_output_tokens(model)
         if not limit:
             return [len(batch)]
         sizes, run, used = [], 0, 0
@@ -127,6 +135,15 @@ class MergeEconomy:
         if cache is not None and shared:
             prefix = _prefix(shared + FRAMING_TOKENS)
             cache.record(_key(model, system_prompt), prefix, breakpoints=(len(prefix),))
+
+
+def economy_for(settings: Settings, costs: CostBook, clock: Clock) -> MergeEconomy:
+    """The merge decision on cost as `merge.*` configures it (`merge.policy`, the capacity rule); the header
+    it prices is the one merged calls carry."""
+    m = settings.merge
+    return MergeEconomy(costs, policy=MergePolicy(m.capacity_merge, m.capacity_pressure, m.capacity_max_premium),
+                        by_cost=m.policy == "cost", header_tokens=count_text_tokens(m.header or DEFAULT_HEADER),
+                        count=count_text_tokens, clock=clock)
 
 
 def _key(model: str, system_prompt: str | None) -> CacheKey:
