@@ -123,7 +123,7 @@ class BulkRunner:
         return None
 
 
-class _BulkEconomics:
+class BulkEconomics:
     """`merge.compaction.Economics` over the live path's `MergeEconomy`: one rule for what merging costs.
 
     The Batch API's own discount (half price at a provider's Batch API) scales a merged call's bill and its
@@ -165,7 +165,7 @@ class _Run:
             return configured if configured is not None else economy.context_window(model, merge.default_context_tokens)
 
         self.rules = CompactionRules(tier.similarity_threshold, tier.max_batch, window, merge.header,
-                                     tier.system_prompts == "tagged", count_text_tokens, _BulkEconomics(economy))
+                                     tier.system_prompts == "tagged", count_text_tokens, BulkEconomics(economy))
         self.alone = CompactionRules(0.0, 1, window, merge.header, self.rules.tagged_system, count_text_tokens)
         lowest = min(t.priority for t in runner.settings.tiers)
         self.rank = lambda: aged_rank(lowest, runner.clock(), runner.settings.server.aging_per_s)
