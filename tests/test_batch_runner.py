@@ -24,19 +24,30 @@ def rows(n: int) -> bytes:
                    for i in range(n)).encode()
 
 
+def service_on(simulator, settings, **extra):
+    """A batch service over the simulator, with its pools (to close)."""
+    pools = ProviderPools([Upstream(OpenAICompatProvider(HttpProviderSettings("sim", simulator.url)))])
+    service = build_batch_service(settings, pools=pools, providers=[], limits=Limits(RateLimiter(monotonic), lambda c: []),
+                                  embedder=None, merging_allowed=lambda model: True, metrics=Metrics(), clock=monotonic,
+                                  sleep=asyncio.sleep, **extra)
+    return service, pools
+
+
+async def create_batch(service, lines: int) -> dict:
+    """Upload `lines` lines as tenant t and create a batch of them; the batch object."""
+    record = await service.files.upload("t", "batch", "in.jsonl", rows(lines))
+    return await service.create(Caller("t", "batch"), {"input_file_id": record.id, "completion_window": "24h",
+                                                       "endpoint": "/v1/chat/completions"})
+
+
 async def test_window_end_expires_the_job_and_its_unsent_lines(simulator, tmp_path):
     simulator.set_faults(latency_base_ms=20)
     settings = load_settings(None, environ={}, overrides={"batches": {"dir": str(tmp_path), "concurrency": 1}})
-    pools = ProviderPools([Upstream(OpenAICompatProvider(HttpProviderSettings("sim", simulator.url)))])
     wall = FakeClock(1_800_000_000)
-    service = build_batch_service(settings, pools=pools, providers=[], limits=Limits(RateLimiter(monotonic), lambda c: []),
-                                  embedder=None, merging_allowed=lambda model: True, metrics=Metrics(), clock=monotonic,
-                                  sleep=asyncio.sleep, wall=wall)
+    service, pools = service_on(simulator, settings, wall=wall)
     await service.start()
     try:
-        record = await service.files.upload("t", "batch", "in.jsonl", rows(6))
-        batch = await service.create(Caller("t", "batch"), {"input_file_id": record.id, "completion_window": "24h",
-                                                            "endpoint": "/v1/chat/completions"})
+        batch = await create_batch(service, 6)
         await service.wait_until(batch["id"], lambda d: d["request_counts"]["completed"] >= 1)
         wall.advance(24 * 3600)
         done = await service.wait_until(batch["id"], lambda d: d["status"] in ("expired", "completed"))

@@ -30,7 +30,8 @@ async def longest_gap(stop: asyncio.Event) -> float:
 
 async def test_writing_the_files_of_a_large_batch_leaves_the_loop_responsive(tmp_path):
     store = BatchStore(tmp_path / "state.sqlite3")
-    files = FileService(tmp_path, store, max_bytes=10**9, max_lines=10**6, ttl_s=3600)
+    files = FileService(tmp_path, store, max_bytes=10**9, max_lines=10**6, ttl_s=3600, max_uploads_per_tenant=4,
+                        max_form_parts=8)
     ids = [f"line-{n}" for n in range(LINES)]
     await store.add_results("batch_big", [(c, 200 if n % 10 else 500, BODY if n % 10 else {"error": {
         "message": "upstream failed", "code": "upstream_error"}}) for n, c in enumerate(ids[:-100])])

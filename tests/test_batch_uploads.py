@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from mergebroker.broker.bulk.files import MAX_UPLOADS_PER_TENANT, FileService
+from mergebroker.broker.bulk.files import FileService
 from mergebroker.broker.bulk.store import BatchStore
 from tests.test_batches_api import assert_own_answers, config, finished, jsonl, line, outputs
 
@@ -134,9 +134,10 @@ async def test_a_form_of_many_tiny_fields_is_refused_at_once(simulator, start_br
 
 
 async def test_a_tenant_streams_a_bounded_number_of_uploads_at_once(simulator, start_broker, tmp_path):
-    b = await start_broker(config(simulator, tmp_path))
+    uploads = 2  # batches.max_uploads_per_tenant (4 by default)
+    b = await start_broker(config(simulator, tmp_path, max_uploads_per_tenant=uploads))
     release = asyncio.Event()
-    started = [asyncio.Event() for _ in range(MAX_UPLOADS_PER_TENANT)]
+    started = [asyncio.Event() for _ in range(uploads)]
     head, tail = form(jsonl([line("a", "x")])).split(b"Content-Type: application/jsonl")
 
     async def slow(n: int):
@@ -150,7 +151,7 @@ async def test_a_tenant_streams_a_bounded_number_of_uploads_at_once(simulator, s
                 "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}) as resp:
             return resp.status
 
-    stalled = [asyncio.ensure_future(upload(n)) for n in range(MAX_UPLOADS_PER_TENANT)]
+    stalled = [asyncio.ensure_future(upload(n)) for n in range(uploads)]
     await asyncio.gather(*(e.wait() for e in started))
     for _ in range(200):  # until the broker has both uploads in hand (it reads what the client sent)
         status, body = await post_form(b, form(jsonl([line("a", "x")])))
@@ -159,7 +160,7 @@ async def test_a_tenant_streams_a_bounded_number_of_uploads_at_once(simulator, s
         await asyncio.sleep(0.01)
     assert status == 429 and body["error"]["code"] == "too_many_uploads"
     release.set()
-    assert await asyncio.gather(*stalled) == [200] * MAX_UPLOADS_PER_TENANT
+    assert await asyncio.gather(*stalled) == [200] * uploads
     status, _ = await post_form(b, form(jsonl([line("a", "x")])))
     assert status == 200
 
@@ -196,7 +197,8 @@ async def test_a_large_upload_streams_to_disk_without_being_held_in_memory(simul
 
 async def test_sweep_finishes_or_undoes_what_a_crash_left_half_done(tmp_path):
     store = BatchStore(tmp_path / "state.sqlite3")
-    files = FileService(tmp_path, store, max_bytes=10_000, max_lines=10, ttl_s=60)
+    files = FileService(tmp_path, store, max_bytes=10_000, max_lines=10, ttl_s=60, max_uploads_per_tenant=4,
+                        max_form_parts=8)
     kept = await files.upload("t", "batch", "in.jsonl", jsonl([line("a", "x")]))
     await files.pin(kept, "batch_running")
     await files.pin(kept, "batch_gone")

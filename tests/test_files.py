@@ -16,7 +16,8 @@ LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", ' \
 async def test_expired_files_are_cleaned_up_with_their_bytes(tmp_path):
     wall = FakeClock(1_000_000)
     store = BatchStore(tmp_path / "state.sqlite3")
-    files = FileService(tmp_path, store, max_bytes=10_000, max_lines=10, ttl_s=60, wall=wall)
+    files = FileService(tmp_path, store, max_bytes=10_000, max_lines=10, ttl_s=60, max_uploads_per_tenant=4,
+                        max_form_parts=8, wall=wall)
     kept = await files.upload("t", "batch", "in.jsonl", LINE)
     assert await files.content("t", kept.id) == LINE
     with pytest.raises(NotFound):

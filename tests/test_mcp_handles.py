@@ -46,5 +46,7 @@ def test_handles_read_whole_or_by_page_and_forget_the_oldest_past_the_byte_budge
                                                   ("", None, False), ("mcp.example.org", None, False),
                                                   ("0.0.0.0", "secret", True)])
 def test_the_http_transport_binds_beyond_loopback_only_with_a_token(host, token, allowed):
-    assert (bind_check(host, token) is None) == allowed
+    refusal = bind_check(host, token, token_env="MB_TEST_TOKEN")
+    assert (refusal is None) == allowed
+    assert refusal is None or "$MB_TEST_TOKEN" in refusal  # it names the variable `mcp.http_token_env` names
     assert is_loopback(host) == (host in ("127.0.0.1", "::1", "localhost"))

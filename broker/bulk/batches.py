@@ -30,13 +30,14 @@ from mergebroker.background import spawn
 from mergebroker.broker.bulk.files import BATCH_PURPOSE, FileService
 from mergebroker.broker.bulk.finalize import Written, write_files
 from mergebroker.broker.bulk.lines import BatchLine, LineLimits
-from mergebroker.broker.bulk.batch_request import WINDOWS_S, check_create
+from mergebroker.broker.bulk.batch_request import WINDOWS_S, CreateRequest, check_create
 from mergebroker.broker.bulk.runner import BulkJob, BulkRunner, Limits, Result
-from mergebroker.broker.bulk.store import BatchRow, BatchStore
+from mergebroker.broker.bulk.store import BatchRow, BatchStore, FileRecord
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ProviderSettings, Settings
 from mergebroker.clock import Clock, Sleep
+from mergebroker.gc_policy import PROCESS, GcPolicy, Hold
 from mergebroker.errors import BrokerError, InvalidRequest, NotFound
 from mergebroker.merge.embedder import Embedder
 from mergebroker.providers.openai_batches import OpenAIBatchClient
@@ -64,8 +65,9 @@ class BatchService:
 
     def __init__(self, settings: Settings, *, store: BatchStore, files: FileService, runner: BulkRunner,
                  metrics: Metrics, sleep: Sleep, wall: Clock = time.time, max_output_bytes: int | None = None,
-                 on_line: LineHook | None = None) -> None:
+                 on_line: LineHook | None = None, gc_policy: GcPolicy = PROCESS) -> None:
         self._on_line = on_line  # each line's answer, once: the usage ledger's account of it
+        self._gc = gc_policy  # each running batch holds its lines, from before they are read until it ends
         self._settings = settings
         self._store = store
         self.files = files
@@ -91,7 +93,7 @@ class BatchService:
             log.info("batch_files_swept", removed=removed)
         for row in active:
             log.info("batch_resumed", batch_id=row.id, status=row.data["status"])
-            self._spawn(self._resume(row), row.id)
+            self._spawn(self._resume(row), row.id, self._gc.hold(row.data["request_counts"]["total"]))
         self._spawn(self._clean_up(), "cleanup")
 
     async def stop(self) -> None:
@@ -109,6 +111,18 @@ class BatchService:
         record = await self.files.get(caller.tenant, request.input_file_id)
         if record.purpose != BATCH_PURPOSE:
             raise InvalidRequest(f"File {record.id} was not uploaded with purpose 'batch'.", param="input_file_id")
+        hold = self._gc.hold(record.lines)
+        try:
+            row, lines = await self._created(caller, request, record)
+        except BaseException:
+            hold.release()
+            raise
+        self._spawn(self._run(row, lines), row.id, hold)
+        return dict(row.data)
+
+    async def _created(self, caller: Caller, request: CreateRequest, record: FileRecord
+                       ) -> tuple[BatchRow, list[BatchLine]]:
+        """Read the input's lines, then store the batch (its input pinned first); the row and the lines."""
         lines = await self.files.batch_lines(record)
         now = int(self._wall())
         data = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": request.endpoint,
@@ -121,8 +135,7 @@ class BatchService:
         row = BatchRow(data["id"], caller.tenant, caller.tier, data, asdict(caller))
         await self.files.pin(record, row.id)  # before the row: a pin without a batch is swept at the next start
         await self._save(row)
-        self._spawn(self._run(row, lines), row.id)
-        return dict(data)
+        return row, lines
 
     async def retrieve(self, tenant: str, batch_id: str) -> dict[str, Any]:
         """The tenant's batch object, or 404 (for another tenant's batch too)."""
@@ -297,14 +310,18 @@ class BatchService:
                 log.warning("file_cleanup_failed", error=type(exc).__name__)
             await self._sleep(self._settings.batches.cleanup_interval_s)
 
-    def _spawn(self, coro: Any, name: str) -> None:
-        spawn(self._tasks, coro, f"batch:{name}")
+    def _spawn(self, coro: Any, name: str, hold: Hold | None = None) -> None:
+        """Start `coro`; `hold` (a batch's lines in the GC policy) is released once it has ended, however it
+        ended (started or not): the pass that follows finds the batch's objects gone."""
+        task = spawn(self._tasks, coro, f"batch:{name}")
+        if hold is not None:
+            task.add_done_callback(lambda _task: hold.release())
 
 
 def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: list[ProviderSettings],
                         limits: Limits, embedder: Embedder | None, merging_allowed: Callable[[str], bool],
                         metrics: Metrics, clock: Clock, sleep: Sleep, wall: Clock = time.time,
-                        on_line: LineHook | None = None) -> BatchService | None:
+                        on_line: LineHook | None = None, gc_policy: GcPolicy = PROCESS) -> BatchService | None:
     """The Batch API over `batches.dir` (see `BatchSettings`), or None when it is disabled; `on_line` hears of
     each line's answer once (the usage ledger)."""
     b = settings.batches
@@ -322,6 +339,7 @@ def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: 
     try:
         store = BatchStore(directory / "batches.sqlite3")
         files = FileService(directory, store, max_bytes=b.max_file_bytes, max_lines=b.max_lines, ttl_s=b.file_ttl_s,
+                            max_uploads_per_tenant=b.max_uploads_per_tenant, max_form_parts=b.max_form_parts,
                             wall=wall, line_limits=line_limits)
     except (OSError, sqlite3.Error) as exc:  # the broker still serves everything else
         log.error("batches_unavailable", dir=str(directory), error=repr(exc))
@@ -333,4 +351,4 @@ def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: 
                         embedder=embedder, merging_allowed=merging_allowed, metrics=metrics, clock=clock, sleep=sleep,
                         wall=wall)
     return BatchService(settings, store=store, files=files, runner=runner, metrics=metrics, sleep=sleep, wall=wall,
-                        on_line=on_line)
+                        on_line=on_line, gc_policy=gc_policy)

@@ -32,8 +32,6 @@ log = structlog.get_logger(__name__)
 
 BATCH_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
-MAX_UPLOADS_PER_TENANT = 4
-"""Uploads one tenant may stream at once (429 past it); wants a `batches.max_concurrent_uploads` setting."""
 MAX_FILENAME_CHARS = 255
 WRITE_CHUNK_BYTES = 1 << 20
 """Bytes an upload gathers before a worker thread writes them out."""
@@ -44,14 +42,16 @@ class FileService:
     """Stores, checks, lists and expires a tenant's files."""
 
     def __init__(self, directory: Path, store: BatchStore, *, max_bytes: int, max_lines: int, ttl_s: float,
-                 wall: Callable[[], float] = time.time, line_limits: LineLimits | None = None,
-                 max_uploads_per_tenant: int = MAX_UPLOADS_PER_TENANT) -> None:
+                 max_uploads_per_tenant: int, max_form_parts: int, wall: Callable[[], float] = time.time,
+                 line_limits: LineLimits | None = None) -> None:
         self._dir = directory / "files"
         self._dir.mkdir(parents=True, exist_ok=True)
         self._pins = directory / "inputs"
         self._pins.mkdir(parents=True, exist_ok=True)
         self._store = store
         self.max_bytes = max_bytes
+        self.max_form_parts = max_form_parts
+        """The most parts an upload's form may hold (the HTTP reader checks it as the form streams in)."""
         self._limits = line_limits or LineLimits(max_lines)
         self._ttl_s = ttl_s
         self._wall = wall

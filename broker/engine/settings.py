@@ -300,6 +300,9 @@ class McpSettings(_Strict):
     embedding_model: str = Field("all-MiniLM-L6-v2", description="The embed tool's model when a call names none.")
     max_inline_values: int = Field(16_384, gt=0, description="embed: past this many floats, a handle instead.")
     max_handles: int = Field(32, gt=0, description="embed: how many large results stay readable by handle.")
+    max_handle_bytes: int = Field(256 * 1024 * 1024, gt=0, description="embed: bytes of vectors all handles keep.")
+    http_token_env: str = Field("MERGEBROKER_MCP_TOKEN", description="Environment variable with the bearer token "
+                                                                     "the HTTP transport asks of every caller.")
 
 
 class BatchSettings(_Strict):
@@ -310,6 +313,8 @@ class BatchSettings(_Strict):
                                                "default: 'batch' when configured, else default_tier.")
     max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
     max_lines: int = Field(50_000, gt=0)
+    max_uploads_per_tenant: int = Field(4, gt=0, description="Uploads one tenant may stream at once (429 past it).")
+    max_form_parts: int = Field(8, ge=2, description="Parts an upload's form may hold (OpenAI's: purpose, file).")
     file_ttl_s: float = Field(30 * 86400.0, gt=0, description="Uploaded and output files expire after this.")
     concurrency: int = Field(8, gt=0, description="Bulk calls in flight through the pools, all jobs together.")
     call_timeout_s: float = Field(600.0, gt=0)

@@ -65,7 +65,7 @@ async def upload_file(request: web.Request) -> web.Response:
         raise too_large(limit)
     async with service.files.receive(caller.tenant) as incoming:
         form = await read_form(request, incoming, encoding=encoding, max_bytes=limit + FORM_OVERHEAD_BYTES,
-                               idle_s=request.app[BODY_LIMITS].timeout_s)
+                               max_parts=service.files.max_form_parts, idle_s=request.app[BODY_LIMITS].timeout_s)
         if not form.has_file:
             raise InvalidRequest("Missing the 'file' field.", param="file")
         record = await service.files.commit(caller.tenant, incoming, purpose=form.fields.get("purpose", ""),

@@ -4,8 +4,9 @@ The body is read through `BodyStream`, which gives aiohttp's multipart parser th
 it uses while applying every limit in one place: each read waits at most `idle_s` (a slow but moving upload
 is fine, a silent one is cut off), the bytes received and the bytes inflated are capped (a small gzip bomb
 stops at the cap), and `Content-Encoding` is read as the README says for every body: gzip and deflate are
-inflated, identity is read as is, anything else is 415. The form may hold at most `MAX_FORM_PARTS` parts
-(OpenAI's has two: `purpose` and `file`), so a body of forty thousand tiny fields is refused at the ninth; the
+inflated, identity is read as is, anything else is 415. The form may hold at most `max_parts` parts
+(`batches.max_form_parts`, 8 by default; OpenAI's has two: `purpose` and `file`), so a body of forty thousand
+tiny fields is refused at the ninth; the
 small fields are strict UTF-8 of at most `MAX_FIELD_BYTES`. The file part goes straight to the upload's
 temporary file (`broker.bulk.files.Incoming`), never whole into memory.
 """
@@ -22,7 +23,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from mergebroker.broker.bulk.files import Incoming, too_large
 from mergebroker.errors import InvalidRequest, RequestTimeout, UnsupportedMediaType
 
-MAX_FORM_PARTS = 8
 MAX_FIELD_BYTES = 1024
 MAX_LINE_BYTES = 64 * 1024
 """Longest boundary or header line the multipart parser may ask for (a line without an end is refused)."""
@@ -53,7 +53,7 @@ def body_encoding(request: web.Request) -> str:
     return name
 
 
-async def read_form(request: web.Request, incoming: Incoming, *, encoding: str, max_bytes: int,
+async def read_form(request: web.Request, incoming: Incoming, *, encoding: str, max_bytes: int, max_parts: int,
                     idle_s: float) -> Form:
     """Read the upload's form, the file part into `incoming`; 400 for a body that is not such a form."""
     stream = BodyStream(request.content, encoding, max_bytes=max_bytes, idle_s=idle_s)
@@ -63,8 +63,8 @@ async def read_form(request: web.Request, incoming: Incoming, *, encoding: str, 
         parts = 0
         while (part := await reader.next()) is not None:
             parts += 1
-            if parts > MAX_FORM_PARTS:
-                raise InvalidRequest(f"The form holds more than {MAX_FORM_PARTS} parts; send 'purpose' and 'file'.",
+            if parts > max_parts:
+                raise InvalidRequest(f"The form holds more than {max_parts} parts; send 'purpose' and 'file'.",
                                      code="too_many_fields")
             if not isinstance(part, BodyPartReader):
                 raise InvalidRequest("Nested multipart bodies are not accepted.", code="invalid_multipart")

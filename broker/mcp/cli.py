@@ -49,10 +49,11 @@ def run_mcp(args: argparse.Namespace) -> int:
     except ModuleNotFoundError:
         print(MISSING_EXTRA, file=sys.stderr)
         return 2
-    from mergebroker.broker.mcp.http_transport import MCP_TOKEN_ENV, bind_check
+    from mergebroker.broker.mcp.http_transport import bind_check
 
-    token = os.environ.get(MCP_TOKEN_ENV) or None
-    refusal = bind_check(settings.mcp.host, token) if settings.mcp.transport == "http" else None
+    token_env = settings.mcp.http_token_env
+    token = os.environ.get(token_env) or None
+    refusal = bind_check(settings.mcp.host, token, token_env=token_env) if settings.mcp.transport == "http" else None
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
@@ -80,4 +81,4 @@ async def serve(settings: Settings, *, api_key: str | None, http_token: str | No
         if mcp.transport == "stdio":
             await server.run_stdio_async()
         else:
-            await serve_http(server, host=mcp.host, port=mcp.port, token=http_token)
+            await serve_http(server, host=mcp.host, port=mcp.port, token=http_token, token_env=mcp.http_token_env)

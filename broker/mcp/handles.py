@@ -25,7 +25,6 @@ HANDLE_URI = "mergebroker://embeddings/{handle}"
 PAGE_URI = "mergebroker://embeddings/{handle}/pages/{page}"
 PAGE_BYTES = 512 * 1024
 """JSON per page: half the client's 1 MiB event limit, leaving room for the JSON-RPC envelope."""
-MAX_HANDLE_BYTES = 256 * 1024 * 1024
 """JSON text all kept handles may hold together; wants an `mcp.max_handle_bytes` setting."""
 
 
@@ -38,7 +37,7 @@ class _Kept:
 class EmbeddingHandles:
     """The vectors of the last `capacity` embed calls too large to return inline, by handle, in pages."""
 
-    def __init__(self, capacity: int, *, page_bytes: int = PAGE_BYTES, max_bytes: int = MAX_HANDLE_BYTES) -> None:
+    def __init__(self, capacity: int, *, max_bytes: int, page_bytes: int = PAGE_BYTES) -> None:
         self._capacity = capacity
         self._page_bytes = page_bytes
         self._max_bytes = max_bytes

@@ -1,7 +1,7 @@
 """The MCP server over streamable HTTP, behind its own bearer token.
 
 Every caller of the HTTP transport is served with the server's broker key, so the transport takes a token of
-its own (`MCP_TOKEN_ENV`): each request must carry `Authorization: Bearer <token>`, compared in constant time
+its own (read from the variable `mcp.http_token_env` names): each request must carry `Authorization: Bearer <token>`, compared in constant time
 (`hmac.compare_digest`), or it gets 401 before the MCP app sees it. Without a token the transport binds only
 to a loopback address (`bind_check`), where only this machine's users can reach it.
 """
@@ -15,8 +15,6 @@ from typing import Any, Awaitable, Callable
 
 from mcp.server.mcpserver import MCPServer
 
-MCP_TOKEN_ENV = "MERGEBROKER_MCP_TOKEN"
-"""Environment variable holding the HTTP transport's bearer token; wants an `mcp.http_token_env` setting."""
 Scope = dict[str, Any]
 Asgi = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
@@ -31,12 +29,13 @@ def is_loopback(host: str) -> bool:
         return False  # a name that may resolve anywhere, or every interface ("" / "0.0.0.0" are not loopback)
 
 
-def bind_check(host: str, token: str | None) -> str | None:
-    """Why the HTTP transport may not listen on `host` with `token` (None: it may)."""
+def bind_check(host: str, token: str | None, *, token_env: str) -> str | None:
+    """Why the HTTP transport may not listen on `host` with `token` (None: it may); the refusal names
+    `token_env`, the variable the token is read from."""
     if token or is_loopback(host):
         return None
     return (f"mergebroker mcp: the HTTP transport serves every caller with the broker key, so it listens beyond "
-            f"loopback ({host!r}) only with a bearer token: set ${MCP_TOKEN_ENV}, or listen on 127.0.0.1.")
+            f"loopback ({host!r}) only with a bearer token: set ${token_env}, or listen on 127.0.0.1.")
 
 
 class BearerGate:
@@ -63,11 +62,11 @@ class BearerGate:
         return hmac.compare_digest(given, self._expected)
 
 
-async def serve_http(server: MCPServer, *, host: str, port: int, token: str | None) -> None:
+async def serve_http(server: MCPServer, *, host: str, port: int, token: str | None, token_env: str) -> None:
     """Serve `server` over streamable HTTP at `host:port/mcp` until stopped (after `bind_check`)."""
     import uvicorn
 
-    refusal = bind_check(host, token)
+    refusal = bind_check(host, token, token_env=token_env)
     if refusal is not None:
         raise PermissionError(refusal)
     app: Asgi = server.streamable_http_app(host=host)

@@ -70,7 +70,7 @@ def count_tokens(text: str | None = None, messages: list[dict[str, Any]] | None 
 def build_server(backend: ToolBackend, settings: McpSettings) -> MCPServer:
     """The MCP server with its four tools and the embeddings-handle resources, answering through `backend`."""
     server: MCPServer = MCPServer("mergebroker", instructions=INSTRUCTIONS)
-    handles = EmbeddingHandles(settings.max_handles)
+    handles = EmbeddingHandles(settings.max_handles, max_bytes=settings.max_handle_bytes)
 
     async def answer(work: Callable[[], Awaitable[CallToolResult]]) -> CallToolResult:
         """`work`'s result once the key is accepted; any refusal or failure as a tool error."""
