@@ -14,7 +14,8 @@ backlog to join it, instead of leaving alone.
 
 Every entry held is heartbeated (`holds`), and fenced: a job not yet sent upstream is dropped once its
 entries went unheartbeated for `FENCE_SHARE` of `claim_idle_ms`, or at once when Redis is lost
-(`fence_all`). A job that goes upstream gets a sent marker and a note to its front-end. Other workers'
+(`fence_all`). A job goes upstream only after its entries' sent markers are written, and only for the
+entries still this worker's (`markers`); its front-ends get a note that it was sent. Other workers'
 jobs are claimed by `claims`' rule. An answer goes to the front-end's reply stream, then the entry is
 acknowledged and deleted, in one round trip (`outbox`). A job already past its deadline is dropped
 unanswered: its front-end has answered 504 by then.
@@ -28,11 +29,12 @@ from functools import partial
 from typing import Any, Iterable
 
 import structlog
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from mergebroker.broker.cluster.claims import Claimer
 from mergebroker.broker.cluster.holds import FENCE_SHARE, HEARTBEAT, ClusterJob, Flight, Held, Holds
 from mergebroker.broker.cluster.leases import PartitionLeases
+from mergebroker.broker.cluster.markers import SentMarkers
 from mergebroker.broker.cluster.outbox import Outbox
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.cluster.server_time import ServerClock
@@ -93,6 +95,7 @@ class StreamConsumer:
         self._outbox = Outbox(keys)
         self._wrote = asyncio.Event()  # a write went through: room to read again
         self._claimer = Claimer(redis, keys, consumer_id, claim_idle_ms=settings.claim_idle_ms)
+        self._markers = SentMarkers(redis, keys, consumer_id)
         self._heartbeat = redis.register_script(HEARTBEAT)
         self._dead: dict[str, float] = {}  # workers found dead -> when: their entries are claimed at once
 
@@ -193,6 +196,7 @@ class StreamConsumer:
         job = self._chat_job(wire)
         flight = self._flights[wire.flight_key] = Flight(job, [held])
         held.flight = flight
+        job.before_send = partial(self._mark, flight)
         job.on_sent = partial(self._sent, flight)
         try:
             future = self._queue.submit(job)
@@ -224,8 +228,37 @@ class StreamConsumer:
                           deadline=self._server_clock.to_local(wire.deadline_ms),
                           enqueued_at=window_anchor(now, queued, self._windows.get(tier, 0.0)))
 
+    async def _mark(self, flight: Flight) -> bool:
+        """The engine is about to send `flight` upstream: write its entries' sent markers first. An entry past
+        the fence is dropped (`fenced`), one that is no longer this worker's (`taken_over`), and all of them
+        when Redis cannot be reached (`fenced`: its front-ends serve what no worker sent). True when an entry
+        is left to answer: only then does the job go."""
+        for held in [h for h in flight.entries if self._held.stale(h)]:
+            self._held.drop(held, "fenced")
+        asked = list(flight.entries)
+        if not asked:
+            return False
+        started, flight.marking = self._clock(), True
+        try:
+            marked = await self._markers.mark(asked)  # also a touch: their idle time starts again
+        except RedisError as exc:
+            log.warning("cluster_marker_failed", request_id=flight.job.request_id, error=type(exc).__name__)
+            marked, outcome = set(), "fenced"
+        else:
+            outcome = "taken_over"
+        finally:
+            flight.marking = False
+        for held in asked:
+            if (held.stream, held.entry_id) in marked:
+                held.touched_at = max(held.touched_at, started)
+            else:
+                self._held.drop(held, outcome)
+        self._held.arm()
+        return bool(flight.entries)
+
     def _sent(self, flight: Flight) -> None:
-        """The engine is sending `flight` upstream: mark its entries, tell their front-ends."""
+        """The engine is sending `flight` upstream: tell its entries' front-ends, and queue each entry's marker
+        (set again, harmlessly, where `_mark` wrote it; an entry that joined while `_mark` ran gets its own)."""
         for held in flight.entries:
             if self._held.stale(held):  # the fence drops such jobs first: a bug if ever seen
                 log.warning("cluster_sent_after_fence", request_id=held.job.request_id)

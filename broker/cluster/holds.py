@@ -12,8 +12,11 @@ runs them. A job already sent is kept and answered: its sent marker stops the ot
 The fence also closes at once when the worker loses Redis (`StreamConsumer.fence_all`), since the
 front-ends then serve what no worker has sent.
 
-`ClusterJob` is the engine's `ChatJob` that says when it is sent (`mark_sent` is the engine's last step
-before the upstream call), so the worker writes the marker and tells the front-end.
+Before the upstream call the engine awaits the job's `before_send`, which writes the entries' sent markers
+(`markers`); the fence leaves a flight alone while that is under way, since the marking script, not the
+local clock, then decides which entries are still this worker's. `ClusterJob` is the engine's `ChatJob`
+that says when it is sent (`mark_sent` is the engine's last step before the upstream call), so the worker
+tells the front-ends.
 """
 
 from __future__ import annotations
@@ -70,10 +73,16 @@ class Flight:
 
     job: ChatJob
     entries: list["Held"] = field(default_factory=list)
+    marking: bool = False  # its sent markers are being written: it is about to go upstream
 
     @property
     def sent(self) -> bool:
         return self.job.dispatched
+
+    @property
+    def fenced_off(self) -> bool:
+        """Whether the fence may no longer drop its entries: sent, or being marked to be sent."""
+        return self.marking or self.job.dispatched
 
 
 @dataclass(eq=False)
@@ -91,13 +100,13 @@ class Held:
 
 def fence_drops(held: Iterable[Held], now: float, fence_s: float) -> list[Held]:
     """The entries to drop at the fence: untouched for `fence_s`, of jobs not sent upstream (pure)."""
-    return [h for h in held if not h.lost and h.flight is not None and not h.flight.sent
+    return [h for h in held if not h.lost and h.flight is not None and not h.flight.fenced_off
             and now - h.touched_at >= fence_s]
 
 
 def next_fence(held: Iterable[Held], fence_s: float) -> float | None:
     """When the earliest unsent entry reaches the fence, or None when none is waiting."""
-    times = [h.touched_at for h in held if not h.lost and h.flight is not None and not h.flight.sent]
+    times = [h.touched_at for h in held if not h.lost and h.flight is not None and not h.flight.fenced_off]
     return min(times) + fence_s if times else None
 
 

@@ -20,7 +20,7 @@ import structlog
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, UpstreamError
 from mergebroker.broker.engine.chat.counters import DispatchCounters
-from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, answer_all
+from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, answer_all, clear_to_send
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
 from mergebroker.broker.engine.merge_economy import MergeEconomy
@@ -84,7 +84,8 @@ class Dispatcher:
             await asyncio.gather(*(answer_all(b, self._run_batch(tier, b)) for b in batches))
 
     async def _run_batch(self, tier: str, jobs: list[ChatJob]) -> None:
-        live = [j for j in jobs if not j.future.done()]  # callers gone before dispatch are dropped
+        # Callers gone before dispatch are dropped, and so are jobs their `before_send` hook keeps back.
+        live = await clear_to_send([j for j in jobs if not j.future.done()])
         if not live:
             return
         self._count.batch(tier, len(live))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import structlog
 
@@ -14,6 +14,10 @@ from mergebroker.token_usage import TokenUsage
 from mergebroker.merge.shape import MergeShape
 
 log = structlog.get_logger(__name__)
+
+SendCheck = Callable[[], Awaitable[bool]]
+"""`before_send()`: awaited just before a job goes upstream (`clear_to_send`); True lets it go. False means
+it must not go: whoever set the hook answers for the job (or knows nobody is waiting for it here)."""
 
 
 def aged_rank(priority: int, enqueued_at: float, aging_per_s: float) -> float:
@@ -70,6 +74,7 @@ class ChatJob:
     dispatched: bool = False  # only `mark_sent` sets it
     stream: bool = False  # a streaming request (merged streams): its outcome carries a stream
     future: asyncio.Future[ChatOutcome] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    before_send: SendCheck | None = field(default=None, compare=False, repr=False)  # cluster: the sent marker
 
     @property
     def tier(self) -> str:
@@ -120,6 +125,22 @@ async def answer_all(jobs: list[ChatJob], work: Awaitable[None]) -> None:
             fail_unanswered(jobs, BrokerError("The broker lost track of the request.", status=500,
                                                code="dispatch_failed"))
             log.error("dispatch_left_jobs_unanswered", size=len(jobs))
+
+
+async def clear_to_send(jobs: list[ChatJob]) -> list[ChatJob]:
+    """The jobs that may go upstream now, in order: each job not yet sent that has a `before_send` hook is
+    asked (all together); a job it refuses, or whose hook fails, is cancelled and left out, and so is a job
+    whose caller left while the hooks ran. Jobs without a hook pass at no cost."""
+    asking = [j for j in jobs if j.before_send is not None and not j.dispatched]
+    if not asking:
+        return jobs
+    verdicts = await asyncio.gather(*(j.before_send() for j in asking if j.before_send), return_exceptions=True)
+    for job, verdict in zip(asking, verdicts):
+        if verdict is not True:
+            if isinstance(verdict, BaseException):
+                log.error("before_send_failed", request_id=job.request_id, error=repr(verdict))
+            job.future.cancel()  # safe when its hook's owner already cancelled it
+    return [j for j in jobs if not j.future.done()]
 
 
 def fail_unanswered(jobs: list[ChatJob], exc: BrokerError) -> int:
