@@ -24,8 +24,8 @@ from mergebroker.broker.engine.chat.jobs import ChatJob
 from mergebroker.broker.engine.merge_economy import Candidate, MergeEconomy
 from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.clock import Clock
-from mergebroker.merge.merge_cost import REQUEST_TAG_TOKENS
 from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS, DEFAULT_HEADER
+from mergebroker.merge.budget import context_shares
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 from mergebroker.merge.quality_guard import QualityGuard
@@ -71,7 +71,6 @@ class BatchPlanner:
         self._economy = economy
         self._rpm_pressure = rpm_pressure
         self._header_tokens = count_text_tokens(options.header or DEFAULT_HEADER)
-        self._tag_tokens = BLOCK_OVERHEAD_TOKENS + REQUEST_TAG_TOKENS
         self._prefetching: set[asyncio.Future[Any]] = set()
 
     def prefetch(self, tier: str, jobs: list[ChatJob]) -> None:
@@ -113,11 +112,10 @@ class BatchPlanner:
                 return [[j] for j in jobs]
         system = None if policy.tagged_system else jobs[0].shape.system_prompt
         shared = count_text_tokens(system) if system else 0
-        # The shared prefix is sent once: each member costs the context only its own question, budget and tags.
-        budget = self._context_window(model) - shared - self._header_tokens
-        costs = [max(1, j.reserved_tokens - shared + self._tag_tokens) for j in jobs]
+        costs, budget = context_shares([j.reserved_tokens for j in jobs], window=self._context_window(model),
+                                       shared=shared, header=self._header_tokens)
         plan = group_by_similarity(vectors, threshold=policy.threshold, max_batch=policy.max_batch,
-                                   costs=costs, budget=max(budget, 1))
+                                   costs=costs, budget=budget)
         return self._on_cost(model, system, shared, [[jobs[i] for i in batch] for batch in plan])
 
     def _context_window(self, model: str) -> int:
