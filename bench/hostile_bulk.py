@@ -10,10 +10,13 @@ Each scenario runs a broker process on a loopback port against a simulator proce
   before the kill that no output file holds.
 - fairness: tenant B's 1-line job created behind tenant A's large one. Measured: B's wait to completion.
 - healthz: a 50,000-line job uploaded, run and finalised, and a form of 40,000 one-byte fields, while
-  `/healthz` is polled every 20 ms. Measured: its slowest answer.
+  `/healthz` is polled every 20 ms. Measured: its slowest answer, its p99, the answers over 100 ms, and
+  the broker's longest garbage-collection pass (each pass timed by a `gc.callbacks` probe the broker loads
+  through a `sitecustomize` on its PYTHONPATH; with its generation and the objects it freed).
 - rss: 100 jobs of 500 lines, one after another. Measured: the broker's RSS after them against after the first.
 
     python -m bench.hostile_bulk [--quick] [--old-checkout PATH] [--scenarios stuck,orphans,...] [--out FILE]
+    python -m bench.hostile_bulk --scenarios healthz      # one scenario only
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import asyncio
 import gzip
 import hashlib
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -213,9 +217,40 @@ async def fairness(sim: Process, pythonpath: Path | None, quick: bool) -> dict[s
             "one_call_s": 0.1, "large_job_status": large_done["status"]}
 
 
+GC_PROBE = '''import gc, os, time
+_log = open(os.path.join(os.environ["MB_GC_PROBE_DIR"], str(os.getpid())), "w", buffering=1)
+_started = [0.0]
+def _timed(phase, info):
+    if phase == "start":
+        _started[0] = time.perf_counter()
+    else:
+        _log.write("%d %.1f %d\\n" % (info["generation"], (time.perf_counter() - _started[0]) * 1000, info["collected"]))
+gc.callbacks.append(_timed)
+'''
+"""A `sitecustomize` that logs every collection of the process that loads it: generation, ms, objects freed."""
+
+
+def _gc_probe(pythonpath: Path | None) -> tuple[Path, Path]:
+    """A PYTHONPATH (the probe ahead of `pythonpath`) and the folder the probed processes log to."""
+    root = Path(tempfile.mkdtemp(prefix="mb-gc-probe-"))
+    (root / "sitecustomize.py").write_text(GC_PROBE)
+    (root / "log").mkdir()
+    rest = str(pythonpath) if pythonpath else os.environ.get("PYTHONPATH", "")
+    return Path(os.pathsep.join([str(root), *([rest] if rest else [])])), root / "log"
+
+
+def _slowest_pass(log: Path, pid: int) -> dict[str, Any]:
+    rows = [r.split() for r in (log / str(pid)).read_text().splitlines()] if (log / str(pid)).exists() else []
+    generation, ms, freed = max(rows, key=lambda r: float(r[1]), default=("-", "nan", "0"))
+    return {"slowest_gc_pass_ms": float(ms), "slowest_gc_pass_generation": generation,
+            "slowest_gc_pass_freed": int(freed)}
+
+
 async def healthz(sim: Process, pythonpath: Path | None, quick: bool) -> dict[str, Any]:
     directory = Path(tempfile.mkdtemp(prefix="mb-bulk-healthz-"))
-    broker = await start_broker(config(sim, directory), pythonpath=pythonpath)
+    probed, gc_log = _gc_probe(pythonpath)
+    os.environ["MB_GC_PROBE_DIR"] = str(gc_log)
+    broker = await start_broker(config(sim, directory), pythonpath=probed)
     n = 5000 if quick else 50_000
     rows = [line(f"q{i}", f"item {i}: is the kettle fine?") for i in range(n)]
     stop = asyncio.Event()
@@ -246,6 +281,8 @@ async def healthz(sim: Process, pythonpath: Path | None, quick: bool) -> dict[st
     return {"lines": n, "job_status": done["status"], "job_s": round(job_s, 1),
             "healthz_max_ms_during_job": round(max(job_latencies) * 1000, 1),
             "healthz_p99_ms_during_job": round(sorted(job_latencies)[int(len(job_latencies) * 0.99)] * 1000, 1),
+            "healthz_over_100ms_during_job": sum(1 for x in job_latencies if x > 0.1),
+            **_slowest_pass(gc_log, broker.proc.pid), "load_average": round(os.getloadavg()[0], 2),
             "form_40k_fields_status": fields_status,
             "healthz_max_ms_during_form": round(max(form_latencies) * 1000, 1)}
 

@@ -42,11 +42,11 @@ def test_start_up_collects_then_freezes_what_lives_and_raises_the_young_threshol
 
 def test_full_passes_pause_while_the_weight_held_reaches_pause_from_and_one_runs_when_it_falls_back():
     collector = FakeCollector()
-    policy = GcPolicy(collector, young=(5000, 10), full=10, pause_from=10_000)
+    policy = GcPolicy(collector, young=(5000, 10), full=10, held_young=(5000, 2), pause_from=10_000)
     small = policy.hold(4_000)
     assert collector.calls == [] and not policy.paused  # small work: the collector as it was
     large = policy.hold(6_000)
-    assert collector.threshold == (5000, 10, PAUSED) and ("collect", 2) not in collector.calls
+    assert collector.threshold == (5000, 2, PAUSED) and ("collect", 2) not in collector.calls
     small.release()
     small.release()  # twice is once
     assert collector.threshold == (5000, 10, 10) and collector.calls[-1] == ("collect", 2)
@@ -60,7 +60,7 @@ def test_a_cycle_that_dies_old_during_a_hold_waits_for_its_end_and_is_freed_by_i
         pass
 
     saved = gc.get_threshold()
-    policy = GcPolicy(gc, young=saved[:2], full=saved[2], pause_from=1)
+    policy = GcPolicy(gc, young=saved[:2], full=saved[2], held_young=saved[:2], pause_from=1)
     try:
         with policy.hold(1):
             assert gc.get_threshold()[2] == PAUSED
