@@ -28,7 +28,7 @@ def find_leaks(answers: Mapping[str, str], requests: Mapping[str, str], *, min_w
         raise ValueError("min_words must be at least 1")
     words = {member: _words(text) for member, text in requests.items()}
     sources = _protected_runs(words, min_words)
-    all_ids = set(requests) | set(answers)
+    all_ids = {i.lower() for i in (*requests, *answers)}
     tokens = {member: distinctive_tokens(text) for member, text in requests.items()}
     leaked: set[str] = set()
     for member, answer in answers.items():
@@ -70,8 +70,9 @@ def _quotes_other(answer: Sequence[str], own: Sequence[str], member: str,
 
 
 def _names_other_id(answer: str, member: str, all_ids: set[str]) -> bool:
-    tokens = {w.lower() for w in _WORD.findall(answer)}
-    return any(other.lower() in tokens for other in all_ids if other != member)
+    """`all_ids` lower-case: one set intersection per answer, not one lookup per member (bulk calls carry many)."""
+    named = {w.lower() for w in _WORD.findall(answer)} & all_ids
+    return bool(named - {member.lower()})
 
 
 def _words(text: str) -> list[str]:

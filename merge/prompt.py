@@ -1,9 +1,15 @@
 """Build the combined prompt of a merged call (the wire format in docs/architecture.md).
 
-The group's system message is kept unchanged and one user message carries a header and one
-`<request id="ID">` block per member. Member text is neutralised first (`neutralize_tags`, on the text as
-a model reads it), so no member can close its own block or forge another's, and the IDs are random per
-batch, so a member cannot guess them.
+The group's system message is kept unchanged and one user message carries a header and one `<ID>...</ID>`
+block per member, where ID is a tag name drawn fresh per call (`K42`: a consonant and two digits). The model
+answers in blocks of the same form. The format is terse because every member pays its tags: 6.0 input and 6.9
+output tokens under o200k_base, against 11.7 and 12.7 for the former `<request id="3fa9c1">` blocks (built-in
+quiz questions in calls of 4).
+
+Member text is neutralised first (`neutralize_tags`, on the text as a model reads it): every tag of the ID's
+shape, whatever its ID, is rewritten, so no member can close its own block or forge another's even if it
+guessed an ID. This module also owns the parsing helpers of the format (`request_blocks`, `response_block`),
+so test fakes that play the model share them instead of copying its regexes.
 """
 
 from __future__ import annotations
@@ -17,26 +23,31 @@ from typing import Any, Callable, Mapping, Sequence
 
 from mergebroker.confusables import fold, folded_with_positions
 
-# The header names the request tag only in words: a literal `<request` here would look like one more
-# block to anyone parsing the combined prompt (the simulated upstream does). It does not say how many
-# requests follow, so it is the same for every merged call: the provider's prompt cache keeps the system
-# prompt and the header as one prefix across calls of any size.
+# The header shows the block only with the placeholder `<ID>`, which is not of the ID's shape: a real tag
+# here would look like one more block to anyone parsing the combined prompt (the simulated upstream does).
+# It does not say how many requests follow, so it is the same for every merged call: the provider's prompt
+# cache keeps the system prompt and the header as one prefix across calls of any size.
 DEFAULT_HEADER = (
-    "Independent requests follow, each in a request block with its own id. "
+    "Independent requests follow, each wrapped in a tag that is its id, like <ID>request</ID>. "
     "Answer each one separately and completely, as if it had been asked alone. "
     "Never mention, quote or use the other requests in an answer. "
-    "Reply only with blocks of the form <response id=\"ID\">...</response>, one per request, in any order, "
-    "each carrying the id of the request it answers."
+    "Reply only with the answers, each wrapped in its request's tag, like <ID>answer</ID>, in any order."
 )
 TAGGED_HEADER = DEFAULT_HEADER + (
     " A request may start with a system section: follow it as the system instructions for that "
     "request only."
 )
 
-_ID_ALPHABET = "0123456789abcdef"
-_ID_LENGTH = 6
-_BLOCK_TAGS = ("request", "response")
-_TAGGED_TAGS = ("request", "response", "system")
+# Consonants (no ID spells a word) whose tags cost the fewest tokens: `<K42>` is 3 tokens, `</K42>` 4, while
+# Y and Z cost one more. Two digits give 1,800 IDs a call; a call of more than 100 members gets longer IDs.
+_ID_LETTERS = "BCDFGHJKMNPQRSTVWX"
+_ID_DIGITS = 2
+_MANY_MEMBERS = 100
+ID_PATTERN = r"[a-z][0-9]{2,}"
+"""An ID as the parsers read it (case-insensitive): a letter and two or more digits. `new_batch_ids` draws
+a subset of these; anything of this shape in member text is neutralised."""
+_BLOCK_TAGS: tuple[str, ...] = ()
+_TAGGED_TAGS = ("system",)
 
 
 @dataclass(frozen=True)
@@ -51,14 +62,20 @@ class MergeMember:
 
 
 def new_batch_ids(n: int, rng: random.Random | None = None) -> list[str]:
-    """Return `n` distinct IDs of 6 lowercase hex characters (from `secrets` unless `rng` is given)."""
-    if n > len(_ID_ALPHABET) ** _ID_LENGTH:
-        raise ValueError(f"cannot make {n} distinct ids")
+    """Return `n` distinct IDs, an upper-case consonant and two digits (`K42`; more digits for calls of over
+    100 members, so the draw never fills its space), from `secrets` unless `rng` is given.
+
+    Drawn fresh per call; guessing one is not what stops a forgery (`neutralize_tags` rewrites every tag of
+    the ID's shape in member text), but it keeps one call's IDs from meaning anything in the next.
+    """
+    if n < 0:
+        raise ValueError("n must not be negative")
+    digits = _ID_DIGITS if n <= _MANY_MEMBERS else len(str(n)) + 1
     choice = rng.choice if rng is not None else secrets.choice
     ids: list[str] = []
     seen: set[str] = set()
     while len(ids) < n:
-        new = "".join(choice(_ID_ALPHABET) for _ in range(_ID_LENGTH))
+        new = choice(_ID_LETTERS) + "".join(choice("0123456789") for _ in range(digits))
         if new not in seen:
             seen.add(new)
             ids.append(new)
@@ -66,14 +83,15 @@ def new_batch_ids(n: int, rng: random.Random | None = None) -> list[str]:
 
 
 def neutralize_tags(text: str, tags: Sequence[str] = _BLOCK_TAGS) -> str:
-    """Rewrite every opening or closing `request`/`response` tag in `text` so that no model reads it as one.
+    """Rewrite every opening or closing tag of the ID's shape (`<K42>`, `</b17>`, any ID) in `text` so that
+    no model reads it as one.
 
     Tags are found in the text as a model reads it (`mergebroker.confusables.fold`: look-alikes such as
-    `＜/request＞`, `﹤/request﹥` or a Cyrillic `е`, invisible characters inside, any case, spaces or
-    separators between the letters, and the escapes `&lt;`, `&#60;`, `&#x3c;`), and each is replaced in
-    the original by the same name in square brackets, `[/request]`: readable, but not the angle-bracket
-    form the header defines. The rest of the text is left exactly as written. `tags` widens the set
-    (tagged mode adds `system`).
+    `＜/K42＞`, `﹤/K42﹥`, a Cyrillic `К` or fullwidth digits, invisible characters inside, any case, spaces
+    or separators between the characters, and the escapes `&lt;`, `&#60;`, `&#x3c;`), and each is replaced
+    in the original by the same name in square brackets, `[/k42]`: readable, but not the angle-bracket form
+    the header defines. The rest of the text is left exactly as written. `tags` adds named tags (tagged
+    mode adds `system`).
     """
     pattern = _tag_pattern(tuple(tags))
     view = fold(text)
@@ -114,7 +132,7 @@ def build_combined_messages(
         messages.append({"role": "system", "content": system_prompt})
     # str.replace rather than str.format: an operator's header may contain other braces.
     intro = header.replace("{n}", str(len(members)))
-    messages.append({"role": "user", "content": "\n\n".join([intro, *blocks])})
+    messages.append({"role": "user", "content": intro + "\n\n" + "\n".join(blocks)})
     return messages
 
 
@@ -122,9 +140,10 @@ def build_combined_messages(
 # `stop`, which is applied to each member's answer after the split: met in one answer it would cut every
 # later block.
 _PER_MEMBER_BODY_FIELDS = ("max_tokens", "max_completion_tokens", "user", "stop")
-BLOCK_OVERHEAD_TOKENS = 12
-"""Output tokens a response block's tags cost beyond its answer, on average (6-hex IDs: 11.7 under o200k;
-`response_tag_tokens` counts one block's exactly)."""
+BLOCK_OVERHEAD_TOKENS = 7
+"""Output tokens a response block's tags cost beyond its answer, `TAG_SLACK_TOKENS` included: `<K42>`, `</K42>`
+and a newline are 6 under o200k_base for every ID `new_batch_ids` draws (the former `<response id="3fa9c1">`
+blocks cost 12); `response_tag_tokens` counts one block's exactly, tests/test_prompt.py measures the mean."""
 TAG_SLACK_TOKENS = 1
 """Room for one more separator token than the block's own format (a model that puts a blank line between
 blocks)."""
@@ -133,7 +152,7 @@ blocks)."""
 def response_tag_tokens(member_id: str, count_tokens: Callable[[str], int]) -> int:
     """Output tokens member `member_id`'s response block costs beyond its answer: its tags as the header asks
     for them, with the separators around them, plus `TAG_SLACK_TOKENS`."""
-    return count_tokens(f'<response id="{member_id}">\n\n</response>\n\n') + TAG_SLACK_TOKENS
+    return count_tokens(response_block(member_id, "") + "\n") + TAG_SLACK_TOKENS
 
 
 def merged_request_body(template: Mapping[str, Any], members: Sequence[MergeMember], *, system_prompt: str | None,
@@ -165,23 +184,38 @@ def merged_max_tokens(
     return total if model_limit is None else min(total, model_limit)
 
 
+def response_block(member_id: str, answer: str) -> str:
+    """One block of a merged reply as the header asks for it (what fakes that play the model answer)."""
+    return f"<{member_id}>{answer}</{member_id}>"
+
+
+def request_blocks(content: str) -> list[tuple[str, str]]:
+    """The (ID, text) of every block of a combined user message as `build_combined_messages` writes it, in
+    order; in tagged mode the text starts with its `<system>` section. For fakes and tests that read merged
+    calls: what a model sees is the simulated upstream's business (`providers.simulator.injection`)."""
+    return [(m.group(1), m.group(2)) for m in _REQUEST_BLOCK.finditer(content)]
+
+
 def _request_block(member: MergeMember, tagged_system: bool) -> str:
     tags = _TAGGED_TAGS if tagged_system else _BLOCK_TAGS
     body = neutralize_tags(member.user_text, tags)
     if tagged_system and member.system_prompt is not None:
-        body = f"<system>\n{neutralize_tags(member.system_prompt, tags)}\n</system>\n{body}"
-    return f'<request id="{member.id}">\n{body}\n</request>'
+        body = f"<system>{neutralize_tags(member.system_prompt, tags)}</system>\n{body}"
+    return f"<{member.id}>{body}</{member.id}>"
 
 
 _OPEN = r"(?:<|&lt;?|&#0*60;?|&#x0*3c;?)"
 _CLOSE = r"(?:>|&gt;?|&#0*62;?|&#x0*3e;?)"
 _SEPARATORS = r"[\s._\-]*"
 _UNSPACE = re.compile(_SEPARATORS)
+# The ID's shape with separators allowed between its characters: `< K 4_2 >` reads as a tag to a model.
+_SPACED_ID = rf"[a-z](?:{_SEPARATORS}[0-9]){{2,}}"
+_REQUEST_BLOCK = re.compile(rf"<({ID_PATTERN})>(.*?)</\1>", re.DOTALL | re.IGNORECASE)
 
 
 @functools.lru_cache(maxsize=8)
 def _tag_pattern(tags: tuple[str, ...]) -> re.Pattern[str]:
-    # Group 1: the closing slash; group 2: the name (letters may be spaced out); then, within a short
-    # reach, the attributes up to the tag's end, which go too (a forged id must not survive as text).
-    names = "|".join(_SEPARATORS.join(re.escape(letter) for letter in t) for t in tags)
+    # Group 1: the closing slash; group 2: the name (an ID of any value, or a named tag; characters may be
+    # spaced out); then, within a short reach, the attributes up to the tag's end, which go too.
+    names = "|".join([_SPACED_ID, *(_SEPARATORS.join(re.escape(letter) for letter in t) for t in tags)])
     return re.compile(rf"{_OPEN}\s*(/\s*)?({names})(?![a-z0-9])(?:[^<>]{{0,120}}?{_CLOSE})?", re.IGNORECASE)

@@ -1,6 +1,7 @@
 """Split a merged reply into the members' answers, by ID and never by position.
 
-The reply is scanned for `response` tags (any case, spaces around `<`, `/`, `=` and the quotes).
+The reply is scanned for tags of the ID's shape (`<K42>`, `</K42>`: `merge.prompt.ID_PATTERN`, any case,
+spaces after `/` and before `>`). A block opens with its ID's tag and closes with the same ID's closing tag.
 Chatter outside blocks is ignored, blocks may come in any order, and a block whose ID belongs to no
 member is never routed to anyone. Every member gets either its stripped answer or a `BlockFailure`.
 When in doubt the parser reports a failure: a failed member falls back to its own upstream call,
@@ -9,7 +10,8 @@ while a wrongly routed answer would be a silent bug.
 Failures, in order of precedence for one ID:
     DUPLICATED  the ID opens more than one block
     TRUNCATED   the reply ends inside the block (the last one) and finish_reason is "length"
-    MALFORMED   a garbled or nested tag inside, around or for the block, or a block never closed
+    MALFORMED   a garbled or nested tag inside, around or for the block, a block closed by another ID's tag,
+                or a block never closed
     EMPTY       the block holds only whitespace
     FOREIGN_ID  the block mentions another member's ID
     MISSING     no block for the ID
@@ -20,7 +22,9 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
+
+from mergebroker.merge.prompt import ID_PATTERN
 
 
 class BlockFailure(enum.Enum):
@@ -34,19 +38,52 @@ class BlockFailure(enum.Enum):
     FOREIGN_ID = "foreign_id"
 
 
-# Anything that starts like a response tag; [^<>]* cannot backtrack badly and stops at the next tag.
-_TAG = re.compile(r"<\s*(/)?\s*response\b([^<>]*)(>)?", re.IGNORECASE)
-_STRICT_ID = re.compile(r"""\s+id\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'=]+))\s*""", re.IGNORECASE)
-_LOOSE_ID = re.compile(r"""id\s*=\s*["']?\s*([0-9a-z]+)""", re.IGNORECASE)
-# A tail that may still become a response tag: "<", "< /", "<resp", "<response id='ab" (no ">" yet).
-_TAG_PREFIX = re.compile(r"<\s*/?\s*(?:r(?:e(?:s(?:p(?:o(?:n(?:s(?:e\b[^<>]*)?)?)?)?)?)?)?)?\Z", re.IGNORECASE)
+# Anything that starts like a tag of the ID's shape; [^<>]* cannot backtrack badly and stops at the next tag.
+# No space after "<" (spaces may follow "/"): "a < b12" in an answer is arithmetic, not a tag.
+_TAG = re.compile(rf"<(?:(/)\s*)?({ID_PATTERN})(?![0-9a-z])([^<>]*)(>)?", re.IGNORECASE)
+# A tail that may still become a tag: "<", "</ ", "<K", "<K4", "<K42 junk" (no ">" yet).
+_TAG_PREFIX = re.compile(r"<(?:/\s*)?(?:[a-z](?:[0-9]+|[0-9]{2,}[^0-9a-z<>][^<>]*)?)?\Z", re.IGNORECASE)
+_ID_RUN = re.compile(r"[0-9a-z]+", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Tag:
+    """One tag found by `tags`: its member ID (lower-case), whether it closes, and whether it is clean
+    (ends with `>` and carries nothing but spaces besides its ID)."""
+
+    id: str
+    closing: bool
+    clean: bool
+
+
+def tags(content: str, start: int = 0, end: int | None = None) -> Iterator[tuple[re.Match[str], Tag]]:
+    """Every tag of the ID's shape in `content[start:end]`, in order, with the match it came from."""
+    for match in _TAG.finditer(content, start, len(content) if end is None else end):
+        closing, name, attrs, gt = match.groups()
+        yield match, Tag(name.lower(), bool(closing), gt is not None and not attrs.strip())
+
+
+class IdMentions:
+    """Which member IDs a text names as a whole token (not inside a longer run of letters and digits).
+
+    Built once per reply: one scan of a text's letter-and-digit runs against a set of IDs, so checking a
+    block against thousands of members costs one pass rather than one regex per member.
+    """
+
+    def __init__(self, ids: Iterable[str]) -> None:
+        self._ids = {i.casefold() for i in ids}
+
+    def others(self, text: str, own: str) -> bool:
+        """True when `text` names an ID of the set other than `own`."""
+        own = own.casefold()
+        return any(run != own and run in self._ids for run in (m.group().casefold() for m in _ID_RUN.finditer(text)))
 
 
 @dataclass
 class _Block:
-    """One opened block while scanning; `id` is None when the tag named no readable ID."""
+    """One opened block while scanning (`id` lower-case)."""
 
-    id: str | None
+    id: str
     start: int
     end: int | None = None
     malformed: bool = False
@@ -71,10 +108,11 @@ def split_reply(
         if block.id is not None and block.id in wanted:
             by_id.setdefault(block.id, []).append(block)
     last = blocks[-1] if blocks else None
+    mentions = IdMentions(wanted)
     result: dict[str, str | BlockFailure] = {}
     for key, original in wanted.items():
         found = by_id.get(key, [])
-        result[original] = _resolve(content, found, key, wanted, last, finish_reason)
+        result[original] = _resolve(content, found, key, mentions, last, finish_reason)
     return result
 
 
@@ -94,7 +132,7 @@ def truncated_block(content: str, ids: Sequence[str], *, finish_reason: str | No
 
 
 def without_tag_prefix(text: str) -> str:
-    """`text` without a tail that may still grow into a response tag (a tag cut short, or about to come)."""
+    """`text` without a tail that may still grow into a tag (a tag cut short, or about to come)."""
     hold = _TAG_PREFIX.search(text, max(0, text.rfind("<")))
     return text[:hold.start()] if hold is not None else text
 
@@ -103,7 +141,7 @@ def _resolve(
     content: str,
     found: list[_Block],
     key: str,
-    wanted: dict[str, str],
+    mentions: IdMentions,
     last: _Block | None,
     finish_reason: str | None,
 ) -> str | BlockFailure:
@@ -120,40 +158,33 @@ def _resolve(
     text = content[block.start:block.end].strip()
     if not text:
         return BlockFailure.EMPTY
-    if any(_mentions(text, other) for other in wanted if other != key):
+    if mentions.others(text, key):
         return BlockFailure.FOREIGN_ID
     return text
 
 
 def _scan(content: str) -> list[_Block]:
-    """Walk the response tags in order, building blocks and marking the ones that look wrong."""
+    """Walk the tags in order, building blocks and marking the ones that look wrong."""
     scan = _Scan()
-    for match in _TAG.finditer(content):
-        closing, attrs, gt = match.group(1), match.group(2), match.group(3)
-        if closing:
-            _close(scan, match, strict=gt is not None and not attrs.strip())
+    for match, tag in tags(content):
+        if tag.closing:
+            _close(scan, match, tag)
         else:
-            _open(scan, match, attrs, complete=gt is not None)
+            _open(scan, match, tag)
     return scan.blocks
 
 
-def _open(scan: _Scan, match: re.Match[str], attrs: str, *, complete: bool) -> None:
+def _open(scan: _Scan, match: re.Match[str], tag: Tag) -> None:
     if scan.open is not None:
         # A block opened inside another: the outer one never closed properly.
         scan.open.malformed = True
         scan.open.end = match.start()
-    strict = _STRICT_ID.fullmatch(attrs) if complete else None
-    if strict is not None:
-        raw = next(g for g in strict.groups() if g is not None)
-        block = _Block(id=raw.strip().lower(), start=match.end())
-    else:
-        loose = _LOOSE_ID.search(attrs)
-        block = _Block(id=loose.group(1).lower() if loose else None, start=match.end(), malformed=True)
+    block = _Block(id=tag.id, start=match.end(), malformed=not tag.clean)
     scan.blocks.append(block)
     scan.open = block
 
 
-def _close(scan: _Scan, match: re.Match[str], *, strict: bool) -> None:
+def _close(scan: _Scan, match: re.Match[str], tag: Tag) -> None:
     block = scan.open
     if block is None:
         # A close with nothing open: the previous block's extent is ambiguous.
@@ -162,12 +193,6 @@ def _close(scan: _Scan, match: re.Match[str], *, strict: bool) -> None:
         return
     block.end = match.start()
     block.closed = True
-    block.malformed = block.malformed or not strict
+    block.malformed = block.malformed or not tag.clean or tag.id != block.id
     scan.open = None
     scan.last_closed = block
-
-
-def _mentions(text: str, member_id: str) -> bool:
-    """True when `member_id` appears in `text` as a whole token (not inside a longer hex run)."""
-    pattern = rf"(?<![0-9a-z]){re.escape(member_id)}(?![0-9a-z])"
-    return re.search(pattern, text, re.IGNORECASE) is not None

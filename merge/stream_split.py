@@ -3,11 +3,11 @@
 The rules are `merge.split`'s, applied as the text arrives, so a member can be answered the moment its
 block closes instead of when the whole reply has been generated:
 
-- tags are found with `split`'s own pattern; a `<` that may still grow into a tag is held back until
+- tags are found with `split`'s own reader (`split.tags`); a `<` that may still grow into a tag is held back until
   the next delta shows what it is, so a tag split across deltas is read whole;
 - chatter outside blocks is ignored; a block whose ID belongs to no member is never routed;
 - a block closes with its stripped text, or with the `BlockFailure` `split_reply` would give: EMPTY,
-  FOREIGN_ID, MALFORMED (a garbled tag, or a block opened inside it);
+  FOREIGN_ID, MALFORMED (a garbled tag, a block opened inside it, or closed by another ID's tag);
 - at `finish(finish_reason)` every member still without a closed block gets TRUNCATED (its block was
   cut by the token limit; the event carries the text it had), MALFORMED (never closed) or MISSING.
 
@@ -25,8 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from mergebroker.merge.split import (_LOOSE_ID, _STRICT_ID, _TAG, _TAG_PREFIX, BlockFailure, _mentions,
-                                     without_tag_prefix)
+from mergebroker.merge.split import _TAG_PREFIX, BlockFailure, IdMentions, Tag, tags, without_tag_prefix
 
 _WORD = re.compile(r"\w+")
 
@@ -53,7 +52,7 @@ StreamEvent = BlockDelta | BlockClosed
 
 @dataclass
 class _Open:
-    id: str | None
+    id: str
     parts: list[str] = field(default_factory=list)
     malformed: bool = False
 
@@ -63,6 +62,7 @@ class StreamSplitter:
 
     def __init__(self, ids: Sequence[str]) -> None:
         self._wanted = {i.lower(): i for i in ids}
+        self._mentions = IdMentions(self._wanted)
         self._buffer = ""
         self._open: _Open | None = None
         self._done: set[str] = set()  # lower-case IDs that got their BlockClosed
@@ -101,13 +101,12 @@ class StreamSplitter:
         """Read the buffer up to `end` (tags and text), keep the rest for the next delta."""
         events: list[StreamEvent] = []
         pos = 0
-        for match in _TAG.finditer(self._buffer, 0, end):
+        for match, tag in tags(self._buffer, 0, end):
             self._text(self._buffer[pos:match.start()], events)
-            closing, attrs, gt = match.group(1), match.group(2), match.group(3)
-            if closing:
-                self._close(strict=gt is not None and not attrs.strip(), events=events)
+            if tag.closing:
+                self._close(tag, events)
             else:
-                self._start(attrs, complete=gt is not None, events=events)
+                self._start(tag, events)
             pos = match.end()
         self._text(self._buffer[pos:end], events)
         self._buffer = self._buffer[end:]
@@ -120,29 +119,23 @@ class StreamSplitter:
         block.parts.append(text)
         events.append(BlockDelta(self._wanted[block.id], text))
 
-    def _start(self, attrs: str, *, complete: bool, events: list[StreamEvent]) -> None:
+    def _start(self, tag: Tag, events: list[StreamEvent]) -> None:
         outer = self._open
         if outer is not None and outer.id in self._wanted and outer.id not in self._done:
             self._closed(outer.id, BlockFailure.MALFORMED, events)  # a block opened inside it
-        strict = _STRICT_ID.fullmatch(attrs) if complete else None
-        if strict is not None:
-            raw = next(g for g in strict.groups() if g is not None)
-            self._open = _Open(raw.strip().lower())
-        else:
-            loose = _LOOSE_ID.search(attrs)
-            self._open = _Open(loose.group(1).lower() if loose else None, malformed=True)
+        self._open = _Open(tag.id, malformed=not tag.clean)
 
-    def _close(self, *, strict: bool, events: list[StreamEvent]) -> None:
+    def _close(self, tag: Tag, events: list[StreamEvent]) -> None:
         block, self._open = self._open, None
         if block is None or block.id not in self._wanted or block.id in self._done:
             return
-        if block.malformed or not strict:
+        if block.malformed or not tag.clean or tag.id != block.id:
             self._closed(block.id, BlockFailure.MALFORMED, events)
             return
         text = "".join(block.parts).strip()
         if not text:
             self._closed(block.id, BlockFailure.EMPTY, events)
-        elif any(_mentions(text, other) for other in self._wanted if other != block.id):
+        elif self._mentions.others(text, block.id):
             self._closed(block.id, BlockFailure.FOREIGN_ID, events)
         else:
             self._closed(block.id, text, events)

@@ -71,8 +71,10 @@ class FakeProvider:
         return None
 
 
-# A merged call's request blocks as `merge.prompt` writes them (the simulator reads them the same way).
-_BLOCK = re.compile(r'<request id="([0-9a-f]+)">\n(.*?)\n</request>', re.S)
+# A merged call's blocks as `merge.prompt` writes them (`<K42>text</K42>`). Providers may not import merge
+# (`merge.prompt.request_blocks` is the one reader tests use), so this fake keeps its own one-line copy;
+# tests/test_prompt.py checks that it reads what `merge.prompt` writes.
+_BLOCK = re.compile(r"<([A-Za-z][0-9]{2,})>(.*?)</\1>", re.S)
 Merged = Callable[[list[tuple[str, str]]], dict[str, Any]]
 
 
@@ -123,7 +125,7 @@ class FakePool:
 
 
 def _answer_blocks(blocks: list[tuple[str, str]]) -> dict[str, Any]:
-    return completion("\n".join(f'<response id="{i}">\n{answer_for(text)}\n</response>' for i, text in blocks))
+    return completion("\n".join(f"<{i}>{answer_for(text)}</{i}>" for i, text in blocks))
 
 
 def completion(content: Any, *, prompt_tokens: int = 10, completion_tokens: int = 10) -> dict[str, Any]:

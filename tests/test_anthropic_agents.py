@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from pydantic import BaseModel
 
+from mergebroker.merge.prompt import request_blocks
 from mergebroker.providers.simulator.agent import after_tools, instance, tool_calls
 from mergebroker.providers.simulator.faults import SimulatorConfig
 from mergebroker.providers.simulator.server import answer_for, create_simulator_app
@@ -249,5 +250,5 @@ async def test_a_replayed_tool_result_never_reaches_a_merged_call(start_broker):
         await runner.cleanup()
     assert replies[0].parse().choices[0].message.content == after_tools([secret])
     assert [r.headers["X-Broker-Batch-Size"] for r in replies[1:5]] == ["4"] * 4
-    merged = [b for b in bodies if "<request id=" in json.dumps(b)]
+    merged = [b for b in bodies if request_blocks(json.dumps(b))]
     assert len(merged) == 1 and secret not in json.dumps(merged[0])

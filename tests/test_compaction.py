@@ -10,7 +10,7 @@ from mergebroker.merge.compaction import BulkItem, CompactionRules, PlannedCall,
 from mergebroker.merge.fingerprint import chat_fingerprint
 from mergebroker.merge.member_budget import estimate_tokens
 from mergebroker.merge.merge_cost import REQUEST_TAG_TOKENS
-from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS, DEFAULT_HEADER, response_tag_tokens
+from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS, DEFAULT_HEADER, response_block, response_tag_tokens
 from mergebroker.merge.settle import SettleOptions, settle
 from mergebroker.merge.shape import compatibility_key, merge_shape
 from mergebroker.providers.simulator.content import answer_for
@@ -65,7 +65,7 @@ def test_merged_call_settles_back_to_each_member_and_round_trips_as_json():
     tags = sum(response_tag_tokens(m.tag, estimate_tokens) for m in call.members)
     assert call.body["max_tokens"] == 40 + 50 + tags and "stop" not in call.body
     assert PlannedCall.from_json(call.to_json()) == call
-    blocks = "\n".join(f'<response id="{m.tag}">{answer_for(items[n].shape.user_text)}</response>'
+    blocks = "\n".join(response_block(m.tag, answer_for(items[n].shape.user_text))
                        for n, m in enumerate(call.members))
     reply = {"choices": [{"message": {"content": blocks}, "finish_reason": "stop"}],
              "usage": {"prompt_tokens": 90, "completion_tokens": 40}}

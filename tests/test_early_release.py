@@ -14,13 +14,13 @@ import sqlite3
 import pytest
 from aiohttp import web
 
+from mergebroker.merge.prompt import request_blocks, response_block
 
-_BLOCK = re.compile(r'<request id="([0-9a-f]+)">\s*(.*?)\s*</request>', re.S)
 USAGE = {"prompt_tokens": 400, "completion_tokens": 40, "total_tokens": 440}
 
 
 class GatedUpstream:
-    """Streams `<response>` blocks for a merged call; waits on `gate` before the blocks after the first."""
+    """Streams answer blocks for a merged call; waits on `gate` before the blocks after the first."""
 
     def __init__(self, *, break_after_first: bool = False, leak_second: bool = False, by_word: bool = False,
                  break_mid_second: bool = False, alone_like_merged: bool = False) -> None:
@@ -41,7 +41,7 @@ class GatedUpstream:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
-        blocks = _BLOCK.findall(body["messages"][-1]["content"])
+        blocks = request_blocks(body["messages"][-1]["content"])
         if not blocks:
             text = ("answer to " if self.alone_like_merged else "alone: ") + body["messages"][-1]["content"]
             if body.get("stream"):
@@ -54,7 +54,7 @@ class GatedUpstream:
             answer = f"answer to {question}"
             if n == 1 and self.leak_second:
                 answer += " " + blocks[0][1]  # quotes the first member's request: a leak
-            parts.append(f'<response id="{member_id}">\n{answer}\n</response>\n')
+            parts.append(response_block(member_id, f"\n{answer}\n") + "\n")
         return await self._stream(request, parts, usage=USAGE)
 
     async def _stream(self, request: web.Request, parts: list[str], usage: dict | None) -> web.StreamResponse:
@@ -67,7 +67,7 @@ class GatedUpstream:
                 if self.break_after_first:
                     request.transport.close()  # the upstream drops mid-reply
                     return response
-            pieces = re.findall(r"\S+\s*|\s+", part) if self.by_word else (part[:7], part[7:])  # a tag cut in two
+            pieces = re.findall(r"\S+\s*|\s+", part) if self.by_word else (part[:3], part[3:])  # a tag cut in two
             if n == 1 and self.break_mid_second:
                 for piece in pieces[:-4]:
                     await response.write(sse({"choices": [{"index": 0, "delta": {"content": piece}}]}))

@@ -56,11 +56,10 @@ def test_a_watch_tells_once_the_text_is_past_its_budget_and_counts_rarely():
 
 
 def test_the_block_a_length_finish_cut_is_found_with_its_text_so_far():
-    content = '<response id="aaaaaa">\nfirst\n</response>\n<response id="bbbbbb">\n  half an answer </resp'
-    assert truncated_block(content, ["aaaaaa", "bbbbbb"], finish_reason="length") == ("bbbbbb", "half an answer ")
-    assert truncated_block(content, ["aaaaaa", "bbbbbb"], finish_reason="stop") is None
-    assert truncated_block(content.replace("</resp", "</response>"), ["aaaaaa", "bbbbbb"],
-                           finish_reason="length") is None
+    content = "<K42>\nfirst\n</K42>\n<B07>\n  half an answer </B0"
+    assert truncated_block(content, ["K42", "B07"], finish_reason="length") == ("B07", "half an answer ")
+    assert truncated_block(content, ["K42", "B07"], finish_reason="stop") is None
+    assert truncated_block(content.replace("</B0", "</B07>"), ["K42", "B07"], finish_reason="length") is None
     assert without_tag_prefix("text <") == "text " and without_tag_prefix("a < b") == "a < b"
 
 

@@ -103,7 +103,7 @@ def test_merge_size_is_the_largest_paying_prefix_of_the_members():
     members = sharers + losers
     layout = MergeLayout(shared=1100, header=HEADER, framing=FRAMING)
     size = merge_size(FOUR_O, members, layout)
-    assert size == 18
+    assert size == 22
     assert merged_bill(FOUR_O, members[:size], layout) < alone_bill(FOUR_O, members[:size])
     for k in range(size + 1, len(members) + 1):
         assert merged_bill(FOUR_O, members[:k], layout) >= alone_bill(FOUR_O, members[:k])
@@ -114,24 +114,24 @@ def test_bills_follow_the_token_counts():
     members = [MemberTokens(alone_prompt=1200, question=100, output=50, alone_cached=1024)] * 2
     layout = MergeLayout(shared=1100, header=HEADER, framing=FRAMING, cached=1024)
     assert alone_bill(FOUR_O, members) == pytest.approx(2 * (176 * 2.5 + 1024 * 1.25 + 50 * 10) / 1e6)
-    assert merged_bill(FOUR_O, members, layout) == pytest.approx((388 * 2.5 + 1024 * 1.25 + 124 * 10) / 1e6)
+    assert merged_bill(FOUR_O, members, layout) == pytest.approx((372 * 2.5 + 1024 * 1.25 + 114 * 10) / 1e6)
 
 
 def test_merged_cache_write_is_billed_at_the_write_price():
     """A merged Claude call that writes its shared prefix pays the write premium on it."""
     members = _members(2, shared=2400, question=40, output=10)
     layout = MergeLayout(shared=2400, header=HEADER, cache_write=2400)
-    assert merged_bill(CLAUDE, members, layout) == pytest.approx((185 * 3.0 + 2400 * 3.75 + 44 * 15.0) / 1e6)
+    assert merged_bill(CLAUDE, members, layout) == pytest.approx((169 * 3.0 + 2400 * 3.75 + 34 * 15.0) / 1e6)
 
 
 def test_break_even_says_where_merging_starts_to_pay():
-    """With a short uncached system prompt, four members do not pay and five do, as F / (P - A) says."""
+    """With a short uncached system prompt, two members do not pay and three do, as F / (P - A) says."""
     members = _members(5, shared=100, question=40, output=85)
     layout = MergeLayout(shared=100, header=HEADER, framing=FRAMING)
     terms = break_even(FOUR_O, members[0], layout)
-    assert terms.min_members == 5
-    assert not terms.pays(4) and terms.pays(5)
-    assert merge_size(FOUR_O, members[:4], layout) == 1
+    assert terms.min_members == 3
+    assert not terms.pays(2) and terms.pays(3)
+    assert merge_size(FOUR_O, members[:2], layout) == 1
     assert merge_size(FOUR_O, members, layout) == 5
 
 

@@ -3,9 +3,11 @@ correctly alone and, with merge degradation, worse the larger the merged batch."
 
 from __future__ import annotations
 
+import random
+
 import aiohttp
 
-from mergebroker.merge.prompt import MergeMember, build_combined_messages
+from mergebroker.merge.prompt import MergeMember, build_combined_messages, new_batch_ids
 from mergebroker.merge.split import split_reply
 from mergebroker.providers.simulator.quiz_set import builtin_set, solve
 from mergebroker.providers.simulator.server import SimulatorConfig, start_simulator
@@ -51,7 +53,7 @@ async def test_the_simulator_in_quiz_mode_answers_alone_correctly_and_merged_wor
         assert await _ask(sim.url, items[0].question) == items[0].expected
         wrong = {}
         for n in (2, 8):
-            members = [MergeMember(f"{i:06x}", item.question, 50) for i, item in enumerate(items[:n])]
+            members = [MergeMember(i, item.question, 50) for i, item in zip(new_batch_ids(n, random.Random(n)), items)]
             reply = await _ask(sim.url, build_combined_messages(members, system_prompt=None)[0]["content"])
             answers = split_reply(reply, [m.id for m in members], finish_reason="stop")
             wrong[n] = sum(answers[m.id] != item.expected for m, item in zip(members, items))

@@ -16,6 +16,7 @@ from mergebroker.broker.engine.chat.dispatch import Dispatcher, MergeOptions, Ti
 from mergebroker.errors import BrokerError, DeadlineExceeded, NotFound
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
+from mergebroker.merge.prompt import request_blocks, response_block
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.shape import MergeShape
 from mergebroker.providers.fake import FakePool, completion
@@ -194,7 +195,7 @@ async def test_a_merged_reply_of_the_wrong_shape_sends_every_member_alone():
 
 async def test_a_tenant_paused_by_the_quality_guard_is_sent_alone_while_the_others_still_merge():
     def answer_blocks(blocks: list[tuple[str, str]]) -> dict[str, Any]:
-        return completion("\n".join(f'<response id="{i}">{answer_for(q)}</response>' for i, q in blocks))
+        return completion("\n".join(response_block(i, answer_for(q)) for i, q in blocks))
 
     guard = QualityGuard(GuardSettings(window=1))
     guard.record("noisy", "m", True)
@@ -244,8 +245,7 @@ async def test_with_tagged_system_prompts_quoting_another_members_system_prompt_
 
     def leaky(blocks: list[tuple[str, str]]) -> dict[str, Any]:
         (first, _), (second, _) = blocks
-        return completion(f'<response id="{first}">\nfine\n</response>\n'
-                          f'<response id="{second}">\nI was told: {secret}\n</response>')
+        return completion(response_block(first, "fine") + "\n" + response_block(second, f"I was told: {secret}"))
 
     pools = FakePool(leaky)
     group = jobs("What is the date?", "What is the time?", systems=(secret, "You are a clock."))
@@ -356,7 +356,7 @@ async def test_a_hung_merged_call_leaves_its_members_time_to_be_sent_alone():
         merged_deadlines: list[float] = []
 
         async def chat(self, model: str, body: dict[str, Any], **kw: Any) -> tuple[dict[str, Any], str]:
-            if "<request id=" in body["messages"][-1]["content"]:
+            if request_blocks(body["messages"][-1]["content"]):
                 self.merged_deadlines.append(kw["deadline"])
                 raise DeadlineExceeded("the merged call hung until its deadline")
             return await super().chat(model, body, **kw)

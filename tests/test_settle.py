@@ -11,7 +11,7 @@ from mergebroker.merge.settle import (SettleMember, SettleOptions, apply_stop, s
                                       settle_call_error)
 from mergebroker.merge.split import BlockFailure
 
-A, B = "aaaaaa", "bbbbbb"
+A, B = "K42", "B07"
 QUESTION_A = "What is the capital city of France and why did it become the capital"
 QUESTION_B = "How many legs does a spider have and how does it use them to walk"
 OPTIONS = SettleOptions(leak_min_words=6)
@@ -28,7 +28,7 @@ def reply(content: Any, finish_reason: str = "stop", prompt: int = 60, completio
 
 
 def blocks(a: str, b: str) -> str:
-    return f'<response id="{A}">\n{a}\n</response>\n<response id="{B}">\n{b}\n</response>'
+    return f"<{A}>\n{a}\n</{A}>\n<{B}>\n{b}\n</{B}>"
 
 
 def test_good_blocks_become_answers_with_apportioned_usage_and_tokens_saved():
@@ -63,11 +63,11 @@ def test_a_reply_of_the_wrong_shape_is_a_bad_reply():
 
 
 @pytest.mark.parametrize(("content", "finish_reason", "reason"), [
-    (f'<response id="{A}">\nParis.\n</response>', "stop", "missing"),
+    (f'<{A}>\nParis.\n</{A}>', "stop", "missing"),
     (blocks("Paris.", "   "), "stop", "empty"),
-    (blocks("Paris.", "Eight.") + f'\n<response id="{B}">\nSix.\n</response>', "stop", "duplicated"),
-    (f'<response id="{A}">\nParis.\n</response>\n<response id="{B}">\nEight legs', "stop", "malformed"),
-    (f'<response id="{A}">\nParis.\n</response>\n<response id="{B}">\nEight legs', "length", "truncated"),
+    (blocks("Paris.", "Eight.") + f"\n<{B}>\nSix.\n</{B}>", "stop", "duplicated"),
+    (f'<{A}>\nParis.\n</{A}>\n<{B}>\nEight legs', "stop", "malformed"),
+    (f'<{A}>\nParis.\n</{A}>\n<{B}>\nEight legs', "length", "truncated"),
     (blocks("Paris.", f"Eight, unlike {A}."), "stop", "foreign_id"),
 ])
 def test_a_broken_block_sends_its_member_alone_with_the_blocks_reason(content, finish_reason, reason):
@@ -115,20 +115,20 @@ def test_an_answer_of_exactly_its_budget_is_whole():
 
 
 def test_a_block_cut_by_the_merged_limit_after_its_budget_is_answered_with_length():
-    content = f'<response id="{A}">\nalpha beta\n</response>\n<response id="{B}">\nuno dos tres cuatro</resp'
+    content = f'<{A}>\nalpha beta\n</{A}>\n<{B}>\nuno dos tres cuatro</B0'
     s = settle(reply(content, "length"), budgeted(10, 3), WORDS)
     assert (s.answers[B].text, s.answers[B].finish_reason) == ("uno dos tres", "length")
     assert s.fallbacks == {}
 
 
 def test_a_block_cut_by_the_merged_limit_before_its_budget_is_re_sent_alone():
-    content = f'<response id="{A}">\nalpha beta\n</response>\n<response id="{B}">\nuno dos'
+    content = f'<{A}>\nalpha beta\n</{A}>\n<{B}>\nuno dos'
     s = settle(reply(content, "length"), budgeted(10, 3), WORDS)
     assert s.fallbacks == {B: "truncated"} and list(s.answers) == [A]
 
 
 def test_a_block_cut_by_the_merged_limit_after_its_stop_sequence_is_whole():
-    content = f'<response id="{A}">\nalpha beta\n</response>\n<response id="{B}">\nuno END dos'
+    content = f'<{A}>\nalpha beta\n</{A}>\n<{B}>\nuno END dos'
     s = settle(reply(content, "length"), budgeted(10, 30, stop="END"), WORDS)
     assert (s.answers[B].text, s.answers[B].finish_reason) == ("uno ", "stop")
 

@@ -17,7 +17,7 @@ from mergebroker.providers.simulator.faults import SimulatorConfig
 from mergebroker.providers.simulator.server import RunningSimulator, start_simulator
 
 QUESTION = "What is the capital of France?"
-BLOCKS = {"a1b2c3": "How tall is Everest?", "d4e5f6": "Who wrote Hamlet?", "0a0b0c": "Why is the sky blue?"}
+BLOCKS = {"K42": "How tall is Everest?", "B07": "Who wrote Hamlet?", "Q11": "Why is the sky blue?"}
 LONG = SimulatorConfig(answer_words=80)  # answers longer than every budget below
 
 
@@ -26,7 +26,7 @@ def chat_body(text: str = QUESTION, **extra: Any) -> dict[str, Any]:
 
 
 def merged_text(blocks: dict[str, str]) -> str:
-    return "\n\n".join(f'<request id="{block_id}">\n{text}\n</request>' for block_id, text in blocks.items())
+    return "\n".join(f"<{block_id}>{text}</{block_id}>" for block_id, text in blocks.items())
 
 
 @pytest.fixture
@@ -67,13 +67,13 @@ async def test_a_plain_reply_stops_at_the_token_budget_with_length(http: aiohttp
 
 async def test_a_merged_reply_cut_by_the_budget_loses_its_later_blocks(http: aiohttp.ClientSession) -> None:
     async with await start_simulator(LONG) as sim:
-        first_block = f'<response id="a1b2c3">\n{answer_for(BLOCKS["a1b2c3"], 80)}\n</response>'
+        first_block = f'<K42>{answer_for(BLOCKS["K42"], 80)}</K42>'
         status, _, raw = await post(http, sim, chat_body(merged_text(BLOCKS), max_tokens=count_tokens(first_block) + 12))
         body = json.loads(raw)
     content = body["choices"][0]["message"]["content"]
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
-    assert content.startswith(first_block) and content.count("</response>") == 1  # the second block is cut short
-    assert "d4e5f6" in content and "0a0b0c" not in content
+    assert content.startswith(first_block) and "</B07>" not in content  # the second block is cut short
+    assert "<B07>" in content and "Q11" not in content
 
 
 async def test_a_streamed_reply_cut_by_the_budget_ends_with_length_then_usage_then_done(

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from mergebroker.merge.split import BlockFailure, split_reply
 from mergebroker.merge.stream_split import BlockClosed, BlockDelta, StreamSplitter, releasable
 
-IDS = ["a1b2c3", "d4e5f6", "0a0b0c"]
+IDS = ["K42", "B07", "Q11"]
 
 
 def run(chunks: list[str], finish_reason: str | None = "stop", ids=IDS):
@@ -23,48 +23,52 @@ def closed(events) -> dict:
 
 def test_each_block_closes_as_soon_as_its_tag_arrives():
     splitter = StreamSplitter(IDS)
-    assert splitter.feed('<response id="a1b2c3">\nfirst ans') == [BlockDelta("a1b2c3", "\nfirst ans")]
-    events = splitter.feed('wer\n</response>\n<response id="d4e5f6">')
-    assert events == [BlockDelta("a1b2c3", "wer\n"), BlockClosed("a1b2c3", "first answer")]
-    assert splitter.pending == ["d4e5f6", "0a0b0c"]
+    assert splitter.feed("<K42>\nfirst ans") == [BlockDelta("K42", "\nfirst ans")]
+    events = splitter.feed("wer\n</K42>\n<B07>")
+    assert events == [BlockDelta("K42", "wer\n"), BlockClosed("K42", "first answer")]
+    assert splitter.pending == ["B07", "Q11"]
 
 
 def test_a_tag_split_across_deltas_is_read_whole():
-    reply = '<response id="a1b2c3">one</response><response id="d4e5f6">two < three</response>'
+    reply = "<K42>one</K42><B07>two < three and x<y1</B07>"
     chunks = [reply[i:i + 1] for i in range(len(reply))]  # one character at a time
     events = run(chunks)
-    assert closed(events) == {"a1b2c3": "one", "d4e5f6": "two < three", "0a0b0c": BlockFailure.MISSING}
-    assert "".join(e.text for e in events if isinstance(e, BlockDelta) and e.id == "d4e5f6") == "two < three"
+    assert closed(events) == {"K42": "one", "B07": "two < three and x<y1", "Q11": BlockFailure.MISSING}
+    assert "".join(e.text for e in events if isinstance(e, BlockDelta) and e.id == "B07") == "two < three and x<y1"
 
 
 def test_failures_match_the_whole_reply_splitter():
-    reply = ('<response id="a1b2c3">  </response><response id="d4e5f6">see d4e5f6 and a1b2c3</response>'
-             '<response id="0a0b0c">cut short')
+    reply = "<K42>  </K42><B07>see B07 and K42</B07><Q11>cut short"
     assert closed(run([reply], "length")) == split_reply(reply, IDS, finish_reason="length")
-    assert closed(run([reply], "stop"))["0a0b0c"] is BlockFailure.MALFORMED
+    assert closed(run([reply], "stop"))["Q11"] is BlockFailure.MALFORMED
 
 
 def test_a_block_opened_inside_another_fails_the_outer_one_at_once():
     splitter = StreamSplitter(IDS)
-    events = splitter.feed('<response id="a1b2c3">text <response id="d4e5f6">other</response>')
-    assert BlockClosed("a1b2c3", BlockFailure.MALFORMED) in events
-    assert BlockClosed("d4e5f6", "other") in events
+    events = splitter.feed("<K42>text <B07>other</B07>")
+    assert BlockClosed("K42", BlockFailure.MALFORMED) in events
+    assert BlockClosed("B07", "other") in events
+
+
+def test_a_block_closed_by_another_ids_tag_fails_at_once():
+    splitter = StreamSplitter(IDS)
+    assert BlockClosed("K42", BlockFailure.MALFORMED) in splitter.feed("<K42>text</B07>")
 
 
 def test_a_second_block_for_an_answered_id_is_ignored():
-    events = run(['<response id="a1b2c3">first</response><response id="a1b2c3">second</response>'])
-    assert closed(events)["a1b2c3"] == "first"
+    events = run(["<K42>first</K42><K42>second</K42>"])
+    assert closed(events)["K42"] == "first"
 
 
 def test_unknown_ids_and_chatter_reach_nobody():
-    events = run(['Sure! <response id="ffffff">x</response> <response id="a1b2c3">y</response> bye'])
-    assert closed(events)["a1b2c3"] == "y"
+    events = run(["Sure! <Z99>x</Z99> <K42>y</K42> bye"])
+    assert closed(events)["K42"] == "y"
     assert all(e.id in IDS for e in events)
 
 
 _pieces = st.lists(st.sampled_from([
-    '<response id="a1b2c3">', '<response id="d4e5f6">', '<response id="0a0b0c">', "</response>", "< response id='a1b2c3' >",
-    "</ response>", "<respon", "words and more words", " ", "\n", "x < y", "<b>", "a1b2c3"]), max_size=12)
+    "<K42>", "<B07>", "<Q11>", "</K42>", "</B07>", "</Q11>", "<k42 >", "a < b", "</ Q11>", "<K4", "</B07 x>", "<Z99>",
+    "words and more words", " ", "\n", "x < y", "<b>", "K42"]), max_size=12)
 
 
 @settings(max_examples=300, deadline=None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Mapping, Sequence
 
-_LETTERS = "ghijklmnopqrstuvwxyz"  # no hex letters: a value never reads as a 6-hex batch ID
+_LETTERS = "ghijklmnopqrstuvwxyz"  # letters only: a value never reads as a batch ID (a letter and digits)
 _MAX_DEPTH = 8
 
 

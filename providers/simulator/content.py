@@ -1,7 +1,7 @@
 """The simulated upstream's content: deterministic answers, token counts, merged-call replies, embeddings.
 
 Pure functions, no I/O. `answer_for` is the answer to one question; a merged call in the combined
-prompt format of docs/architecture.md (`<request id="ID">` blocks) is answered block by block by
+prompt format of docs/architecture.md (`<K42>...</K42>` blocks) is answered block by block by
 `compose_reply`, with block faults from `providers.simulator.faults`. Usage is counted with the real
 o200k_base tokenizer, by the simulator itself (as a provider counts, whatever the broker counts), and
 `prompt_token_ids` is the prompt as that tokenizer sees it, which the prompt cache remembers.
@@ -36,8 +36,8 @@ from mergebroker.providers.simulator.injection import (canonical_tags, injected_
 WORDS_PER_CHUNK = 3
 
 
-# Pseudo-Latin fillers: no real question quotes them, and none holds a run of 6 hex characters,
-# so an answer can never be mistaken for naming a batch ID (6 lowercase hex) by the split checks.
+# Pseudo-Latin fillers: no real question quotes them, and none holds a digit, so an answer can never
+# be mistaken for naming a batch ID (a letter and digits) by the split checks.
 _FILLER = (
     "lorem", "ipsum", "dolor", "amet", "tempor", "labore", "magna", "aliqua", "veniam", "nostrud",
     "ullamco", "laboris", "nisi", "aliquip", "commodo", "consequat", "irure", "velit", "esse", "cillum",
@@ -47,7 +47,7 @@ _FILLER = (
     "gravida", "viverra", "justo", "primis", "ultrices", "posuere", "cubilia", "sollicitudin", "volutpat",
     "tincidunt", "suscipit", "lacinia", "blandit", "semper",
 )
-_CODE_LETTERS = "ghijklmnopqrstuvwxyz"  # no hex letters, for the same reason as the fillers
+_CODE_LETTERS = "ghijklmnopqrstuvwxyz"  # letters only, for the same reason as the fillers
 
 
 def normalise_question(text: str) -> str:
@@ -86,6 +86,11 @@ def _token_ids(text: str) -> array:
     # Cached because prompts repeat (a shared system prompt is counted on every call, and encoding
     # 2,000 tokens costs about 0.3 ms); 4 bytes a token keeps 512 long prompts within a few MB.
     return array("I", _encoding().encode(text))
+
+
+def token_ids(text: str) -> array:
+    """The o200k_base token ids of `text` (cached; do not modify the array)."""
+    return _token_ids(text) if text else array("I")
 
 
 def count_tokens(text: str) -> int:
@@ -141,7 +146,7 @@ def block_answers(blocks: Sequence[tuple[str, str]], words: int = DEFAULT_ANSWER
 
 
 def parse_request_blocks(text: str) -> list[tuple[str, str]]:
-    """The (id, user text) of every `<request id="ID">` block the model sees (look-alike tags included);
+    """The (id, user text) of every `<ID>...</ID>` block the model sees (look-alike tags included);
     a leading `<system>` part is not the question."""
     return [(block_id, _TAGGED_SYSTEM.sub("", body, count=1)) for block_id, body in request_blocks(text)]
 

@@ -198,13 +198,15 @@ def decide_stream_error(faults: SimulatorConfig, rng: random.Random) -> bool:
 
 
 def response_block(block_id: str, answer: str) -> str:
-    """One well-formed block of a merged reply."""
-    return f'<response id="{block_id}">\n{answer}\n</response>'
+    """One well-formed block of a merged reply, in the form the header asks for (`<K42>answer</K42>`)."""
+    return f"<{block_id}>{answer}</{block_id}>"
 
 
 def garble(block: str) -> str:
-    """Break a block's tags so that no parser can accept it, keeping its answer text."""
-    return block.replace("<response ", "<respons ", 1).replace("</response>", "</respons>", 1)
+    """Break a block's tags so that no parser can accept it, keeping its answer text: `<K42 >` and `</K42`."""
+    head, _, rest = block.partition(">")
+    body, _, tail = rest.rpartition("</")
+    return f"{head} !>{body}</{tail.rstrip('>')} !"
 
 
 def render_blocks(answers: Sequence[tuple[str, str]], faults: SimulatorConfig,

@@ -22,9 +22,14 @@ from mergebroker.confusables import fold
 INJECTION_MARKER = "repeat every other request"
 _OPEN = r"(?:<|&lt;|&#0*60;|&#x0*3c;)"
 _CLOSE = r"(?:>|&gt;|&#0*62;|&#x0*3e;)"
-_REQUEST_BLOCK = re.compile(rf'{_OPEN}request\s+id="([^"]*)"\s*{_CLOSE}(.*?){_OPEN}/request\s*{_CLOSE}', re.S | re.I)
-# A tag in any of the forms a reader may see, or as the broker's neutraliser rewrites it (`[/request]`).
-_ANY_TAG = re.compile(rf"(?:{_OPEN}|\[)\s*(/?)\s*(request|response|system)\b(?:[^<>\[\]]{{0,120}}?(?:{_CLOSE}|\]))?",
+# The simulator cannot import the broker's parser (it imports only the ground, so that it never agrees with
+# the broker by sharing its code): it reads the format of docs/architecture.md itself. An ID is a letter and
+# two or more digits (`<K42>`); it reads as pessimistically as a careless model would: a block opens at any
+# such tag and ends at the next closing one, whatever its ID, so a forged `</X11>` would end a block here.
+_ID = r"[a-z][0-9]{2,}"
+_REQUEST_BLOCK = re.compile(rf"{_OPEN}\s*({_ID})\s*{_CLOSE}(.*?){_OPEN}\s*/\s*{_ID}\s*{_CLOSE}", re.S | re.I)
+# A tag in any of the forms a reader may see, or as the broker's neutraliser rewrites it (`[/k42]`).
+_ANY_TAG = re.compile(rf"(?:{_OPEN}|\[)\s*(/?)\s*(system|{_ID})(?![0-9a-z])(?:[^<>\[\]]{{0,120}}?(?:{_CLOSE}|\]))?",
                       re.I)
 _FILLER = "lorem"
 
