@@ -10,6 +10,7 @@ Nothing here does I/O or reads a clock.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -98,8 +99,9 @@ def to_messages(body: Mapping[str, Any], *, default_max_tokens: int, model_map: 
     `stop_sequences`; `user` (or `safety_identifier`) becomes `metadata.user_id`; temperature, top_p and
     top_k pass through when set (never added: models from Opus 4.7 on refuse any sampling field, and their
     400 names it); tools and `response_format` as their modules say, structured output natively for the
-    models matching `native_structured_output`. `model_map` renames the model. Raises
-    `UpstreamUnsupported` naming the first field that cannot be carried.
+    models matching `native_structured_output`. `model_map` renames the model. A long system prompt ends
+    with a cache breakpoint (`with_system_breakpoint`). Raises `UpstreamUnsupported` naming the first field
+    that cannot be carried.
     """
     _check_fields(body)
     system, turns = split_messages(body.get("messages"))
@@ -118,4 +120,45 @@ def to_messages(body: Mapping[str, Any], *, default_max_tokens: int, model_map: 
     if user:
         out["metadata"] = {"user_id": str(user)}
     tooling, shape = _tooling(body, model, native_structured_output)
-    return MessagesCall({**out, **tooling}, shape)
+    return MessagesCall(with_system_breakpoint({**out, **tooling}), shape)
+
+
+MAX_BREAKPOINTS = 4
+"""Anthropic refuses a request with more `cache_control` blocks than this."""
+CHARS_PER_TOKEN = 3
+"""A generous tokens-per-character guess (English runs nearer 4): a prefix that might reach the minimum gets
+its breakpoint, since one below the minimum costs nothing (Anthropic neither reads nor writes it)."""
+
+
+def min_cacheable_tokens(model: str) -> int:
+    """Anthropic's shortest cacheable prefix for `model`: 2,048 tokens for Haiku models, else 1,024 (the figures
+    `merge.prompt_cache` models; providers may not import it)."""
+    return 2048 if "haiku" in model.lower() else 1024
+
+
+def with_system_breakpoint(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` with its system prompt sent as a text block marked `cache_control: ephemeral`, so that the calls
+    sharing it (a merged call and its members alone, or consecutive merged calls) read it from Anthropic's
+    cache; unchanged when there is no system prompt, when tools and system prompt cannot reach the model's
+    minimum cacheable length, or when the body already holds `MAX_BREAKPOINTS` breakpoints.
+
+    Every call gets it, not only merged ones: a merged call carries no mark a provider could read, and the
+    broker's cost model (`engine.accounting.costs`) already assumes this breakpoint for calls sent alone.
+    The merged call's constant header, in the user turn, is not covered: nothing tells where it ends.
+    """
+    system = body.get("system")
+    if not isinstance(system, str) or not system or _breakpoints(body) >= MAX_BREAKPOINTS:
+        return body
+    prefix_chars = len(system) + sum(len(json.dumps(t)) for t in body.get("tools") or [])
+    if prefix_chars < min_cacheable_tokens(str(body.get("model") or "")) * CHARS_PER_TOKEN:
+        return body
+    return {**body, "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]}
+
+
+def _breakpoints(value: Any) -> int:
+    """How many blocks of a Messages body carry `cache_control`."""
+    if isinstance(value, dict):
+        return int("cache_control" in value) + sum(_breakpoints(v) for k, v in value.items() if k != "cache_control")
+    if isinstance(value, list):
+        return sum(_breakpoints(v) for v in value)
+    return 0

@@ -225,3 +225,29 @@ def test_streamed_text_is_escaped_like_any_json_string_whatever_the_message_id()
     [chunk] = translator.feed(event("content_block_delta", index=0, delta={"type": "text_delta", "text": text}))
     data = decoded([chunk])[0]
     assert data["id"] == odd_id and data["choices"][0]["delta"] == {"content": text} and data["usage"] is None
+
+
+LONG_SYSTEM = "You are the support assistant of a bicycle shop; answer from the catalogue. " * 60  # ~4,500 chars
+
+
+def test_a_long_system_prompt_ends_with_a_cache_breakpoint():
+    out = translate(messages=[{"role": "system", "content": LONG_SYSTEM}, *USER])
+    assert out["system"] == [{"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral"}}]
+
+
+def test_no_breakpoint_below_the_models_minimum_or_without_a_system_prompt():
+    assert translate(messages=[{"role": "system", "content": "be brief"}, *USER])["system"] == "be brief"
+    haiku = to_messages({"model": "claude-haiku-4", "messages": [{"role": "system", "content": LONG_SYSTEM}, *USER]},
+                        default_max_tokens=9).body
+    assert haiku["system"] == LONG_SYSTEM  # Haiku caches from 2,048 tokens
+    assert "system" not in translate()
+
+
+def test_no_breakpoint_is_added_to_a_body_that_holds_four_already():
+    from mergebroker.providers.anthropic_translate import with_system_breakpoint
+
+    mark = {"type": "ephemeral"}
+    body = {"model": "m", "system": LONG_SYSTEM, "tools": [{"name": f"t{i}", "cache_control": mark} for i in range(4)]}
+    assert with_system_breakpoint(body) == body
+    three = {**body, "tools": body["tools"][:3]}
+    assert with_system_breakpoint(three)["system"][0]["cache_control"] == mark

@@ -162,3 +162,22 @@ async def test_azure_deployment_errors_reach_the_client(simulator, start_broker)
     with pytest.raises(openai.NotFoundError) as info:
         await broker.openai.chat.completions.create(model="not-deployed", messages=ask("Hi"))
     assert info.value.body["code"] == "DeploymentNotFound"
+
+
+async def test_consecutive_merged_calls_with_a_long_shared_system_prompt_read_it_from_anthropics_cache(
+        simulator, start_broker):
+    broker = await start_broker(config(anthropic_upstream(simulator)), environ=ENV)
+    system = "You are the support assistant of a bicycle shop; answer from its catalogue only. " * 90
+    for round_ in range(2):
+        questions = [f"Round {round_}: which bell fits handlebar {i}?" for i in range(3)]
+        replies = await asyncio.gather(*(broker.openai.chat.completions.with_raw_response.create(
+            model="claude-alias", messages=ask(q, system), extra_headers=BATCH) for q in questions))
+        assert [r.headers["X-Broker-Batch-Size"] for r in replies] == ["3"] * 3
+        assert [r.parse().choices[0].message.content for r in replies] == [answer_for(q) for q in questions]
+        sent = simulator.last_request_body()
+        assert sent["system"] == [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]
+        stats = simulator.stats()
+        if round_ == 0:
+            assert stats["cache_creation_input_tokens"] > 1024 and stats["cache_read_input_tokens"] == 0
+    assert stats["merged_calls"] == 2
+    assert stats["cache_read_input_tokens"] == stats["cache_creation_input_tokens"]  # the second call read it all

@@ -172,3 +172,38 @@ async def test_bodies_the_sdk_types_or_a_strict_upstream_refuse_get_a_400_naming
             error = (await resp.json())["error"]
     assert resp.status == 400 and error["type"] == "invalid_request_error" and expected in error["message"]
     assert simulator.stats()["chat_calls"] == 0
+
+
+LONG_SYSTEM = [{"type": "text", "text": "You answer questions about the catalogue of a bicycle shop. " * 200,
+                "cache_control": {"type": "ephemeral"}}]
+
+
+async def test_a_cache_breakpoint_is_written_once_then_read(client, simulator):
+    first = await client.messages.create(model="claude-x", max_tokens=50, system=LONG_SYSTEM, messages=USER)
+    second = await client.messages.create(model="claude-x", max_tokens=50, system=LONG_SYSTEM,
+                                          messages=[{"role": "user", "content": "And of Spain?"}])
+    assert first.usage.cache_creation_input_tokens > 1024 and first.usage.cache_read_input_tokens == 0
+    assert second.usage.cache_read_input_tokens == first.usage.cache_creation_input_tokens
+    assert second.usage.cache_creation_input_tokens == 0 and 0 < second.usage.input_tokens < 50
+    other = await client.messages.create(model="claude-y", max_tokens=50, system=LONG_SYSTEM, messages=USER)
+    assert other.usage.cache_read_input_tokens == 0  # caches are per model
+    stats = simulator.stats()
+    assert stats["cache_read_input_tokens"] == second.usage.cache_read_input_tokens
+
+
+async def test_a_short_prefix_or_no_breakpoint_is_not_cached(client):
+    short = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
+    for system in (short, short, LONG_SYSTEM[0]["text"], LONG_SYSTEM[0]["text"]):
+        message = await client.messages.create(model="claude-x", max_tokens=50, system=system, messages=USER)
+        assert message.usage.cache_read_input_tokens == 0 and message.usage.cache_creation_input_tokens == 0
+
+
+async def test_more_than_four_breakpoints_are_refused(simulator):
+    mark = {"type": "ephemeral"}
+    system = [{"type": "text", "text": f"part {i}", "cache_control": mark} for i in range(5)]
+    body = {"model": "claude-x", "max_tokens": 10, "messages": USER, "system": system}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(simulator.url.removesuffix("/v1") + "/v1/messages", json=body,
+                             headers={"x-api-key": "k", "anthropic-version": "2023-06-01"}) as resp:
+            error = (await resp.json())["error"]
+    assert resp.status == 400 and "maximum of 4 blocks with cache_control" in error["message"]

@@ -4,7 +4,8 @@ Same answers, latency, faults and counters as the OpenAI endpoints (one `Simulat
 Anthropic's shapes: a key (`x-api-key`, or a Bearer token as newer SDKs send) and `anthropic-version`
 are required, every body is validated against the SDK's request types and a strict upstream's rules
 (`providers.simulator.anthropic_validate`), answers are Messages with `stop_reason` and `usage`, streams
-are named events (`message_start`, `content_block_*`, `ping`, `message_delta`, `message_stop`), and errors
+are named events (`message_start`, `content_block_*`, `ping`, `message_delta`, `message_stop`), usage splits
+the prompt by its `cache_control` breakpoints (`providers.simulator.anthropic_cache`), and errors
 use Anthropic's envelope (`{"type": "error", "error": {"type", "message"}}`, 529 `overloaded_error`
 included). As an agent's model (`providers.simulator.agent`) it calls the tools it is given (`tool_use`
 blocks, streamed as `input_json_delta`s), answers from tool results once they come, and answers
@@ -21,8 +22,12 @@ from typing import Any, Mapping, Protocol
 
 from aiohttp import web
 
+from mergebroker.clock import Clock
+
 from mergebroker.providers.simulator.agent import after_tools, instance, tool_calls
+from mergebroker.providers.simulator.anthropic_cache import BreakpointCache
 from mergebroker.providers.simulator.anthropic_validate import AnthropicRequestError, validate
+from mergebroker.providers.simulator.billing import cache_scope
 from mergebroker.providers.simulator.content import (compose_reply, count_tokens, parse_request_blocks, prompt_tokens,
                                                      question_text, stream_pieces)
 from mergebroker.providers.simulator.faults import FaultInjector, SimulatorConfig
@@ -33,6 +38,7 @@ class Simulator(Protocol):
 
     stats: Any
     last_request_body: dict[str, Any] | None
+    clock: Clock
     _faults: FaultInjector
 
     @property
@@ -134,6 +140,7 @@ class AnthropicMode:
 
     def __init__(self, simulator: Simulator) -> None:
         self._sim = simulator
+        self._cache = BreakpointCache(simulator.clock)
 
     def routes(self) -> list[web.RouteDef]:
         """`POST /v1/messages` (Anthropic's path; its SDK's base URL is the server's root)."""
@@ -159,9 +166,11 @@ class AnthropicMode:
             return _as_anthropic_error(early)
         reply = answer(body, messages, sim)
         sim.stats.record_faults(*reply.faults)
-        usage = {"input_tokens": prompt_tokens(messages), "output_tokens": reply.output_tokens(),
-                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-        sim.stats.prompt_tokens += usage["input_tokens"]
+        usage = self._usage(request, body, messages, reply)
+        sim.stats.prompt_tokens += usage["input_tokens"] + usage["cache_read_input_tokens"] + usage[
+            "cache_creation_input_tokens"]
+        sim.stats.cache_read_input_tokens += usage["cache_read_input_tokens"]
+        sim.stats.cache_creation_input_tokens += usage["cache_creation_input_tokens"]
         sim.stats.completion_tokens += usage["output_tokens"]
         message = {"id": f"msg_sim_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
                    "model": body["model"], "content": [], "stop_reason": None, "stop_sequence": None}
@@ -171,6 +180,17 @@ class AnthropicMode:
         await sim._pause(config.latency_base_ms + config.latency_per_token_ms * usage["output_tokens"])
         return web.json_response({**message, "content": reply.blocks, "stop_reason": reply.stop_reason,
                                   "stop_sequence": reply.stop_sequence, "usage": usage})
+
+    def _usage(self, request: web.Request, body: dict[str, Any], messages: list[dict[str, Any]],
+               reply: Answer) -> dict[str, int]:
+        """Anthropic's usage: the prompt split into what the breakpoint cache read, what it wrote, and the rest
+        (`providers.simulator.anthropic_cache`; its counts are capped by the prompt's own count)."""
+        total = prompt_tokens(messages)
+        cache = self._cache.use(cache_scope(request.headers, self._sim.config), body, self._sim.config.cache_ttl_s)
+        read = min(cache.read, total)
+        written = min(cache.written, total - read)
+        return {"input_tokens": total - read - written, "output_tokens": reply.output_tokens(),
+                "cache_creation_input_tokens": written, "cache_read_input_tokens": read}
 
     async def _stream(self, request: web.Request, message: dict[str, Any], reply: Answer,
                       usage: dict[str, int]) -> web.StreamResponse:

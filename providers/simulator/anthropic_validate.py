@@ -55,10 +55,27 @@ def validate(headers: Mapping[str, str], body: Any) -> dict[str, Any]:
         raise AnthropicRequestError(400, problem)
     _check_shape(body)
     _check_turns(body["messages"])
+    breakpoints = _cache_controls(body)
+    if breakpoints > MAX_BREAKPOINTS:
+        raise AnthropicRequestError(400, f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be "
+                                         f"provided. Found {breakpoints}.")
     stops = body.get("stop_sequences") or []
     if not all(isinstance(s, str) and s.strip() for s in stops):
         raise AnthropicRequestError(400, "stop_sequences: each stop sequence must contain non-whitespace")
     return body
+
+
+MAX_BREAKPOINTS = 4
+
+
+def _cache_controls(value: Any) -> int:
+    """How many blocks of the body (tools, system, messages) carry `cache_control`. (The broker's Anthropic
+    provider counts them too; the simulator imports none of the broker's code, so it counts on its own.)"""
+    if isinstance(value, dict):
+        return int("cache_control" in value) + sum(_cache_controls(v) for k, v in value.items() if k != "cache_control")
+    if isinstance(value, list):
+        return sum(_cache_controls(v) for v in value)
+    return 0
 
 
 def _check_number(body: Mapping[str, Any], name: str, high: float) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from mergebroker.clock import Clock, monotonic
 
@@ -34,13 +34,19 @@ def prefix_digests(scope: str, token_ids: Sequence[int], *, min_tokens: int = MI
 
     Equal prefixes under the same scope have equal digests; any other scope gives other digests.
     """
+    return chained_digests(scope, token_ids, range(min_tokens, len(token_ids) + 1, step))
+
+
+def chained_digests(scope: str, token_ids: Sequence[int], ends: Iterable[int]) -> list[tuple[int, bytes]]:
+    """(length, digest) of the prefixes of `token_ids` ending at `ends` (ascending), each digest chained from
+    the one before, seeded with `scope`."""
     # Token ids fit in 32 bits (o200k_base has about 200,000); "I" is 4 bytes on every supported platform.
     ids = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
     data, width = memoryview(ids).cast("B"), ids.itemsize
     digests: list[tuple[int, bytes]] = []
     state = hashlib.blake2b(scope.encode(), digest_size=_DIGEST, person=b"sim-prompt").digest()
     start = 0
-    for end in range(min_tokens, len(ids) + 1, step):
+    for end in ends:
         chunk = hashlib.blake2b(state, digest_size=_DIGEST)
         chunk.update(data[start * width:end * width])
         state = chunk.digest()
@@ -66,8 +72,13 @@ class PromptCache:
     def use(self, scope: str, token_ids: Sequence[int], ttl_s: float) -> int:
         """The prompt's cached tokens (its longest prefix still cached under `scope`, else 0); then
         its own prefixes are cached from now for `ttl_s`."""
+        return self.use_prefixes(prefix_digests(scope, token_ids, min_tokens=self._min_tokens, step=self._step),
+                                 ttl_s)
+
+    def use_prefixes(self, prefixes: Sequence[tuple[int, bytes]], ttl_s: float) -> int:
+        """The length of the longest of `prefixes` ((length, digest), shortest first) still cached; then all
+        of them are cached from now for `ttl_s` (the Anthropic mode's breakpoint cache digests its own)."""
         now = self._clock()
-        prefixes = prefix_digests(scope, token_ids, min_tokens=self._min_tokens, step=self._step)
         cached = next((length for length, digest in reversed(prefixes)
                        if now - self._last_used.get(digest, -float("inf")) < ttl_s), 0)
         for _, digest in prefixes:

@@ -49,7 +49,8 @@ class SimulatorStats:
 
     `calls` counts every request per API endpoint; `chat_calls`, `embedding_calls` and `merged_calls`
     count well-formed calls, faulted or not; token counters count answered calls only
-    (`prompt_tokens`/`completion_tokens` for chat, `embedding_tokens` for embeddings).
+    (`prompt_tokens`/`completion_tokens` for chat, `embedding_tokens` for embeddings; of the prompt tokens,
+    what the Anthropic mode's breakpoint cache read and wrote).
     """
 
     calls: Counter[str] = field(default_factory=Counter)
@@ -60,6 +61,8 @@ class SimulatorStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     embedding_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
     merged_calls: int = 0
     faults_injected: int = 0
     faults: Counter[str] = field(default_factory=Counter)
@@ -149,6 +152,7 @@ class Simulator:
         self._sleep = sleep
         self.stats = SimulatorStats()
         self.biller = Biller(clock)
+        self.clock = clock  # what prompt caches measure their TTL on (the Anthropic mode's too)
         self.last_request_body: dict[str, Any] | None = None
 
     @property
