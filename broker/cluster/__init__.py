@@ -11,6 +11,7 @@
     presence.py    a dead worker told from a paused one by the connection it keeps open
     holds.py       what a worker holds: heartbeats, and the fence that keeps a job from running twice
     claims.py      which of another worker's jobs may be taken over, decided purely, done atomically
+    markers.py     sent markers written before the upstream call, only on entries still the worker's
     outbox.py      a worker's writes (markers, notes, replies, acknowledgements) in one pipeline
     consumer.py    the worker's side: XREADGROUP by tier priority, backlogs in one piece, answers
     worker.py      the worker's loops; worker_runtime.py: a worker process's parts
