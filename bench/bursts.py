@@ -5,8 +5,8 @@ thank-you), sent to the standard tier with default settings, against `mergebroke
 --latency-base-ms 300`. The broker, the simulator and this load generator share the host; on the loaded
 host two CPU burner processes (pure-Python busy loops) also run, one per core of the 2-core machine, from
 just before the first burst to the end of the run. Each configuration runs on a fresh broker: today's
-default similarity model (`merge.embedder: local-int8`, the torch int8 copy) beside the int8 copy on
-onnxruntime (`local-onnx` where the settings know it, else `bench.onnx_broker`), in interleaved repeats.
+similarity settings of the previous release (the int8 model on onnxruntime on one thread, a 200 ms similarity
+budget) beside today's defaults (two model threads, the standard tier's 1 s budget), in interleaved repeats.
 Reported per run: upstream calls saved (requests / upstream calls; at most 4, the tier's `max_batch`) and
 the share of requests sent unmerged as `similarity_slow` (`mergebroker_merge_skipped_total`).
 `python -m bench.bursts [--quick]` writes `bench/results/bursts.json`.
@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import typing
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import median
@@ -29,7 +28,6 @@ from typing import Any, Sequence
 
 import aiohttp
 import yaml
-from mergebroker.broker.engine.settings import MergeSettings
 
 from bench.harness import (
     Process,
@@ -53,6 +51,7 @@ from bench.merging import (
     summarize_run,
     warm_up,
 )
+from bench.report_bursts import DEFAULTS
 from bench.workloads import ChatItem, hot_question_versions
 
 SIM_OPTIONS = ("--latency-base-ms", "300")
@@ -80,25 +79,19 @@ QUICK_BURST_PLAN = BurstPlan(bursts=1, per_burst=8, repeats=1)
 
 @dataclass(frozen=True)
 class Backend:
-    """A similarity model configuration: the `merge.embedder` value, the module that runs the broker, and the
-    model's threads (`embeddings.model_threads`)."""
+    """A similarity configuration: its name, the `merge.embedder` value, and overrides of the model's threads
+    (`embeddings.model_threads`) and the tier's `similarity_budget_ms` (None: the defaults)."""
 
     name: str
-    embedder: str
-    module: str = "mergebroker.broker.cli"
-    threads: int = 1
+    embedder: str = "local-onnx"
+    threads: int | None = None
+    budget_ms: float | None = None
 
 
 def backends(plan: BurstPlan) -> tuple[Backend, ...]:
-    """Today's default beside the onnxruntime int8 copy (through the settings once they offer it)."""
-    onnx = (Backend("onnxruntime int8", "local-onnx") if "local-onnx" in _embedder_values()
-            else Backend("onnxruntime int8", "local-int8", "bench.onnx_broker"))
-    more = [replace(onnx, name=f"{onnx.name}, {n} threads", threads=n) for n in plan.onnx_threads]
-    return Backend("torch int8 (today's default)", "local-int8"), onnx, *more
-
-
-def _embedder_values() -> tuple[Any, ...]:
-    return typing.get_args(MergeSettings.model_fields["embedder"].annotation)
+    """The previous release's similarity settings beside today's defaults (and extra thread counts)."""
+    more = [Backend(f"defaults, {n} model threads", threads=n) for n in plan.onnx_threads]
+    return Backend("before: 1 model thread, 200 ms budget", threads=1, budget_ms=200.0), Backend(DEFAULTS), *more
 
 
 def burst_items(plan: BurstPlan) -> list[ChatItem]:
@@ -120,15 +113,16 @@ def stop_burners(burners: list[subprocess.Popen[bytes]]) -> None:
         proc.wait(timeout=10)
 
 
-async def start_broker_with(module: str, config: dict[str, Any]) -> Process:
-    """`python -m MODULE serve --config ...` (the broker's CLI or a stand-in) on a free port; waits for /readyz,
+async def start_broker_with(config: dict[str, Any]) -> Process:
+    """`python -m mergebroker.broker.cli serve --config ...` on a free port; waits for /readyz,
     which includes the similarity model (and its ONNX export on a first start)."""
     port = free_port()
     config = {**config, "server": {"port": port, "host": "127.0.0.1"}, "logging": {"level": "warning"}}
     workdir = Path(tempfile.mkdtemp(prefix="mb-bench-bursts-"))
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", module, "serve", "--config", str(workdir / "config.yaml")],
+    command = [sys.executable, "-m", "mergebroker.broker.cli", "serve", "--config", str(workdir / "config.yaml")]
+    proc = subprocess.Popen(command,
                             stdout=(workdir / "out.log").open("wb"), stderr=subprocess.STDOUT, env=env,
                             cwd=Path(__file__).resolve().parent.parent)
     broker = Process(proc, port, workdir / "out.log")
@@ -143,17 +137,18 @@ async def start_broker_with(module: str, config: dict[str, Any]) -> Process:
                 pass
             await asyncio.sleep(0.2)  # a child process's readiness has no event to wait on
     broker.stop()
-    raise RuntimeError(f"broker ({module}) did not become ready; see {broker.log_path}")
+    raise RuntimeError(f"broker did not become ready; see {broker.log_path}")
 
 
 async def measure(sim: Process, backend: Backend, loaded: bool, plan: BurstPlan) -> dict[str, Any]:
     """One run on a fresh broker: warm up on a quiet host, start the burners (if `loaded`), drive the bursts."""
-    spec = RunSpec(f"{backend.name}, {'loaded' if loaded else 'quiet'} host", TIER, embedder=backend.embedder)
+    spec = RunSpec(f"{backend.name}, {'loaded' if loaded else 'quiet'} host", TIER, embedder=backend.embedder,
+                   similarity_budget_ms=backend.budget_ms)
     items = burst_items(plan)
     config = broker_config(sim.url, spec)
-    if backend.threads != 1:
+    if backend.threads is not None:
         config["embeddings"] = {"model_threads": backend.threads}
-    broker = await start_broker_with(backend.module, config)
+    broker = await start_broker_with(config)
     burners: list[subprocess.Popen[bytes]] = []
     try:
         await warm_up(broker.url, TIER)
@@ -236,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.bursts", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke-sized runs")
     parser.add_argument("--hosts", default="quiet,loaded", help="which hosts to run: quiet, loaded or both")
-    parser.add_argument("--onnx-threads", default="", help="extra onnxruntime runs with these model threads, e.g. 2")
+    parser.add_argument("--onnx-threads", default="", help="extra runs of the defaults with these model threads, e.g. 1,4")
     parser.add_argument("--out", default=str(results_path("bursts.json")))
     args = parser.parse_args(argv)
     plan = replace(QUICK_BURST_PLAN if args.quick else FULL_BURST_PLAN, hosts=tuple(args.hosts.split(",")),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import report_bursts
-from bench.bursts import summarize
+from bench.bursts import QUICK_BURST_PLAN, backends, summarize
 from bench.embedding_backends import pair_drift
 from bench.similarity_pairs import PAIRS, prompt_texts
 
@@ -17,18 +17,18 @@ def burst_run(backend: str, host: str, fewer: float, slow: float) -> dict[str, A
             "load_average": 2.0}
 
 
-def test_bursts_summary_keeps_median_and_worst_run_and_targets_judge_the_loaded_onnx_row() -> None:
-    runs = [burst_run("torch int8 (today's default)", "loaded", 1.6, 0.35),
-            burst_run("torch int8 (today's default)", "loaded", 2.0, 0.25),
-            burst_run("onnxruntime int8", "loaded", 3.9, 0.0), burst_run("onnxruntime int8", "loaded", 3.4, 0.03),
-            burst_run("onnxruntime int8", "quiet", 3.95, 0.0)]
+def test_bursts_summary_keeps_median_and_worst_run_and_targets_judge_the_loaded_defaults_row() -> None:
+    before = backends(QUICK_BURST_PLAN)[0].name
+    runs = [burst_run(before, "loaded", 1.6, 0.35), burst_run(before, "loaded", 2.0, 0.25),
+            burst_run("defaults", "loaded", 3.9, 0.0), burst_run("defaults", "loaded", 3.4, 0.03),
+            burst_run("defaults", "quiet", 3.95, 0.0)]
     rows = {(r["host"], r["backend"]): r for r in summarize(runs)}
-    onnx = rows[("loaded", "onnxruntime int8")]
+    onnx = rows[("loaded", "defaults")]
     assert (onnx["x_fewer_calls"], onnx["worst_x_fewer_calls"], onnx["worst_similarity_slow"]) == (3.65, 3.4, 0.03)
     result = {"summary": list(rows.values()), "meta": {"plan": {"per_burst": 30}}}
     assert [t["met"] for t in report_bursts.targets(result)] == [False, False]
     lines = report_bursts.findings(result)  # a backend measured on one host only has no line
-    assert len(lines) == 1 and "onnxruntime int8: 3.95x fewer" in lines[0] and "3.65x with two CPU burners" in lines[0]
+    assert len(lines) == 1 and "defaults: 3.95x fewer" in lines[0] and "3.65x with two CPU burners" in lines[0]
 
 
 def test_drift_counts_pairs_that_cross_the_threshold_differently() -> None:
