@@ -10,7 +10,9 @@ is pinned while the batch runs, so deleting it loses nothing; were the pinned co
 from the answers it stored. A tenant sees only its own batches. The output file holds every line answered
 2xx and the error file every other line (unsent lines of a cancelled or expired batch included), so each
 `custom_id` appears exactly once across the two. A finished batch's state leaves memory (and its per-line
-results leave the store, now that its files hold them).
+results leave the store, now that its files hold them). A batch holds its line count in the process's GC
+policy (`mergebroker.gc_policy`) from before its lines are read until its task ends, so no full collection
+walks a large batch's objects while they live.
 """
 
 from __future__ import annotations
