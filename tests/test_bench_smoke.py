@@ -75,10 +75,11 @@ def test_chaos_quick_reports_phases_fast_fails_and_one_answer_each(quick_runs) -
     result = finished(quick_runs, "chaos")
     assert [p["phase"] for p in result["phases"]] == ["healthy", "errors_50", "outage", "recovery"]
     phases = {p["phase"]: p for p in result["phases"]}
-    # A request sent as a phase switches (the fault is set over HTTP) may meet the next phase's upstream on a
-    # loaded machine: the healthy phase may lose that one, and the outage may still answer it.
+    # A request still in flight when its phase ends may meet the next phase's upstream on a loaded machine
+    # (the quick phases last 0.4-1 s): the healthy phase may lose those, and the outage may still answer one.
+    # A request answered while the upstream was still healthy never fails.
     healthy = phases["healthy"]
-    assert healthy["success_rate"] > 0.9 or healthy["sent"] - healthy["ok"] <= 1, healthy
+    assert healthy["failed_within_phase"] == 0 and healthy["ok"] > 0, healthy
     assert phases["outage"]["ok"] <= max(1, 0.05 * phases["outage"]["sent"]) and phases["outage"]["fast_fail"] > 0
     assert result["outage_to_first_fast_fail_s"] is not None
     assert "recovery_to_closed_s" in result and result["breaker_timeline"]
