@@ -26,7 +26,7 @@ from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.upstream import Upstream
 
 from tests.test_cluster_fencing import content, parts  # noqa: F401 - `parts` is a fixture
-from tests.test_cluster_streams import KEYS, Node, read_by
+from tests.test_cluster_streams import KEYS, Node, chat_job, read_by
 
 pytestmark = pytest.mark.redis
 
@@ -106,3 +106,18 @@ async def test_a_job_whose_entry_another_worker_took_is_not_sent_upstream(parts,
     assert await redis.exists(KEYS.sent(stream, entry)) == 0  # and b may still run it
     assert (await redis.xpending_range(stream, GROUP, "-", "+", 10))[0]["consumer"] == b"wb"
     assert node.metrics.cluster_jobs.labels("taken_over")._value.get() == 1
+
+
+async def test_a_member_its_hook_keeps_back_leaves_the_group_and_the_rest_is_sent(upstream):
+    up, dispatcher = upstream
+    kept, sent = chat_job("kept back"), chat_job("sent alone")
+    asked: list[str] = []
+
+    async def refuse() -> bool:
+        asked.append(kept.request_id)
+        return False
+
+    kept.before_send = refuse
+    await dispatcher.run_group(ReleasedGroup("batch", None, [kept, sent], 0.0))
+    assert asked == [kept.request_id] and kept.future.cancelled() and not kept.dispatched
+    assert len(up.markers_seen) == 1 and content(sent.future.result()) == "answered upstream"  # one call, alone
