@@ -23,8 +23,10 @@ Why not freeze a job's objects instead: a frozen object is never collected, so a
 objects would outlive the job until an unfreeze, and the pass after an unfreeze walks the start-up
 objects as well. Pausing gives the same protection with neither cost.
 
-What no policy can shorten: a pass that frees a job's objects walks them all, so a job's objects must
-die by reference counting when it ends (no reference cycle that reaches them), not in a pass.
+What no policy can shorten: a pass that frees a job's objects walks them all (~0.3 s for 50,000 lines),
+so a job's objects must die by reference counting when it ends (no reference cycle reaches them), not
+in a pass. Even then, freeing 50,000 lines at once takes ~60 ms: `let_go` frees a large list a slice per
+loop turn.
 
 The cost of the pause: a cycle that outlived two young passes and died while large work is held waits
 for the end of that work. The policy is process-wide (the collector is), so one instance (`PROCESS`)
@@ -33,12 +35,13 @@ serves every component; tests build their own over a fake collector.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 from types import TracebackType
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
-__all__ = ["PAUSED", "PROCESS", "Collector", "GcPolicy", "Hold"]
+__all__ = ["PAUSED", "PROCESS", "Collector", "GcPolicy", "Hold", "let_go"]
 
 PAUSED = 2**31 - 1
 """A full-pass threshold no count of young passes reaches."""
@@ -130,3 +133,11 @@ class GcPolicy:
 
 PROCESS = GcPolicy()
 """The policy of this process (there is one collector per process)."""
+
+
+async def let_go(items: list[Any], *, step: int = 5_000) -> None:
+    """Empty `items` from the end, `step` at a time with a loop turn between, so what only the list kept
+    alive is freed in slices (~6 ms each for a bulk job's lines) instead of all at once."""
+    while items:
+        del items[-step:]
+        await asyncio.sleep(0)  # a turn for the loop's other work, not a wait

@@ -8,9 +8,22 @@ import gc
 import weakref
 
 from mergebroker.broker.engine.config import load_settings
-from mergebroker.gc_policy import PAUSED, GcPolicy
+from mergebroker.gc_policy import PAUSED, GcPolicy, let_go
 
 from tests.test_batch_runner import create_batch, service_on
+
+
+async def test_a_large_list_is_let_go_a_slice_per_loop_turn():
+    class Line:
+        pass
+
+    lines = [Line() for _ in range(12)]
+    alive = [weakref.ref(x) for x in lines]
+    letting_go = asyncio.ensure_future(let_go(lines, step=5))
+    await asyncio.sleep(0)  # one turn: the first slice only
+    assert len(lines) == 7 and [r() is None for r in alive] == [False] * 7 + [True] * 5
+    await letting_go
+    assert lines == [] and all(r() is None for r in alive)
 
 
 class FakeCollector:

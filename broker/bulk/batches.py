@@ -39,7 +39,7 @@ from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ProviderSettings, Settings
 from mergebroker.clock import Clock, Sleep
-from mergebroker.gc_policy import PROCESS, GcPolicy, Hold
+from mergebroker.gc_policy import PROCESS, GcPolicy, Hold, let_go
 from mergebroker.errors import BrokerError, InvalidRequest, NotFound
 from mergebroker.merge.embedder import Embedder
 from mergebroker.providers.openai_batches import OpenAIBatchClient
@@ -255,8 +255,10 @@ class BatchService:
         finally:
             self._metrics.bulk_active.dec()
             self._jobs.pop(row.id, None)
+        lines = job.lines
         del job
         await self._finish(row, custom_ids, status, errors=errors)
+        await let_go(lines)  # its lines, freed a slice per loop turn
 
     def _ending(self, row: BatchRow) -> str:
         """The final status of a batch whose lines are all settled or stopped."""
