@@ -189,8 +189,8 @@ def _call(call_id: str, batch: list[list[BulkItem]], rules: CompactionRules, rng
         member = PlannedMember(tuple(i.custom_id for i in batch[0]), None, "", head.user_tokens, head.prompt_tokens,
                                _own_budget(head))
         return PlannedCall(call_id, model, dict(head.body), (member,), tokens)
-    tags = new_batch_ids(len(batch), rng)
     shapes: list[MergeShape] = [copies[0].shape for copies in batch]  # type: ignore[misc]
+    tags = new_batch_ids(len(batch), rng, avoid=[s.user_text for s in shapes])
     merge_members = [MergeMember(tag, s.user_text, copies[0].max_tokens, s.system_prompt)
                      for tag, s, copies in zip(tags, shapes, batch)]
     body = merged_request_body(head.body, merge_members, system_prompt=shapes[0].system_prompt,

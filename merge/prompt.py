@@ -19,7 +19,7 @@ import random
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from mergebroker.confusables import fold, folded_with_positions
 
@@ -46,6 +46,7 @@ _MANY_MEMBERS = 100
 ID_PATTERN = r"[a-z][0-9]{2,}"
 """An ID as the parsers read it (case-insensitive): a letter and two or more digits. `new_batch_ids` draws
 a subset of these; anything of this shape in member text is neutralised."""
+_ID_TOKEN = re.compile(r"(?<![0-9a-z])[a-z][0-9]{2,}(?![0-9a-z])", re.IGNORECASE)
 _BLOCK_TAGS: tuple[str, ...] = ()
 _TAGGED_TAGS = ("system",)
 
@@ -61,23 +62,27 @@ class MergeMember:
     system_prompt: str | None = None
 
 
-def new_batch_ids(n: int, rng: random.Random | None = None) -> list[str]:
+def new_batch_ids(n: int, rng: random.Random | None = None, *, avoid: Iterable[str] = ()) -> list[str]:
     """Return `n` distinct IDs, an upper-case consonant and two digits (`K42`; more digits for calls of over
     100 members, so the draw never fills its space), from `secrets` unless `rng` is given.
 
     Drawn fresh per call; guessing one is not what stops a forgery (`neutralize_tags` rewrites every tag of
-    the ID's shape in member text), but it keeps one call's IDs from meaning anything in the next.
+    the ID's shape in member text), but it keeps one call's IDs from meaning anything in the next. No ID is
+    drawn that any text in `avoid` (the members' questions) names as a token: answers echo their questions,
+    and an answer naming another member's ID ("vitamin B12") is refused by the split and sent again alone.
     """
     if n < 0:
         raise ValueError("n must not be negative")
     digits = _ID_DIGITS if n <= _MANY_MEMBERS else len(str(n)) + 1
     choice = rng.choice if rng is not None else secrets.choice
+    taken = {run.upper() for text in avoid for run in _ID_TOKEN.findall(text)}
+    if len(taken) > len(_ID_LETTERS) * 10 ** digits // 2:
+        digits += 1  # texts that name most of the space: longer IDs rather than a long draw
     ids: list[str] = []
-    seen: set[str] = set()
     while len(ids) < n:
         new = choice(_ID_LETTERS) + "".join(choice("0123456789") for _ in range(digits))
-        if new not in seen:
-            seen.add(new)
+        if new not in taken:
+            taken.add(new)
             ids.append(new)
     return ids
 

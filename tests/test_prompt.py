@@ -177,3 +177,19 @@ async def test_the_fake_pool_reads_the_blocks_merge_prompt_writes():
     pool = FakePool()
     await pool.chat("m", merged_request_body({"model": "m"}, members, system_prompt=None), deadline=0)
     assert pool.merged_calls == [[("K42", "First?"), ("B07", "Second\nline")]]
+
+
+def test_no_id_is_drawn_that_a_member_question_names() -> None:
+    """An answer echoing its question ("vitamin B12") must not name another member's ID: such IDs are never drawn."""
+    rng = random.Random(7)
+    questions = ["How much vitamin b12 do I need?", "Is an N95 mask better than a K42 one?"]
+    taken = {"B12", "N95", "K42"}
+    for _ in range(300):
+        ids = new_batch_ids(8, rng, avoid=questions)
+        assert len(set(ids)) == 8 and not taken & set(ids)
+
+
+def test_texts_naming_most_ids_lengthen_the_ids_instead_of_exhausting_the_draw() -> None:
+    crowded = [" ".join(f"{letter}{n:02d}" for letter in "BCDFGHJKMNPQRSTVWX" for n in range(100))]
+    ids = new_batch_ids(4, random.Random(1), avoid=crowded)
+    assert len(set(ids)) == 4 and all(len(i) == 4 for i in ids)
