@@ -190,16 +190,13 @@ def _call(call_id: str, batch: list[list[BulkItem]], rules: CompactionRules, rng
                                _own_budget(head))
         return PlannedCall(call_id, model, dict(head.body), (member,), tokens)
     shapes: list[MergeShape] = [copies[0].shape for copies in batch]  # type: ignore[misc]
-    tags = new_batch_ids(len(batch), rng, avoid=[s.user_text for s in shapes])
+    tags = new_batch_ids(len(batch), rng, avoid=[t for s in shapes for t in (s.user_text, s.system_prompt) if t])
     merge_members = [MergeMember(tag, s.user_text, copies[0].max_tokens, s.system_prompt)
                      for tag, s, copies in zip(tags, shapes, batch)]
-    body = merged_request_body(head.body, merge_members, system_prompt=shapes[0].system_prompt,
-                               header=rules.header, tagged_system=rules.tagged_system, count_tokens=rules.count_tokens)
     limit = rules.economics.max_output_tokens(model) if rules.economics is not None else None
-    if limit is not None and body["max_tokens"] > limit:
-        # The split sized the batch with average tags; a few tokens of exact tags must not cross the limit (a
-        # block this cuts short ends "length" where it reached its member's budget, else goes again alone).
-        body["max_tokens"] = limit
+    body = merged_request_body(head.body, merge_members, system_prompt=shapes[0].system_prompt,
+                               header=rules.header, tagged_system=rules.tagged_system, count_tokens=rules.count_tokens,
+                               output_limit=limit)
     members = tuple(PlannedMember(tuple(i.custom_id for i in copies), tag,
                                   member_request_text(s.system_prompt, s.user_text, rules.tagged_system),
                                   copies[0].user_tokens, copies[0].prompt_tokens, _own_budget(copies[0]))

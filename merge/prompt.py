@@ -68,8 +68,9 @@ def new_batch_ids(n: int, rng: random.Random | None = None, *, avoid: Iterable[s
 
     Drawn fresh per call; guessing one is not what stops a forgery (`neutralize_tags` rewrites every tag of
     the ID's shape in member text), but it keeps one call's IDs from meaning anything in the next. No ID is
-    drawn that any text in `avoid` (the members' questions) names as a token: answers echo their questions,
-    and an answer naming another member's ID ("vitamin B12") is refused by the split and sent again alone.
+    drawn that any text in `avoid` (the members' questions and system prompts) names as a token: answers
+    echo their prompts, and an answer naming another member's ID ("vitamin B12") is refused by the split
+    and sent again alone.
     """
     if n < 0:
         raise ValueError("n must not be negative")
@@ -162,21 +163,26 @@ def response_tag_tokens(member_id: str, count_tokens: Callable[[str], int]) -> i
 
 def merged_request_body(template: Mapping[str, Any], members: Sequence[MergeMember], *, system_prompt: str | None,
                         header: str | None = None, tagged_system: bool = False,
-                        count_tokens: Callable[[str], int] | None = None) -> dict[str, Any]:
+                        count_tokens: Callable[[str], int] | None = None,
+                        output_limit: int | None = None) -> dict[str, Any]:
     """The body of a merged call: `template` (the first member's body: model, sampling, every shared field)
     with the combined messages and a token budget that fits every member's own in place of the member's.
 
     The budget is the members' budgets plus their blocks' tags, so no block is cut by the merged call's
     limit before its member reached its own: counted with `count_tokens` (the broker's tokenizer), or
-    `BLOCK_OVERHEAD_TOKENS` per block without one.
+    `BLOCK_OVERHEAD_TOKENS` per block without one. It never exceeds `output_limit` (the model's most output
+    tokens, where known): planners size batches with average tags, and a few tokens of exact tags must not
+    make the provider refuse the call; a block the limit cuts short ends `length` where its member reached
+    its own budget, and goes again alone otherwise.
     """
     body = {k: v for k, v in template.items() if k not in _PER_MEMBER_BODY_FIELDS}
     body["messages"] = build_combined_messages(members, system_prompt=system_prompt, header=header,
                                                tagged_system=tagged_system)
     if count_tokens is None:
-        body["max_tokens"] = merged_max_tokens(members, model_limit=None, per_member_overhead=BLOCK_OVERHEAD_TOKENS)
+        budget = merged_max_tokens(members, model_limit=None, per_member_overhead=BLOCK_OVERHEAD_TOKENS)
     else:
-        body["max_tokens"] = sum(m.max_tokens + response_tag_tokens(m.id, count_tokens) for m in members)
+        budget = sum(m.max_tokens + response_tag_tokens(m.id, count_tokens) for m in members)
+    body["max_tokens"] = budget if output_limit is None else min(budget, output_limit)
     return body
 
 

@@ -193,3 +193,13 @@ def test_texts_naming_most_ids_lengthen_the_ids_instead_of_exhausting_the_draw()
     crowded = [" ".join(f"{letter}{n:02d}" for letter in "BCDFGHJKMNPQRSTVWX" for n in range(100))]
     ids = new_batch_ids(4, random.Random(1), avoid=crowded)
     assert len(set(ids)) == 4 and all(len(i) == 4 for i in ids)
+
+
+def test_the_merged_budget_never_asks_for_more_output_than_the_model_gives() -> None:
+    members = [MergeMember(i, f"question {i}", 500) for i in new_batch_ids(4, random.Random(3))]
+    body = merged_request_body({"model": "m", "max_tokens": 500}, members, system_prompt=None,
+                               count_tokens=count_text_tokens)
+    assert body["max_tokens"] > 2000  # every member's budget and its tags
+    capped = merged_request_body({"model": "m", "max_tokens": 500}, members, system_prompt=None,
+                                 count_tokens=count_text_tokens, output_limit=1024)
+    assert capped["max_tokens"] == 1024

@@ -35,6 +35,7 @@ from mergebroker.broker.bulk.lines import BatchLine, LineLimits
 from mergebroker.broker.bulk.batch_request import WINDOWS_S, CreateRequest, check_create
 from mergebroker.broker.bulk.runner import BulkJob, BulkRunner, Limits, Result
 from mergebroker.broker.bulk.store import BatchRow, BatchStore, FileRecord
+from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ProviderSettings, Settings
@@ -155,7 +156,7 @@ class BatchService:
         row = await self._own(tenant, batch_id)
         status = row.data["status"]
         if status in FINAL:
-            raise BrokerError(f"Cannot cancel a batch with status '{status}'.", status=409,
+            raise InvalidRequest(f"Cannot cancel a batch with status '{status}'.", status=409,
                               code="batch_not_cancellable")
         if status not in ("cancelling", "finalizing"):
             await self._save(row, status="cancelling", cancelling_at=int(self._wall()))
@@ -325,9 +326,11 @@ class BatchService:
 def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: list[ProviderSettings],
                         limits: Limits, embedder: Embedder | None, merging_allowed: Callable[[str], bool],
                         metrics: Metrics, clock: Clock, sleep: Sleep, wall: Clock = time.time,
-                        on_line: LineHook | None = None, gc_policy: GcPolicy = PROCESS) -> BatchService | None:
+                        on_line: LineHook | None = None, gc_policy: GcPolicy = PROCESS,
+                        costs: CostBook | None = None) -> BatchService | None:
     """The Batch API over `batches.dir` (see `BatchSettings`), or None when it is disabled; `on_line` hears of
-    each line's answer once (the usage ledger)."""
+    each line's answer once (the usage ledger); `costs` is the engine's, so bulk plans on the prices and the
+    provider-cache model live merging uses."""
     b = settings.batches
     if not b.enabled:
         return None
@@ -353,6 +356,6 @@ def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: 
         connect_timeout_s=p.connect_timeout_s)) for p in providers if p.batch_api and p.kind == "openai"}
     runner = BulkRunner(settings, pools=pools, store=store, batch_apis=apis, limits=limits,  # type: ignore
                         embedder=embedder, merging_allowed=merging_allowed, metrics=metrics, clock=clock, sleep=sleep,
-                        wall=wall)
+                        wall=wall, costs=costs)
     return BatchService(settings, store=store, files=files, runner=runner, metrics=metrics, sleep=sleep, wall=wall,
                         on_line=on_line, gc_policy=gc_policy)

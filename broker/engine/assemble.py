@@ -30,7 +30,7 @@ from mergebroker.broker.engine.chat.shadow import ShadowRunner
 from mergebroker.broker.engine.chat.workers import LocalJobQueue
 from mergebroker.broker.engine.embeddings.service import build_embedding_service
 from mergebroker.broker.engine.limits.admission import Authenticator
-from mergebroker.broker.engine.merge_economy import MergeEconomy
+from mergebroker.broker.engine.merge_economy import MergeEconomy, economy_for
 from mergebroker.broker.engine.limits.limiter import Limiter
 from mergebroker.broker.engine.limits.ratelimit import RateLimiter
 from mergebroker.broker.engine.limits.redis_limiter import RedisRateLimiter
@@ -43,8 +43,6 @@ from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.embedder import BatchingEmbedder, CachingEmbedder
 from mergebroker.merge.lru import LruCache
-from mergebroker.merge.merge_cost import MergePolicy
-from mergebroker.merge.prompt import DEFAULT_HEADER
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.redis_cache import RedisCache, make_redis_client
 from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
@@ -99,7 +97,7 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
     shadow = ShadowRunner(pools, rate=settings.merge.shadow_rate, tpm=settings.merge.shadow_tpm, guard=guard,
                           metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
     costs = CostBook(settings.price_table(), metrics=metrics, clock=clock)
-    economy = _economy(settings, costs, clock)
+    economy = economy_for(settings, costs, clock)
     dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow, economy)
     tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap,
                         adaptive=t.window_policy == "adaptive", min_partners=t.window_min_partners)
@@ -179,14 +177,6 @@ def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbed
         embedder=embedder,
         guard=guard, merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock,
         on_merged_answer=shadow.offer if shadow.enabled else None, economy=economy)
-
-
-def _economy(settings: Settings, costs: CostBook, clock: Clock) -> MergeEconomy:
-    """The merge decision on cost (`merge.policy`); the header it prices is the one merged calls carry."""
-    m = settings.merge
-    return MergeEconomy(costs, policy=MergePolicy(m.capacity_merge, m.capacity_pressure, m.capacity_max_premium),
-                        by_cost=m.policy == "cost", header_tokens=count_text_tokens(m.header or DEFAULT_HEADER),
-                        count=count_text_tokens, clock=clock)
 
 
 def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache | None:

@@ -199,7 +199,9 @@ class Evaluator:
     async def _merged(self, batch_size: int) -> MergedRun:
         rng = random.Random(f"ids:{self._seed}:{batch_size}")
         batches = plan_batches(self._requests, batch_size, seed=self._seed)
-        ids = [new_batch_ids(len(b), rng, avoid=[self._requests[i].shape.user_text for i in b]) for b in batches]
+        ids = [new_batch_ids(len(b), rng, avoid=[t for i in b for t in (self._requests[i].shape.user_text,
+                                                                        self._requests[i].shape.system_prompt) if t])
+               for b in batches]
         calls = await asyncio.gather(*(
             self._call(merged_body([self._requests[i] for i in b], i_ds, header=self._header))
             for b, i_ds in zip(batches, ids)))

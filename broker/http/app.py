@@ -76,7 +76,8 @@ def batch_service(broker: Broker) -> BatchService | None:
     return build_batch_service(broker.settings, pools=broker.pools, providers=list(broker.providers),
                                limits=Limits(limiter, broker.chat.limit_specs), embedder=broker.embedder,
                                merging_allowed=broker.policy.merging_allowed, metrics=broker.metrics,
-                               clock=broker.clock, sleep=broker.sleep or broker.clock.sleep, on_line=ledger_line)
+                               clock=broker.clock, sleep=broker.sleep or broker.clock.sleep, on_line=ledger_line,
+                               costs=broker.costs)
 
 
 def connection_limits(settings: Settings) -> ConnectionLimits:

@@ -62,6 +62,7 @@ class Dispatcher:
         self._planner = BatchPlanner(tiers, options, embedder=embedder, guard=guard, merging_allowed=merging_allowed,
                                      count=self._count, clock=clock, economy=economy,
                                      rpm_pressure=pools.rpm_pressure)
+        self._economy = economy
         self._on_merged_answer = on_merged_answer  # (job, answer, batch size): the shadow comparison's sampler
         self._settling = SettleOptions(options.leak_min_words, count_text_tokens)
 
@@ -128,7 +129,8 @@ class Dispatcher:
             await metered.aclose()
 
     async def _run_merged(self, tier: str, jobs: list[ChatJob]) -> None:
-        by_id = dict(zip(new_batch_ids(len(jobs)), jobs))
+        seen = [text for j in jobs if j.shape for text in (j.shape.user_text, j.shape.system_prompt) if text]
+        by_id = dict(zip(new_batch_ids(len(jobs), avoid=seen), jobs))  # IDs the model reads nowhere else
         batch_id = "b_" + uuid.uuid4().hex[:12]
         tagged = self._tiers[tier].tagged_system
         first = jobs[0]
@@ -288,8 +290,10 @@ class Dispatcher:
         first = next(iter(by_id.values()))
         members = [MergeMember(i, j.shape.user_text, j.max_tokens, j.shape.system_prompt)  # type: ignore[union-attr]
                    for i, j in by_id.items()]
+        limit = self._economy.max_output_tokens(first.model) if self._economy is not None else None
         return merged_request_body(first.body, members, system_prompt=first.shape.system_prompt,  # type: ignore
-                                   header=self._options.header, tagged_system=tagged, count_tokens=count_text_tokens)
+                                   header=self._options.header, tagged_system=tagged, count_tokens=count_text_tokens,
+                                   output_limit=limit)
 
     def _execute(self, tier: str, reply: dict[str, Any], shared: ChatOutcome, by_id: dict[str, ChatJob],
                  settlement: Settlement) -> list[tuple[ChatJob, str]]:
