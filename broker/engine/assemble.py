@@ -167,8 +167,7 @@ def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbed
                 policy: DegradationPolicy, metrics: Metrics, clock: Clock, guard: QualityGuard,
                 shadow: ShadowRunner, economy: MergeEconomy) -> Dispatcher:
     tiers = {t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
-                                     (t.similarity_budget_ms if t.similarity_budget_ms is not None
-                                      else max(4 * t.window_ms, 200.0)) / 1000)
+                                     t.similarity_budget_ms / 1000)
              for t in settings.tiers}
     m = settings.merge
     return Dispatcher(
