@@ -106,6 +106,7 @@ class PriceTable:
     def __init__(self, prices: Mapping[str, ModelPrice], aliases: Mapping[str, str] | None = None) -> None:
         self._prices = {name.lower(): price for name, price in prices.items()}
         self._aliases = {name.lower(): target.lower() for name, target in (aliases or {}).items()}
+        self._resolved: dict[str, str | None] = {}  # every priced request asks; the table never changes
 
     @classmethod
     def build(cls, config: Mapping[str, Mapping[str, Any]] | None = None, *,
@@ -124,7 +125,12 @@ class PriceTable:
 
     def resolve(self, model: str) -> str | None:
         """The table's name for `model` (see the module docstring), or None."""
-        return self._match(model.strip().lower(), self._aliases)
+        if model in self._resolved:
+            return self._resolved[model]
+        if len(self._resolved) >= _RESOLVED_MAX:
+            self._resolved.clear()  # names come from clients: the memo stays bounded
+        found = self._resolved[model] = self._match(model.strip().lower(), self._aliases)
+        return found
 
     def __len__(self) -> int:
         return len(self._prices)
@@ -147,6 +153,9 @@ class PriceTable:
                 best = known
         return best
 
+
+_RESOLVED_MAX = 1024
+"""Model names whose resolution `PriceTable` remembers (an unpriced name costs a scan of the whole table)."""
 
 # A `.` is not a boundary: `gpt-4.1` must not fall back to a `gpt-4` entry.
 _PREFIX_BOUNDARY = "-:@"

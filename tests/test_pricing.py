@@ -192,3 +192,11 @@ def test_cost_refuses_more_cached_than_prompt_tokens():
         cost_usd(GPT_4O, prompt_tokens=100, cached_tokens=80, cache_write_tokens=30)
     with pytest.raises(ValueError, match="completion_tokens"):
         cost_usd(GPT_4O, prompt_tokens=100, completion_tokens=-1)
+
+
+def test_resolution_stays_right_past_the_remembered_names() -> None:
+    """Names come from clients: however many unknown ones arrive, known models still resolve and unknown stay None."""
+    table = PriceTable.build({"my-model": {"input": 1, "cached_input": 0.5, "output": 2}})
+    for i in range(3000):
+        assert table.resolve(f"unknown-{i}") is None
+    assert table.resolve("my-model") == "my-model" and table.resolve("My-Model-2025-01-01") == "my-model"
