@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections import OrderedDict
-from typing import Awaitable, Callable, Protocol, Sequence
+from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import structlog
@@ -62,23 +63,55 @@ class RemoteEmbedder:
         return normalize_rows(vectors)
 
 
+@runtime_checkable
+class Paced(Protocol):
+    """An embedder that can tell how far behind it is, so that callers with a deadline need not queue work
+    that cannot finish in time."""
+
+    @property
+    def backlog_s(self) -> float:
+        """Seconds the texts queued now (and the call running) are expected to take, at the recent pace."""
+
+
+@runtime_checkable
+class Backlogged(Paced, Protocol):
+    """A `Paced` embedder that also tells which texts would add no work (`CachingEmbedder`)."""
+
+    def covers(self, texts: Sequence[str]) -> bool:
+        """Whether every one of `texts` is cached or already being encoded (asking adds no work)."""
+
+
+PACE_WEIGHT = 0.3
+"""Weight of the latest model call in the pace (seconds per text) a backlog is judged by."""
+
+
 class BatchingEmbedder:
     """An `Embedder` whose concurrent calls share model calls: while one encode runs, the calls that arrive
     gather and go together in the next one (up to `max_batch` texts).
 
     No timer: a lone call is encoded at once, and under load batches grow by themselves, which is where
-    the model is cheapest per text (several ms per text in a batch, 15-23 ms for a batch of one).
+    the model is cheapest per text (several ms per text in a batch, 15-23 ms for a batch of one). It keeps
+    the pace of its recent calls (wall seconds per text, so a host that starves the model thread shows),
+    and `backlog_s` is the texts waiting or running at that pace.
     """
 
-    def __init__(self, inner: Embedder, *, max_batch: int = 256) -> None:
+    def __init__(self, inner: Embedder, *, max_batch: int = 256, clock: Callable[[], float] = time.monotonic) -> None:
         self._inner = inner
         self._max_batch = max_batch
+        self._clock = clock
         self._waiting: list[tuple[list[str], asyncio.Future[np.ndarray]]] = []
         self._running: asyncio.Task[None] | None = None
+        self._queued = 0  # texts waiting or in the running call
+        self._pace = 0.0  # wall seconds per text of recent calls
 
     @property
     def ready(self) -> bool:
         return self._inner.ready
+
+    @property
+    def backlog_s(self) -> float:
+        """Seconds the queued and running texts are expected to take at the recent pace."""
+        return self._queued * self._pace
 
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Unit vectors for `texts`, possibly computed in one call with other callers' texts."""
@@ -86,6 +119,7 @@ class BatchingEmbedder:
             return await self._inner.embed([])
         future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
         self._waiting.append((list(texts), future))
+        self._queued += len(texts)
         if self._running is None or self._running.done():
             self._running = asyncio.get_running_loop().create_task(self._drain())
         return await future
@@ -98,8 +132,11 @@ class BatchingEmbedder:
                 if not future.done():  # a caller that left is dropped before the call
                     batch.append((texts, future))
                     size += len(texts)
+                else:
+                    self._queued -= len(texts)
             if not batch:
                 continue
+            started = self._clock()
             try:
                 vectors = await self._inner.embed([t for texts, _ in batch for t in texts])
             except Exception as exc:  # noqa: BLE001 - every waiter of this call gets the error
@@ -107,6 +144,10 @@ class BatchingEmbedder:
                     if not future.done():
                         future.set_exception(exc)
                 continue
+            finally:
+                self._queued -= size
+            pace = (self._clock() - started) / size
+            self._pace = pace if self._pace == 0.0 else PACE_WEIGHT * pace + (1 - PACE_WEIGHT) * self._pace
             start = 0
             for texts, future in batch:
                 if not future.done():
@@ -136,12 +177,21 @@ class CachingEmbedder:
     def __len__(self) -> int:
         return len(self._vectors)
 
+    @property
+    def backlog_s(self) -> float:
+        """The inner embedder's backlog (`Paced`), or 0 when it cannot tell."""
+        return self._inner.backlog_s if isinstance(self._inner, Paced) else 0.0
+
+    def covers(self, texts: Sequence[str]) -> bool:
+        """Whether every one of `texts` is cached or already being encoded."""
+        return all(key in self._vectors or key in self._pending for key in map(_text_key, texts))
+
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Unit vectors for `texts`; cached rows come from memory, texts being encoded for another caller
         are awaited (never encoded twice), the rest come from one `inner` call."""
         if not texts:
             return await self._inner.embed([])
-        keys = [hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in texts]
+        keys = [_text_key(t) for t in texts]
         found: dict[bytes, np.ndarray] = {}
         waiting: dict[bytes, asyncio.Future[np.ndarray]] = {}
         misses: dict[bytes, str] = {}
@@ -188,6 +238,10 @@ class CachingEmbedder:
         while len(self._vectors) > self._max_entries:
             self._vectors.popitem(last=False)
         return stored
+
+
+def _text_key(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
 def fake_vector(text: str, dim: int = 256) -> np.ndarray:

@@ -94,3 +94,41 @@ async def test_the_similarity_budget_counts_from_the_groups_first_arrival(simula
     finally:
         embedder.release.set()
         await pools.close()
+
+
+class BehindEmbedder(FakeEmbedder):
+    """A model with `backlog_s` seconds of work queued ahead (`Backlogged`) that has seen none of these texts."""
+
+    def __init__(self, backlog_s: float) -> None:
+        super().__init__()
+        self.backlog_s = backlog_s
+
+    def covers(self, texts) -> bool:
+        return False
+
+
+async def test_a_model_further_behind_than_the_budget_gets_no_more_prompts_and_nobody_waits_for_it(simulator):
+    """Under sustained overload the model's backlog stays bounded: prompts are neither prefetched nor queued
+    at release while the queued work alone outlasts the budget, and the group goes out at once, unmerged."""
+    metrics = Metrics()
+    provider = OpenAICompatProvider(HttpProviderSettings(name="sim", base_url=simulator.url))
+    pools = ProviderPools([Upstream(provider)], observer=PoolMetrics(metrics))
+    embedder = BehindEmbedder(backlog_s=5.0)
+    dispatcher = Dispatcher(
+        pools, tiers={"standard": TierMergePolicy(True, 0.85, 4, similarity_budget_s=1.0)},
+        options=MergeOptions(None, 8, {}, 8192), embedder=embedder, guard=QualityGuard(GuardSettings()),
+        merging_allowed=lambda model: True, metrics=metrics)
+    jobs = [job("How do I reset my password?"), job("How do I reset my password??")]
+    try:
+        dispatcher.prefetch("standard", jobs)
+        await asyncio.wait_for(dispatcher.run_group(ReleasedGroup("standard", "k", jobs, 0.0)), 10)
+        assert [j.future.result().batch_size for j in jobs] == [1, 1]
+        assert embedder.calls == []  # nothing queued behind a backlog nobody could use in time
+        assert metrics.registry.get_sample_value("mergebroker_merge_skipped_total",
+                                                 {"reason": "similarity_slow"}) == 2
+        embedder.backlog_s = 0.0  # caught up: the same group merges
+        again = [job("How do I reset my password?"), job("How do I reset my password??")]
+        await asyncio.wait_for(dispatcher.run_group(ReleasedGroup("standard", "k", again, 0.0)), 10)
+        assert [j.future.result().batch_size for j in again] == [2, 2]
+    finally:
+        await pools.close()

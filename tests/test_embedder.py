@@ -143,3 +143,40 @@ async def test_caching_embedder_never_encodes_a_text_that_is_already_being_encod
     first, second = await asyncio.gather(prefetch, group)
     assert inner.seen == [["a", "b"], ["c"]]
     assert (second[:2] == first).all()
+
+
+async def test_batching_embedder_reports_its_backlog_at_the_pace_of_its_recent_calls():
+    """Texts waiting or running, times the wall seconds per text the model took lately (a starved model shows)."""
+    import asyncio
+
+    from mergebroker.clock import FakeClock
+    from mergebroker.merge.embedder import BatchingEmbedder
+
+    clock = FakeClock()
+
+    class Slow(FakeEmbedder):
+        """Takes 10 ms of the fake clock per text, once released."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.go = asyncio.Event()
+
+        async def embed(self, texts):
+            await self.go.wait()
+            clock.advance(0.01 * len(texts))
+            return await super().embed(texts)
+
+    inner = Slow()
+    batching = CachingEmbedder(BatchingEmbedder(inner, clock=clock))
+    assert batching.backlog_s == 0.0  # no pace known yet
+    inner.go.set()
+    await batching.embed(["one", "two"])
+    assert batching.backlog_s == 0.0 and batching.covers(["one", "two"]) and not batching.covers(["three"])
+    inner.go.clear()
+    waiting = [asyncio.ensure_future(batching.embed([f"text {i}" for i in range(k, k + 10)])) for k in (0, 10, 20)]
+    await asyncio.sleep(0)
+    assert batching.backlog_s == pytest.approx(30 * 0.01)  # 30 texts queued at 10 ms each
+    assert batching.covers(["text 5"])  # being encoded: asking again adds no work
+    inner.go.set()
+    await asyncio.gather(*waiting)
+    assert batching.backlog_s == 0.0

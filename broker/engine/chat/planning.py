@@ -26,7 +26,7 @@ from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.clock import Clock
 from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS, DEFAULT_HEADER
 from mergebroker.merge.budget import context_shares
-from mergebroker.merge.embedder import Embedder
+from mergebroker.merge.embedder import Backlogged, Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 from mergebroker.merge.quality_guard import QualityGuard
 
@@ -64,6 +64,7 @@ class BatchPlanner:
         self._tiers = tiers
         self._options = options
         self._embedder = embedder
+        self._paced = embedder if isinstance(embedder, Backlogged) else None  # one that can tell its backlog
         self._guard = guard
         self._merging_allowed = merging_allowed
         self._count = count
@@ -77,14 +78,15 @@ class BatchPlanner:
         """Start embedding prompts that have a merge partner while their window is still open.
 
         The queue calls this as partners arrive; the vectors land in the embedder's cache (or are awaited
-        there if still running), so the group rarely waits for the model when its window closes.
+        there if still running), so the group rarely waits for the model when its window closes. Nothing is
+        queued while the model is already further behind than the tier's similarity budget.
         """
         policy = self._tiers.get(tier)
         if (policy is None or not policy.merge or self._embedder is None or not self._embedder.ready
                 or not needs_embedding(2, policy.threshold)):
             return
         texts = [j.shape.user_text for j in jobs if j.shape is not None]
-        if texts:
+        if texts and not self._behind(policy.similarity_budget_s):
             task = asyncio.ensure_future(self._embedder.embed(texts))
             self._prefetching.add(task)
             task.add_done_callback(self._prefetched)
@@ -146,19 +148,33 @@ class BatchPlanner:
                 self._count.similarity_skipped("not_cheaper", alone)
         return out
 
+    def _behind(self, time_left_s: float) -> bool:
+        """Whether the similarity model's queued work alone takes longer than `time_left_s` (`Backlogged`)."""
+        return self._paced is not None and self._paced.backlog_s > time_left_s
+
     async def _vectors(self, tier: str, jobs: list[ChatJob], budget_s: float) -> Any:
         """The group's prompt vectors, or None when the model fails or they are not ready `budget_s` after the
         group's first request arrived.
 
         A worker never waits long on the model: a busy model would otherwise hold every group behind it.
         Past the budget the group goes out unmerged (always correct), and the encode still finishes in the
-        background, so the vectors are cached for the paraphrases that come next.
+        background, so the vectors are cached for the paraphrases that come next. A group with prompts not
+        yet queued goes out at once, without queueing them, when the model is further behind than the group
+        can still wait: under sustained overload the backlog stays bounded by the budget, and no group waits
+        for vectors that cannot come in time (`prefetch` holds back the same way).
         """
         started = self._clock()
         # The budget counts from the group's first arrival, not from its release: the prompts were embedded
         # while the window was open (`prefetch`), so the time the window took is time the model already had.
         first_arrival = min(j.enqueued_at for j in jobs)
-        encode = asyncio.ensure_future(self._embedder.embed([j.shape.user_text for j in jobs]))  # type: ignore
+        texts = [j.shape.user_text for j in jobs]  # type: ignore[union-attr]
+        known = self._paced is None or self._paced.covers(texts)  # cached or being encoded: no new work
+        if not known and self._behind(first_arrival + budget_s - started):
+            # The model is further behind than this group can wait: queueing its prompts would only grow a
+            # backlog nobody can use in time (a host starved for CPU, or more prompts than the model can take).
+            self._count.similarity_skipped("similarity_slow", len(jobs))
+            return None
+        encode = asyncio.ensure_future(self._embedder.embed(texts))  # type: ignore[union-attr]
         try:
             async with self._clock.timeout_at(first_arrival + budget_s):
                 vectors = await asyncio.shield(encode)
