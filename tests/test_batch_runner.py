@@ -6,7 +6,9 @@ import asyncio
 import json
 
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.broker.bulk.runner import Limits
+from mergebroker.broker.bulk.lines import BatchLine
+from mergebroker.broker.bulk.runner import BulkJob, BulkRunner, Limits
+from mergebroker.broker.bulk.store import BatchStore
 from mergebroker.broker.bulk.batches import build_batch_service
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.limits.ratelimit import RateLimiter
@@ -61,6 +63,24 @@ async def test_window_end_expires_the_job_and_its_unsent_lines(simulator, tmp_pa
         await pools.close()
 
 
+def bare_runner(simulator, tmp_path):
+    """A bulk runner over the simulator without the batch service around it: (runner, pools, store) to close."""
+    settings = load_settings(None, environ={}, overrides={"batches": {"dir": str(tmp_path)},
+                                                          "merge": {"embedder": "none"}})
+    pools = ProviderPools([Upstream(OpenAICompatProvider(HttpProviderSettings("sim", simulator.url)))])
+    store = BatchStore(tmp_path / "state.sqlite3")
+    runner = BulkRunner(settings, pools=pools, store=store, batch_apis={}, limits=Limits(RateLimiter(monotonic),
+                        lambda c: []), embedder=None, merging_allowed=lambda m: True, metrics=Metrics(),
+                        clock=monotonic, sleep=asyncio.sleep, wall=monotonic)
+    return runner, pools, store
+
+
+def chat(custom_id: str, content: str, **extra) -> BatchLine:
+    """A chat line of a bulk job."""
+    return BatchLine(custom_id, "/v1/chat/completions", {"model": "sim-small", "messages": [
+        {"role": "system", "content": "Answer."}, {"role": "user", "content": content}], **extra})
+
+
 class Sink:
     """The results a job hands on, by custom_id (the first one kept, as the batch store keeps it)."""
 
@@ -75,24 +95,10 @@ class Sink:
 async def test_lines_that_break_planning_or_sending_fail_alone(simulator, tmp_path):
     """A lone surrogate or a 900-deep vendor field (a file stored before uploads were checked) fails its own line;
     the job's good lines are answered (finding 3)."""
-    from mergebroker.broker.bulk.lines import BatchLine
-    from mergebroker.broker.bulk.runner import BulkJob, BulkRunner
-    from mergebroker.broker.bulk.store import BatchStore
-
     deep: dict = {"x": 1}
     for _ in range(900):
         deep = {"x": deep}
-    settings = load_settings(None, environ={}, overrides={"batches": {"dir": str(tmp_path)},
-                                                          "merge": {"embedder": "none"}})
-    pools = ProviderPools([Upstream(OpenAICompatProvider(HttpProviderSettings("sim", simulator.url)))])
-    store = BatchStore(tmp_path / "state.sqlite3")
-    runner = BulkRunner(settings, pools=pools, store=store, batch_apis={}, limits=Limits(RateLimiter(monotonic),
-                        lambda c: []), embedder=None, merging_allowed=lambda m: True, metrics=Metrics(),
-                        clock=monotonic, sleep=asyncio.sleep, wall=monotonic)
-
-    def chat(custom_id: str, content: str, **extra) -> BatchLine:
-        return BatchLine(custom_id, "/v1/chat/completions", {"model": "sim-small", "messages": [
-            {"role": "system", "content": "Answer."}, {"role": "user", "content": content}], **extra})
+    runner, pools, store = bare_runner(simulator, tmp_path)
 
     lines = [chat("good1", "first question"), chat("lone", "broken \ud800 text"), chat("deep", "deep", vendor=deep),
              chat("good2", "second question")]
@@ -113,19 +119,8 @@ async def test_a_finished_job_is_freed_by_reference_counting(simulator, tmp_path
     import gc
     import weakref
 
-    from mergebroker.broker.bulk.lines import BatchLine
-    from mergebroker.broker.bulk.runner import BulkJob, BulkRunner
-    from mergebroker.broker.bulk.store import BatchStore
-
-    settings = load_settings(None, environ={}, overrides={"batches": {"dir": str(tmp_path)},
-                                                          "merge": {"embedder": "none"}})
-    pools = ProviderPools([Upstream(OpenAICompatProvider(HttpProviderSettings("sim", simulator.url)))])
-    store = BatchStore(tmp_path / "state.sqlite3")
-    runner = BulkRunner(settings, pools=pools, store=store, batch_apis={}, limits=Limits(RateLimiter(monotonic),
-                        lambda c: []), embedder=None, merging_allowed=lambda m: True, metrics=Metrics(),
-                        clock=monotonic, sleep=asyncio.sleep, wall=monotonic)
-    lines = [BatchLine(f"q{i}", "/v1/chat/completions", {"model": "sim-small", "messages": [
-        {"role": "system", "content": "Answer."}, {"role": "user", "content": f"question {i}"}]}) for i in range(6)]
+    runner, pools, store = bare_runner(simulator, tmp_path)
+    lines = [chat(f"q{i}", f"question {i}") for i in range(6)]
     job = BulkJob("batch_f", Caller("t", "batch"), lines, 4e9, "24h")
     alive = weakref.ref(job)
     del lines
