@@ -320,6 +320,9 @@ class EchoQueue:
         asyncio.get_running_loop().call_soon(job.resolve, ChatOutcome({"choices": []}, "echo", 0.0))
         return job.future
 
+    def run_now(self, job: Any) -> None:
+        return None
+
     def depth(self, tier: str) -> int:
         return 0
 

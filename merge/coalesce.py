@@ -21,6 +21,16 @@ class _Call(Generic[V]):
     waiters: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Lead(Generic[V]):
+    """A call its first caller runs in its own task: `run` answers `future`; should that caller leave
+    (cancelled) while others wait on the call, `hand_over()` must get `future` answered some other way."""
+
+    future: asyncio.Future[V]
+    run: Awaitable[None]
+    hand_over: Callable[[], None]
+
+
 class SingleFlight(Generic[K, V]):
     """Runs at most one call per key at a time; callers arriving meanwhile wait on the running one.
 
@@ -37,18 +47,22 @@ class SingleFlight(Generic[K, V]):
         """`fn()`'s value, and whether this caller joined a call already running for `key`."""
         return await self.join(key, lambda: asyncio.ensure_future(fn()))
 
-    async def join(self, key: K, start: Callable[[], asyncio.Future[V]]) -> tuple[V, bool]:
+    async def join(self, key: K, start: Callable[[], asyncio.Future[V] | Lead[V]]) -> tuple[V, bool]:
         """The result of the pending future for `key`, or of `start()` when none is pending; and whether shared.
 
-        `start()` must return a future that someone else completes (e.g. a queued job's); it is called
-        only when no call for `key` is pending, and an exception it raises reaches this caller alone.
+        `start()` returns a future that someone else completes (e.g. a queued job's), or a `Lead`: a call
+        this caller runs in its own task, which callers arriving meanwhile share like any other. It is
+        called only when no call for `key` is pending, and an exception it raises reaches this caller alone.
         The last waiter to leave before the future is done cancels it.
         """
         call = self._calls.get(key)
         # A finished call awaiting its clean-up callback must not hand its outcome to a newcomer.
         shared = call is not None and not call.future.done()
         if call is None or not shared:
-            call = self._start(key, start())
+            started = start()
+            if isinstance(started, Lead):
+                return await self._lead(key, started), False
+            call = self._start(key, started)
         call.waiters += 1
         try:
             # The shield keeps this waiter's cancellation from reaching the shared call.
@@ -60,6 +74,25 @@ class SingleFlight(Generic[K, V]):
                 # the key now lets a newcomer start afresh instead of joining a call being cancelled.
                 self._forget(key, call)
                 call.future.cancel()
+
+    async def _lead(self, key: K, lead: Lead[V]) -> V:
+        """Run `lead` in this task as the call for `key`; its result, or its error."""
+        call = self._start(key, lead.future)
+        call.waiters += 1
+        try:
+            await lead.run
+        except BaseException:
+            if call.waiters > 1 and not call.future.done():
+                # This caller left (or failed) mid-call while others wait: the call cannot go on in a task
+                # being cancelled, so it is handed over, and they are answered all the same.
+                lead.hand_over()
+            raise
+        finally:
+            call.waiters -= 1
+            if call.waiters == 0 and not call.future.done():
+                self._forget(key, call)
+                call.future.cancel()
+        return call.future.result()
 
     def in_flight(self, key: K) -> bool:
         """True while a call for `key` is pending."""

@@ -96,6 +96,41 @@ async def test_a_follower_of_a_call_cut_short_by_the_leaders_deadline_gets_its_o
         await simulator.close()
 
 
+async def test_a_leader_that_leaves_mid_call_hands_the_call_to_the_followers_waiting_on_it(start_broker):
+    # A lone request runs its upstream call in its own task; its client leaving cancels that task, and the
+    # identical request coalesced onto it must still get its answer.
+    gate = Gate(expected=1)
+    simulator = await start_simulator(SimulatorConfig(latency_base_ms=1), sleep=gate.sleep)
+    try:
+        broker = await start_broker(config(simulator, [{"name": "now", "window_ms": 0}]))
+        joins = JoinSpy(broker)
+        leader = asyncio.create_task(broker.chat("the same question"))
+        await asyncio.wait_for(gate.all_arrived.wait(), 10)  # the leader's own call is at the upstream
+        follower = asyncio.create_task(broker.chat("the same question"))
+        await joins.wait_for(2)
+        leader.cancel()  # the leader's client goes away: its connection closes, its handler is cancelled
+        gate.expected = 2
+        gate.all_arrived.clear()
+        await asyncio.wait_for(gate.all_arrived.wait(), 10)  # the call, handed over, is sent again
+        gate.release()
+        status, body, headers = await asyncio.wait_for(follower, 10)
+        assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("the same question")
+        assert headers["X-Broker-Cache"] == "coalesced"
+        assert simulator.stats()["chat_calls"] == 2
+    finally:
+        gate.release()
+        await simulator.close()
+
+
+async def test_a_lone_request_with_nobody_waiting_on_it_runs_in_its_own_task(simulator, start_broker):
+    broker = await start_broker(config(simulator, [{"name": "now", "window_ms": 0}]))
+    spy = SubmitSpy(broker)
+    status, body, headers = await broker.chat("a question of its own")
+    assert status == 200 and body["choices"][0]["message"]["content"] == answer_for("a question of its own")
+    assert headers["X-Broker-Batch-Size"] == "1"
+    assert len(spy.jobs) == 1 and spy.queued == []  # never queued: no window, no worker
+
+
 async def test_an_identical_request_in_another_tier_does_not_wait_in_the_first_ones_window(simulator, start_broker):
     clock = FakeClock()
     tiers = [{"name": "batch", "priority": 0, **WINDOW}, {"name": "realtime", "priority": 100, "window_ms": 0}]

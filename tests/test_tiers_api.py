@@ -42,20 +42,34 @@ def assert_envelope(body: dict[str, Any], code: str) -> None:
 
 
 class SubmitSpy:
-    """Counts jobs entering the broker's queue and lets a test await the n-th, instead of guessing with sleeps."""
+    """Counts jobs handed to the broker's queue (queued, or run at once by their caller: `run_now`) and lets a
+    test await the n-th, instead of guessing with sleeps. `queued` holds only those that were queued."""
 
     def __init__(self, broker: BrokerUnderTest) -> None:
         self.jobs: list[Any] = []
+        self.queued: list[Any] = []
         self._queue = broker.broker.queue
-        self._submit = self._queue.submit
+        self._submit, self._run_now = self._queue.submit, self._queue.run_now
         self._changed = asyncio.Event()
         self._queue.submit = self._record  # type: ignore[method-assign]
+        self._queue.run_now = self._record_run  # type: ignore[method-assign]
 
     def _record(self, job: Any) -> Any:
         future = self._submit(job)
-        self.jobs.append(job)
-        self._changed.set()
+        self.queued.append(job)
+        self._note(job)
         return future
+
+    def _record_run(self, job: Any) -> Any:
+        run = self._run_now(job)
+        if run is not None:
+            self._note(job)
+        return run
+
+    def _note(self, job: Any) -> None:
+        if job not in self.jobs:  # a job handed over by a caller that left is queued after it ran
+            self.jobs.append(job)
+        self._changed.set()
 
     async def wait_for(self, count: int, timeout: float = 10.0) -> list[Any]:
         while len(self.jobs) < count:

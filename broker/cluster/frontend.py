@@ -25,7 +25,7 @@ import functools
 import uuid
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, Awaitable
 
 import structlog
 from redis.exceptions import RedisError
@@ -103,6 +103,10 @@ class ClusterQueue:
     def extend(self, job: ChatJob, deadline: float) -> bool:
         """Extend a job still in this front-end (not yet added to its stream); False once it was sent."""
         return job.extend_deadline(deadline)
+
+    def run_now(self, job: ChatJob) -> Awaitable[None] | None:
+        """In fallback, the local queue's run (`LocalJobQueue.run_now`); else None: jobs go to the cluster."""
+        return self._local.run_now(job) if self._fallback and not self._closed else None
 
     def depth(self, tier: str) -> int:
         """Jobs of `tier` waiting here: in the local queue, or about to be sent (the rest is in Redis)."""

@@ -95,6 +95,11 @@ class Dispatcher:
         else:
             await self._run_merged(tier, live)
 
+    async def run_alone(self, job: ChatJob) -> None:
+        """Send a job that never waited in a window on its own (a batch of one, counted as such)."""
+        self._count.batch(job.tier, 1)
+        await self.run_single(job)
+
     async def run_single(self, job: ChatJob, *, fallback: str | None = None) -> None:
         """Send one request on its own and resolve its future."""
         started = self._clock()

@@ -2,14 +2,14 @@
 
 `ChatService` depends on this seam only. The in-process implementation is `broker.engine.chat.workers.LocalJobQueue`
 (merge windows in `broker.engine.chat.merge_queue.MergeQueue`, worker tasks running `broker.engine.chat.dispatch.Dispatcher`); a
-cluster-wide one can sit behind the same five calls. `FakeJobQueue` records jobs and lets a unit test
+cluster-wide one can sit behind the same calls. `FakeJobQueue` records jobs and lets a unit test
 answer them by hand.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
 from mergebroker.errors import BrokerError, Overloaded
@@ -27,6 +27,9 @@ class JobQueue(Protocol):
     - `extend(job, deadline)` asks that a job not yet sent run until the later `deadline` (a coalesced
       follower's); False when that is no longer possible (already sent, or the queue cannot), and the
       job then runs on the deadline it had.
+    - `run_now(job)`: the run of a job that cannot merge, for its caller to await in its own task (the
+      job's future is answered when it ends, as if a worker had sent it), or None when the job must be
+      submitted. A queue offers it only when nothing else waits for a worker, so no priority is jumped.
     - `depth(tier)`: the tier's jobs accepted and not yet taken by a worker (metrics, /stats).
     - `start()` begins serving; `stop()` refuses new jobs, answers every job still waiting with
       `Overloaded`, and stops the workers. `alive()` is True while it can serve (readiness).
@@ -35,6 +38,8 @@ class JobQueue(Protocol):
     def submit(self, job: ChatJob) -> asyncio.Future[ChatOutcome]: ...
 
     def extend(self, job: ChatJob, deadline: float) -> bool: ...
+
+    def run_now(self, job: ChatJob) -> Awaitable[None] | None: ...
 
     def depth(self, tier: str) -> int: ...
 
@@ -70,6 +75,9 @@ class FakeJobQueue:
         self.extensions.append((job, deadline))
         self._changed.set()
         return job.extend_deadline(deadline)
+
+    def run_now(self, job: ChatJob) -> None:
+        return None  # every job is submitted, for the test to answer
 
     def depth(self, tier: str) -> int:
         return sum(1 for j in self.jobs if j.tier == tier and not j.future.done())

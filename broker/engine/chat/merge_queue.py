@@ -106,6 +106,15 @@ class MergeQueue(Generic[T]):
             for name in self._tiers:
                 metrics.queue_depth.labels(name).set_function(functools.partial(self.depth, name))
 
+    def sends_alone(self, item: T) -> bool:
+        """True when `item` never waits in a window: it cannot merge, or its tier has no window."""
+        tier = self._tiers[item.tier]
+        return item.merge_key is None or tier.window_s <= 0 or tier.max_batch <= 1
+
+    def idle(self) -> bool:
+        """True while accepting and no released group waits for a worker: a request sent now jumps no one."""
+        return not self._closed and not any(self._ready_count.values())
+
     def depth(self, tier: str) -> int:
         """Requests of a tier not yet taken by a worker."""
         return self._open_count[tier] + self._ready_count[tier]
@@ -119,7 +128,7 @@ class MergeQueue(Generic[T]):
             if self._metrics:
                 self._metrics.rejected.labels(tier.name, "queue_full").inc()
             raise Overloaded(f"Tier '{tier.name}' queue is full; retry later.", retry_after=1, code="queue_full")
-        if item.merge_key is None or tier.window_s <= 0 or tier.max_batch <= 1:
+        if self.sends_alone(item):
             self._make_ready(tier.name, None, [item])
         elif tier.adaptive and not self._worth_waiting(tier, item):
             self._make_ready(tier.name, item.merge_key, [item])

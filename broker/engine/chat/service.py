@@ -18,7 +18,7 @@ import structlog
 
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import DeadlineExceeded, UpstreamUnavailable
+from mergebroker.errors import BrokerError, DeadlineExceeded, UpstreamUnavailable
 from mergebroker.merge.budget import token_budget
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
@@ -29,7 +29,7 @@ from mergebroker.broker.engine.limits.ratelimit import LimitSpec, Reservation
 from mergebroker.broker.engine.settings import Settings, TierSettings
 from mergebroker.broker.engine.tokens import estimate_prompt_tokens
 from mergebroker.merge.cache import TwoLevelCache
-from mergebroker.merge.coalesce import SingleFlight
+from mergebroker.merge.coalesce import Lead, SingleFlight
 from mergebroker.merge.fingerprint import chat_fingerprint
 from mergebroker.merge.shape import compatibility_key, merge_shape
 from mergebroker.providers.base import Pool
@@ -167,15 +167,18 @@ class ChatService:
         # A follower shares the leader's job: its tier (window, priority) and its merge opt-out must match.
         flight = f"{key}|{tier.name}|{'alone' if merge_opt_out else 'mergeable'}"
 
-        def submit() -> asyncio.Future[ChatOutcome]:
+        def submit() -> asyncio.Future[ChatOutcome] | Lead[ChatOutcome]:
             # Only the first of identical requests queues a job; SingleFlight cancels its future (the
             # queue then drops the job before dispatch) once every caller waiting for it has left.
+            # A job that cannot merge is run by this caller's own task when the queue allows it; should
+            # this caller leave mid-call while identical requests wait on it, it goes to the queue for them.
             job = self._job(caller, tier, scope, request_id, body, deadline, prompt_tokens, max_tokens,
                             merge_opt_out)
-            future = self._queue.submit(job)
+            run = self._queue.run_now(job)
+            future = job.future if run is not None else self._queue.submit(job)
             self._pending[flight] = (job, future)
             future.add_done_callback(partial(self._untrack, flight, job))
-            return future
+            return future if run is None else Lead(future, run, partial(self._hand_over, job))
 
         try:
             # A timeout context, not wait_for: no extra task per request.
@@ -213,6 +216,13 @@ class ChatService:
                 if joined is None or joined.deadline >= deadline or self._clock() >= deadline:
                     raise
                 log.info("coalesced_retry", reason="shared_job_deadline")
+
+    def _hand_over(self, job: ChatJob) -> None:
+        """Queue a job whose caller left while running it, for the identical requests still waiting on it."""
+        try:
+            self._queue.submit(job)
+        except BrokerError as exc:  # shutting down, or the tier is full: they hear why
+            job.fail(exc)
 
     def _untrack(self, flight: str, job: ChatJob, _future: asyncio.Future[ChatOutcome]) -> None:
         # A newer job may own the key already (the old one was cancelled as its callers left).

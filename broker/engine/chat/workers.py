@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 import structlog
 
 from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import Overloaded
+from mergebroker.errors import BrokerError, Overloaded
 from mergebroker.broker.engine.chat.dispatch import Dispatcher
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.engine.metrics import Metrics
@@ -54,7 +54,7 @@ class WorkerPool:
     async def _run(self) -> None:
         while True:
             group = await self._queue.take()
-            self._observe_wait(group)
+            self._observe_wait(group.tier, group.items)
             if self._room > 0:
                 self._room -= 1
             else:  # the dispatch that ends next hands its place straight to this worker
@@ -76,17 +76,36 @@ class WorkerPool:
         group = pick()
         if group is None or not group.items:
             return False
-        self._observe_wait(group)
+        self._observe_wait(group.tier, group.items)
         self._room -= 1
         self._spawn(group)
         return True
 
-    def _observe_wait(self, group: Any) -> None:
+    def run_now(self, job: ChatJob) -> Awaitable[None] | None:
+        """The run of `job` alone, for its caller's task to await, when there is room in dispatch; else None.
+
+        It takes a place in `max_dispatching` like a spawned group and gives it back when it ends.
+        """
+        if self._room <= 0:
+            return None
+        self._room -= 1  # taken now: nothing runs between this and the caller's await
+        return self._run_alone(job)
+
+    async def _run_alone(self, job: ChatJob) -> None:
+        try:
+            self._observe_wait(job.tier, (job,))
+            await self._dispatcher.run_alone(job)
+            if not job.future.done():  # run_single answers every job; this only guards against a bug
+                job.fail(BrokerError("The broker lost track of the request.", status=500, code="dispatch_failed"))
+        finally:
+            self._free_room()
+
+    def _observe_wait(self, tier: str, jobs: Iterable[ChatJob]) -> None:
         now = self._clock()
-        queue_wait = self._queue_wait.get(group.tier)
+        queue_wait = self._queue_wait.get(tier)
         if queue_wait is None:
-            queue_wait = self._queue_wait[group.tier] = self._metrics.queue_wait.labels(group.tier)
-        for job in group.items:
+            queue_wait = self._queue_wait[tier] = self._metrics.queue_wait.labels(tier)
+        for job in jobs:
             queue_wait.observe(now - job.enqueued_at)
 
     def _spawn(self, group: Any) -> None:
@@ -144,6 +163,18 @@ class LocalJobQueue:
     def extend(self, job: ChatJob, deadline: float) -> bool:
         """Extend a job still waiting in this process's queue."""
         return job.extend_deadline(deadline)
+
+    def run_now(self, job: ChatJob) -> Awaitable[None] | None:
+        """A job that never waits in a window runs in its caller's task while no released group waits for a
+        worker.
+
+        Queueing it would only hand it to a dispatch task one loop step later, through the windows and
+        the planner, for the same lone call. When groups wait, it queues behind them in priority order.
+        """
+        queue = self.merge_queue
+        if job.stream or job.before_send is not None or not queue.sends_alone(job) or not queue.idle():
+            return None
+        return self._workers.run_now(job)
 
     def depth(self, tier: str) -> int:
         """Jobs of `tier` not yet taken by a worker."""
