@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from functools import partial
 from typing import Any, Callable, Mapping
 
-_WHITESPACE = re.compile(r"\s+")
+import orjson
 
 # Body fields that do not change the answer: who asks (`user`, `safety_identifier`), how it is
 # delivered (`stream`, `stream_options`), what the upstream keeps or logs (`store`, `metadata`),
@@ -31,7 +30,8 @@ _SPECIAL_FIELDS = frozenset({"messages", "stop", "max_tokens", "max_completion_t
 
 def normalize_text(text: str, *, lowercase: bool, collapse_whitespace: bool = True) -> str:
     """Strip `text`, collapse every whitespace run to one space (unless told not to) and optionally lower-case it."""
-    text = _WHITESPACE.sub(" ", text).strip() if collapse_whitespace else text.strip()
+    # `str.split()` splits at the same whitespace as the regex `\s+` (both ask `str.isspace`), several times faster.
+    text = " ".join(text.split()) if collapse_whitespace else text.strip()
     return text.lower() if lowercase else text
 
 
@@ -77,10 +77,10 @@ def embedding_fingerprint(
 
 
 def _canonical_message(message: Any, text: Callable[[str], str]) -> Any:
-    if not isinstance(message, Mapping):
+    if type(message) is not dict and not isinstance(message, Mapping):
         return canonical_value(message)
     # Every message field counts (role, name, tool-call state, vendor fields); only the text is normalised.
-    out = {str(k): canonical_value(v) for k, v in message.items()}
+    out = {k if type(k) is str else str(k): canonical_value(v) for k, v in message.items()}
     out["content"] = _canonical_content(message.get("content"), text)
     return _drop_nulls(out)
 
@@ -108,8 +108,13 @@ def canonical_stop(stop: Any) -> Any:
     return canonical_value(stop)
 
 
+_PLAIN = frozenset({str, int, bool, type(None)})
+
+
 def canonical_value(value: Any) -> Any:
     """Make JSON-equal values serialise equally: drop nulls in objects, write integral floats as ints."""
+    if type(value) in _PLAIN:  # what request bodies are mostly made of, answered before the general checks
+        return value
     if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
         return value
     if isinstance(value, float):
@@ -130,5 +135,12 @@ _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=
 
 
 def _digest(canonical: dict[str, Any]) -> str:
-    payload = _ENCODER.encode(_drop_nulls(canonical))
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+    """SHA-256 of the canonical JSON: keys sorted, compact, UTF-8. orjson writes it about 15 times faster; what
+    it refuses (an integer beyond 64 bits, a lone surrogate) the standard library writes. Either text parses
+    back to the same value, so two different values never share a payload."""
+    canonical = _drop_nulls(canonical)
+    try:
+        payload = orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        payload = _ENCODER.encode(canonical).encode("utf-8", "surrogatepass")
+    return hashlib.sha256(payload).hexdigest()

@@ -34,6 +34,8 @@ _SSE_REQUEST = {**_JSON_CONTENT, "Accept": "text/event-stream"}
 
 _NARROWNESS = {StreamSupport.FULL: 0, StreamSupport.WITHOUT_OPTIONS: 1, StreamSupport.NONE: 2}
 
+_TIMEOUTS_KEPT = 64
+
 DEFAULT_TOKEN_RATE = 50.0
 """Generation speed (tokens/s) assumed when sizing a read timeout: slow enough for a loaded hosted model."""
 
@@ -139,6 +141,7 @@ class OpenAICompatProvider:
         self._base_url = settings.base_url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
         self._urls: dict[str, URL] = {}  # parsed once per endpoint, not per call
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._stream_support = StreamSupport.FULL  # narrowed for good by what the upstream refuses
 
     def __repr__(self) -> str:
@@ -176,7 +179,16 @@ class OpenAICompatProvider:
         return _http_error(status, headers, raw)
 
     def _call_timeout(self, timeout: float) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=timeout, connect=min(timeout, self._settings.connect_timeout_s))
+        # Most calls' timeout is their read timeout, one of a few values (it follows `max_tokens`), and an
+        # aiohttp timeout costs microseconds to build: those are built once. A deadline-bound value is
+        # different every time; past `_TIMEOUTS_KEPT` values the memo starts over.
+        found = self._timeouts.get(timeout)
+        if found is None:
+            found = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, self._settings.connect_timeout_s))
+            if len(self._timeouts) >= _TIMEOUTS_KEPT:
+                self._timeouts.clear()
+            self._timeouts[timeout] = found
+        return found
 
     async def _request_json(self, method: str, endpoint: str, body: dict[str, Any] | None,
                             timeout: float) -> dict[str, Any]:

@@ -27,6 +27,7 @@ class Metrics:
     def __init__(self, *, max_model_labels: int = MAX_MODEL_LABELS) -> None:
         self._max_model_labels = max_model_labels
         self._model_labels: set[str] = set()
+        self._request_series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         r = self.registry = CollectorRegistry()
         p = "mergebroker_"
         # Foundation: requests and upstream calls.
@@ -159,6 +160,16 @@ class Metrics:
         label = self.model_label(model)
         self.cost_usd.labels(tier, label, "actual").inc(actual_usd)
         self.cost_usd.labels(tier, label, "alone").inc(alone_usd)
+
+    def request_series(self, endpoint: str, tier: str, status: int) -> tuple[Any, Any]:
+        """The `requests` counter and `request_latency` histogram children for these labels, looked up once
+        (`labels()` costs more than the observation itself, and every answered request asks)."""
+        key = (endpoint, tier, status)
+        pair = self._request_series.get(key)
+        if pair is None:
+            pair = self._request_series[key] = (self.requests.labels(endpoint, tier, str(status)),
+                                                self.request_latency.labels(endpoint, tier))
+        return pair
 
     def model_label(self, model: str) -> str:
         """The `model` label value for `model`: the name itself for the first `max_model_labels` distinct

@@ -2,7 +2,7 @@
 
 aiohttp stops accepting, then waits for running handlers (up to its own shutdown timeout) and cancels
 what is left, which closes those connections without an answer. With a hung upstream that wait was the
-whole read timeout. Here every handler registers while it runs (`track`); at shutdown (`drain`, an
+whole read timeout. Here every handler registers while it runs (`enter` .. `leave`); at shutdown (`drain`, an
 `on_shutdown` hook) they get `drain_timeout_s` to finish, and those still running are cancelled with
 the drain marked expired, which the middleware turns into one 503 `shutting_down` answer each.
 """
@@ -10,8 +10,7 @@ the drain marked expired, which the middleware turns into one 503 `shutting_down
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from typing import Iterator
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -31,18 +30,18 @@ class Drain:
         self._idle.set()
         self.expired = False
 
-    @contextlib.contextmanager
-    def track(self) -> Iterator[None]:
-        """Register the current handler task for the duration of the block."""
+    def enter(self) -> asyncio.Task[Any] | None:
+        """Register the current handler task until `leave(task)` (what it returns); plain calls rather than a
+        generator-based context manager, as they run around every request."""
         task = asyncio.current_task()
-        if task is None:
-            yield
-            return
-        self._running.add(task)
-        self._idle.clear()
-        try:
-            yield
-        finally:
+        if task is not None:
+            self._running.add(task)
+            self._idle.clear()
+        return task
+
+    def leave(self, task: asyncio.Task[Any] | None) -> None:
+        """The handler task `enter` registered has finished."""
+        if task is not None:
             self._running.discard(task)
             if not self._running:
                 self._idle.set()

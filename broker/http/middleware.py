@@ -10,7 +10,6 @@ follows it: the handler ends the stream itself and notes the error in `request[I
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
 from typing import Awaitable, Callable
@@ -44,15 +43,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     given = request.headers.get("X-Request-ID", "")
     request_id = given if 0 < len(given) <= 128 and given.isprintable() else broker_request_id
     info = request[INFO] = RequestInfo(request_id, broker_request_id, started)
-    structlog.contextvars.clear_contextvars()
+    # aiohttp runs each request in a task of its own, whose context is a copy: what is bound here stays
+    # with this request, so nothing needs clearing first.
     structlog.contextvars.bind_contextvars(request_id=request_id, broker_request_id=broker_request_id)
-    guard = request.app.get(CONNECTIONS)
+    app = request.app
+    guard = app.get(CONNECTIONS)
     if guard is not None:
         guard.request_started(request.protocol, request.content.is_eof)
-    drain = request.app.get(DRAIN)
+    drain = app.get(DRAIN)
+    handling = drain.enter() if drain is not None else None
     try:
-        with drain.track() if drain is not None else contextlib.nullcontext():
-            response = await handler(request)
+        response = await handler(request)
     except Exception as exc:  # noqa: BLE001 - every failure leaves in the one envelope (or, mid-stream, not at all)
         response = _failure_response(request, info, exc)
     except asyncio.CancelledError:
@@ -63,6 +64,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         asyncio.current_task().uncancel()  # type: ignore[union-attr]  # cut off by the shutdown drain: answer 503
         response = _error_response(drain.refusal())
     finally:
+        if drain is not None:
+            drain.leave(handling)
         if guard is not None:
             guard.request_finished(request.protocol)
     elapsed = time.perf_counter() - started

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -57,7 +56,7 @@ def record_request(metrics: Metrics | None, ledger: Ledger | None, info: Request
                    elapsed: float, *, sent_status: int | None = None) -> None:
     """Count one answered request (metrics, usage ledger) and log its event; HTTP and the library alike."""
     if metrics is not None:
-        requests, latency = _request_metrics(metrics, endpoint, info.tier, status)
+        requests, latency = metrics.request_series(endpoint, info.tier, status)
         requests.inc()
         latency.observe(elapsed)
     if endpoint != "models" and (ledger is not None or info.costs is not None):
@@ -66,27 +65,6 @@ def record_request(metrics: Metrics | None, ledger: Ledger | None, info: Request
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
              batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache,
              stream_error=(info.stream_error.code or info.stream_error.type) if info.stream_error else None)
-
-
-_CHILDREN: weakref.WeakKeyDictionary[Metrics, dict[tuple[str, str, int], tuple[Any, Any]]] = (
-    weakref.WeakKeyDictionary())
-
-
-def _request_metrics(metrics: Metrics, endpoint: str, tier: str, status: int) -> tuple[Any, Any]:
-    """The request counter and latency histogram children for these labels.
-
-    `labels()` costs more than the observation itself, so each child is looked up once per broker
-    (weakly keyed, so a stopped broker's metrics are not kept alive).
-    """
-    children = _CHILDREN.get(metrics)
-    if children is None:
-        children = _CHILDREN[metrics] = {}
-    key = (endpoint, tier, status)
-    pair = children.get(key)
-    if pair is None:
-        pair = children[key] = (metrics.requests.labels(endpoint, tier, str(status)),
-                                metrics.request_latency.labels(endpoint, tier))
-    return pair
 
 
 def _record(ledger: Ledger | None, info: RequestInfo, endpoint: str, status: int, elapsed: float, *_: Any) -> None:
