@@ -6,7 +6,7 @@ against `answer_for`), the broker's `/metrics` (merge counters, before/after del
 simulator's `/stats` (upstream calls and tokens, reset before each run). Scenarios: the main mixed
 workload on the batch and standard tiers, hot-question bursts on the standard tier, and sweeps of the
 similarity threshold, the merge window and the arrival rate. The standard tier also runs with the float
-similarity model (`merge.embedder: local`) beside the int8 default (`local-int8`), so the default is
+similarity model (`merge.embedder: local`) beside the default int8 copy on onnxruntime (`local-onnx`), so the default is
 judged by numbers, and with a longer similarity budget (`similarity_budget_ms`) than the default. `python -m bench.merging [--quick]` writes `bench/results/merging.json`.
 """
 
@@ -74,7 +74,7 @@ class RunSpec:
     merge: bool = True
     window_ms: float | None = None
     threshold: float | None = None
-    embedder: str = "local-int8"  # `merge.embedder`; the broker's default
+    embedder: str = "local-onnx"  # `merge.embedder`; the broker's default
     similarity_budget_ms: float | None = None  # the tier's `similarity_budget_ms`; None keeps the default
 
 

@@ -254,9 +254,9 @@ def sections(m: dict[str, Any], images: dict[str, str]) -> list[str]:
     if FLOAT_RUN in runs:
         out += ["### Similarity model: float vs. int8 (standard tier)", "",
                 "The same workloads on the standard tier (similarity threshold 0.85) with `merge.embedder: local` "
-                "(the float all-MiniLM-L6-v2) and with `local-int8` (its dynamically quantised copy, the default). "
-                "Both run on one torch thread (`embeddings.model_threads: 1`, the default).", "",
-                variant_table(scenarios, [(FLOAT_RUN, "`local` (float)"), (DEFAULT_RUN, "`local-int8` (default)")]),
+                "(the float all-MiniLM-L6-v2) and with `local-onnx` (its int8 copy on onnxruntime, the default). "
+                "Both run on the default `embeddings.model_threads` (2).", "",
+                variant_table(scenarios, [(FLOAT_RUN, "`local` (float)"), (DEFAULT_RUN, "`local-onnx` (default)")]),
                 ""]
     if BUDGET_RUN in runs:
         out += ["### Similarity budget (standard tier)", "",
