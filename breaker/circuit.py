@@ -111,7 +111,7 @@ def next_open_s(current_s: float, settings: BreakerSettings) -> float:
     return min(current_s * settings.open_backoff, settings.open_max_s)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Ticket:
     """An admitted call: the state epoch it was admitted in, whether it holds a probe slot, its tenant."""
 
@@ -301,6 +301,8 @@ class CircuitBreaker:
         if outcome is None:
             return
         self._window.record(outcome, ticket.tenant)
+        if self._window.spotless():
+            return  # no ratio above zero: no threshold can be passed (every healthy call ends here)
         overall = self._window.stats()
         if trip_reason(overall, self._settings) is None:
             return  # judge would say nothing: skip its per-tenant breakdown, on every healthy call

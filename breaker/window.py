@@ -29,6 +29,10 @@ class Outcome(enum.Enum):
         return self in (Outcome.SLOW, Outcome.TIMEOUT)
 
 
+_WEIGHTS = {o: (int(o.is_failure), int(o.is_slow)) for o in Outcome}
+"""Each outcome's count towards failures and towards slow calls."""
+
+
 @dataclass(frozen=True)
 class WindowStats:
     """Counts and ratios over the window; ratios are 0.0 when there were no calls."""
@@ -91,13 +95,18 @@ class SlidingWindow:
         self._slow = 0
         self._tenants.clear()
 
+    def spotless(self) -> bool:
+        """True when no failure or slow call is counted: then no ratio is above zero (nothing to judge)."""
+        return not self._failures and not self._slow
+
     def _count(self, outcome: Outcome, tenant: str | None, sign: int) -> None:
-        self._failures += sign * outcome.is_failure
-        self._slow += sign * outcome.is_slow
+        failure, slow = _WEIGHTS[outcome]  # per call, twice: a dict lookup, not two enum properties
+        self._failures += sign * failure
+        self._slow += sign * slow
         counts = self._tenants.setdefault(tenant, [0, 0, 0])
         counts[0] += sign
-        counts[1] += sign * outcome.is_failure
-        counts[2] += sign * outcome.is_slow
+        counts[1] += sign * failure
+        counts[2] += sign * slow
         if counts[0] == 0:
             del self._tenants[tenant]
 

@@ -50,7 +50,7 @@ Attempt = Callable[[Upstream, float], Awaitable[T]]
 """One call on one upstream, given the upstream and the call's timeout in seconds."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _CallSpec:
     """What a pooled call needs besides its attempt: budget, pacing, and how long it holds its slot."""
 
@@ -228,7 +228,8 @@ class ProviderPools:
                 raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.")
             sent = True
             result = await self._guarded(u, attempt, min(left, read_timeout),
-                                         deadline=spec.deadline if left < read_timeout else None, tenant=spec.tenant)
+                                         deadline=spec.deadline if left < read_timeout else None, tenant=spec.tenant,
+                                         request_deadline=spec.deadline)
         except BaseException as exc:
             self._release(u)
             self._give_back_unspent(u, exc, sent, taken)
@@ -294,10 +295,12 @@ class ProviderPools:
             u._slots.release()
 
     async def _guarded(self, u: Upstream, attempt: Attempt[T], timeout: float, *, deadline: float | None,
-                       tenant: str | None = None) -> T:
+                       tenant: str | None = None, request_deadline: float | None = None) -> T:
         """The call inside `u`'s breaker. `deadline` is set when the request's deadline, not the read
         timeout, bounds it: a timeout then is the caller's budget running out, and says nothing about
         the upstream's health, so it leaves as `DeadlineExceeded` (neither success nor failure).
+        A call cancelled once `request_deadline` has come (its caller's own timer, which may fire in the
+        same loop turn as this one's) is counted as the deadline's too, not as a caller that left.
         A reply's output tokens at `u.token_rate` are time it was expected to take (not slow)."""
         started = self._clock()
         outcome = "error"
@@ -321,7 +324,8 @@ class ProviderPools:
             outcome = retry_reason(exc) if exc.retryable else "client_error"
             raise
         except asyncio.CancelledError:
-            outcome = "cancelled"
+            due = request_deadline is not None and remaining(request_deadline, self._clock) <= DEADLINE_SLACK_S
+            outcome = "deadline" if due else "cancelled"
             raise
         finally:
             latency = None if outcome == "breaker_open" else self._clock() - started
