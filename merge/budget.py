@@ -1,24 +1,15 @@
-"""A chat request's completion budget: the one rule for reading it from a body, and what a merged call's
-members cost the model's context window."""
+"""What a merged call's members cost the model's context window (`token_budget`, the one rule for a
+request's output budget, lives in `mergebroker.output_budget` and is re-exported here)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
+from mergebroker.output_budget import token_budget
 from mergebroker.merge.merge_cost import REQUEST_TAG_TOKENS
 from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS
 
-
-def token_budget(body: Mapping[str, Any], default: int) -> int:
-    """The output tokens a request may use: `max_completion_tokens` (OpenAI's current name) wins over the
-    older `max_tokens`; `default` when neither is a positive whole number."""
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return default
+__all__ = ["context_shares", "token_budget"]
 
 
 def context_shares(reserved: Sequence[int], *, window: int, shared: int, header: int) -> tuple[list[int], int]:

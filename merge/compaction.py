@@ -20,7 +20,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from mergebroker.merge.budget import context_shares, token_budget
+from mergebroker.merge.budget import context_shares
+from mergebroker.output_budget import token_budget
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 from mergebroker.merge.member_budget import TokenCounter, estimate_tokens
 from mergebroker.merge.prompt import DEFAULT_HEADER, MergeMember, merged_request_body, new_batch_ids

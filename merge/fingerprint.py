@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping
 
 import orjson
 
+from mergebroker.output_budget import token_budget
+
 # Body fields that do not change the answer: who asks (`user`, `safety_identifier`), how it is
 # delivered (`stream`, `stream_options`), what the upstream keeps or logs (`store`, `metadata`),
 # a provider-side prompt-cache routing hint (`prompt_cache_key`) and the broker's own options.
@@ -42,9 +44,7 @@ def chat_fingerprint(body: Mapping[str, Any], *, lowercase: bool = True, collaps
     # Body fields sit under their own key, so a field named like one of ours ("kind") cannot collide.
     fields = {name: canonical_value(value) for name, value in body.items()
               if name not in NON_ANSWER_FIELDS and name not in _SPECIAL_FIELDS}
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
+    max_tokens = token_budget(body, 0) or None  # the one rule: the same budget, however the body names it
     canonical: dict[str, Any] = {
         "kind": "chat",
         "cache_version": cache_version,

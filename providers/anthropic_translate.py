@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from mergebroker.output_budget import token_budget
 from mergebroker.providers.anthropic_refuse import refuse
 from mergebroker.providers.anthropic_structured import NATIVE_STRUCTURED_OUTPUT, ReplyShape, to_output
 from mergebroker.providers.anthropic_tools import to_tool_choice, to_tools
@@ -107,8 +108,7 @@ def to_messages(body: Mapping[str, Any], *, default_max_tokens: int, model_map: 
     system, turns = split_messages(body.get("messages"))
     model = str(body.get("model") or "")
     model = (model_map or {}).get(model, model)
-    limits = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
-    out: dict[str, Any] = {"model": model, "messages": turns, "max_tokens": min(limits, default=default_max_tokens)}
+    out: dict[str, Any] = {"model": model, "messages": turns, "max_tokens": token_budget(body, default_max_tokens)}
     if system:
         out["system"] = "\n\n".join(system)
     if body.get("stop"):

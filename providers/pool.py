@@ -23,6 +23,8 @@ import structlog
 from mergebroker.breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError
 from mergebroker.breaker.policy import all_open_retry_after
 from mergebroker.clock import Clock, Sleep, monotonic
+from mergebroker.output_budget import token_budget
+from mergebroker.token_usage import TokenUsage
 from mergebroker.errors import (
     DeadlineExceeded,
     NotFound,
@@ -35,7 +37,6 @@ from mergebroker.errors import (
 )
 from mergebroker.providers.held_stream import HeldStream
 from mergebroker.providers.openai_compat import read_timeout_for
-from mergebroker.providers.reply_usage import completion_tokens, usage_tokens
 from mergebroker.providers.retry import RetryPolicy, call_with_retries, remaining, retry_reason
 from mergebroker.providers.upstream import NullObserver, PoolObserver, Strategy, Upstream, order_upstreams
 
@@ -235,9 +236,9 @@ class ProviderPools:
             self._give_back_unspent(u, exc, sent, taken)
             raise
         if u.limiter is not None:
-            used = usage_tokens(_reply_of(result))
+            used = TokenUsage.from_body(_reply_of(result))
             if used is not None:
-                u.limiter.give_back(taken - used)
+                u.limiter.give_back(taken - used.total_tokens)
         if spec.holds_slot:
             return HeldStream(result, lambda: self._release(u),  # type: ignore[arg-type, return-value]
                                on_broken=lambda exc: self._stream_broke(u, exc, spec.tenant))
@@ -311,7 +312,8 @@ class ProviderPools:
                 async with u.breaker.guard(tenant) as call:
                     result = await self._attempt(u, attempt, timeout, deadline)
                     # A stream replaying a whole reply waited for all of it: its output's time is expected.
-                    call.allowance_s = completion_tokens(_reply_of(result)) / u.token_rate
+                    usage = TokenUsage.from_body(_reply_of(result))
+                    call.allowance_s = (usage.completion_tokens if usage else 0) / u.token_rate
             outcome = "success"
             return result
         except BreakerOpenError:
@@ -399,5 +401,5 @@ def _reply_of(result: Any) -> Any:
 
 def _read_timeout(body: dict[str, Any], token_rate: float) -> float:
     """The chat read timeout: `read_timeout_for` (the one rule) applied to the body's output budget."""
-    budget = body.get("max_completion_tokens") or body.get("max_tokens")
-    return read_timeout_for(int(budget) if budget else None, token_rate=token_rate)
+    budget = token_budget(body, 0)
+    return read_timeout_for(budget or None, token_rate=token_rate)

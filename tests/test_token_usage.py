@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mergebroker.broker.engine.chat.jobs import ChatOutcome
-from mergebroker.merge.budget import token_budget
+from mergebroker.output_budget import token_budget
 from mergebroker.token_usage import TokenUsage
 
 

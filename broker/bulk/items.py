@@ -18,7 +18,7 @@ from mergebroker.broker.bulk.settling import Result
 from mergebroker.broker.engine.settings import Settings
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.errors import InvalidRequest, NotFound
-from mergebroker.merge.budget import token_budget
+from mergebroker.output_budget import token_budget
 from mergebroker.merge.compaction import BulkItem
 from mergebroker.merge.fingerprint import chat_fingerprint
 from mergebroker.merge.shape import compatibility_key, merge_shape

@@ -46,7 +46,7 @@ from mergebroker.merge.grouping import needs_embedding
 from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS
 from mergebroker.providers.openai_batches import BatchApi
 from mergebroker.providers.pool import ProviderPools
-from mergebroker.providers.reply_usage import usage_tokens
+from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
 
@@ -280,7 +280,7 @@ class _Run:
                 await sleep_or_event(self.r.sleep, exc.retry_after, self.job.cancel)
                 continue
             outcome = await self._call_pools(call)
-            await reservation.settle((usage_tokens(outcome) or call.tokens) if isinstance(outcome, dict) else 0)
+            await reservation.settle(_spent_tokens(outcome, call.tokens) if isinstance(outcome, dict) else 0)
             if not isinstance(outcome, UpstreamUnavailable) or self._stopped():
                 return outcome
             await sleep_or_event(self.r.sleep, outcome.retry_after or 1.0, self.job.cancel)
@@ -315,3 +315,9 @@ class _Run:
     def _count(self, mode: str, call: PlannedCall) -> None:
         self.r.metrics.bulk_upstream_requests.labels(mode, "merged" if call.merged else "single").inc()
         self.r.metrics.bulk_duplicate_lines.inc(sum(len(m.custom_ids) - 1 for m in call.members))
+
+
+def _spent_tokens(reply: dict[str, Any], estimate: int) -> int:
+    """The tokens a bulk call spent: what its reply reports, else the estimate it reserved."""
+    usage = TokenUsage.from_body(reply)
+    return usage.total_tokens if usage is not None and usage.total_tokens else estimate

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from mergebroker.errors import BrokerError
-from mergebroker.merge.budget import token_budget
+from mergebroker.output_budget import token_budget
 from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
 from mergebroker.merge.shape import MergeShape, compatibility_key, merge_shape
 from mergebroker.merge.settle import BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, reply_text, settle

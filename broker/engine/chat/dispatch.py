@@ -26,7 +26,7 @@ from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
 from mergebroker.broker.engine.merge_economy import MergeEconomy
 from mergebroker.broker.engine.chat.planning import BatchPlanner, MergeOptions, TierMergePolicy
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
-from mergebroker.merge.budget import token_budget
+from mergebroker.output_budget import token_budget
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.completion import member_completion
 from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids

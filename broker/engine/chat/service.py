@@ -19,7 +19,7 @@ import structlog
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, DeadlineExceeded, UpstreamUnavailable
-from mergebroker.merge.budget import token_budget
+from mergebroker.output_budget import token_budget
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
 from mergebroker.broker.engine.chat.stream_usage import MeteredStream, caller_wants_usage, with_usage_requested
