@@ -46,6 +46,7 @@ class AnthropicProvider(OpenAICompatProvider):
         super().__init__(replace(settings, base_url=root + "/v1", api_key=None, extra_headers=tuple(headers)))
         self._default_max_tokens = default_max_tokens
         self._model_map = dict(model_map or {})
+        self.native_apis = frozenset({"messages", "count_tokens"})  # what Claude Code and the SDK send, as sent
         self._native = tuple(native_structured_output)
         self._wall_clock = wall_clock
 

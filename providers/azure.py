@@ -35,6 +35,7 @@ class AzureOpenAIProvider(OpenAICompatProvider):
         self._api_version = api_version
         self._deployments = dict(deployments or {})
         self._deployment_urls: dict[tuple[str, str], URL] = {}
+        self.native_apis = frozenset()  # deployments are addressed per chat route: Responses is translated
 
     def __repr__(self) -> str:
         return f"AzureOpenAIProvider(name={self.name!r}, base_url={self._base_url!r})"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping
 
 import aiohttp
 import structlog
@@ -23,6 +23,7 @@ from mergebroker.errors import (
     UpstreamHTTPError,
     UpstreamTimeout,
 )
+from mergebroker.providers.native_api import ENDPOINTS, NativeMode, lacks_route, not_native
 from mergebroker.providers.retry import parse_retry_after
 from mergebroker.providers.whole_reply import (ProviderStream, StreamSupport, plain_request, replay_chunks,
                                                streaming_refusal)
@@ -55,6 +56,8 @@ class HttpProviderSettings:
     keepalive_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     extra_headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    responses: NativeMode = "auto"
+    model_map: tuple[tuple[str, str], ...] = ()
 
 
 def read_timeout_for(max_tokens: int | None, *, token_rate: float = DEFAULT_TOKEN_RATE, base_s: float = 5.0,
@@ -143,6 +146,8 @@ class OpenAICompatProvider:
         self._urls: dict[str, URL] = {}  # parsed once per endpoint, not per call
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._stream_support = StreamSupport.FULL  # narrowed for good by what the upstream refuses
+        self._model_map = dict(settings.model_map)
+        self.native_apis: frozenset[str] = frozenset() if settings.responses == "translate" else frozenset({"responses"})
 
     def __repr__(self) -> str:
         return f"OpenAICompatProvider(name={self.name!r}, base_url={self._base_url!r})"
@@ -190,11 +195,20 @@ class OpenAICompatProvider:
             self._timeouts[timeout] = found
         return found
 
+    def _mapped(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` with the callers' model name renamed to the upstream's (`model_map`)."""
+        model = body.get("model")
+        if not self._model_map or not isinstance(model, str) or model not in self._model_map:
+            return body
+        return {**body, "model": self._model_map[model]}
+
     async def _request_json(self, method: str, endpoint: str, body: dict[str, Any] | None,
-                            timeout: float) -> dict[str, Any]:
+                            timeout: float, extra_headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         """One request; the parsed JSON object of a 2xx answer, or an `UpstreamError`."""
         with _translated(self.name, endpoint):
             data, headers = (None, None) if body is None else (jsonio.dumps(body), _JSON_CONTENT)
+            if extra_headers:
+                headers = {**(headers or {}), **extra_headers}
             async with self._client().request(method, self._endpoint_url(endpoint, body), data=data, headers=headers,
                                               timeout=self._call_timeout(timeout)) as resp:
                 raw = await resp.read()
@@ -208,7 +222,7 @@ class OpenAICompatProvider:
 
     async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
         """POST /chat/completions; `timeout` bounds the whole call (connect to last byte)."""
-        return _chat_reply(await self._request_json("POST", "/chat/completions", body, timeout))
+        return _chat_reply(await self._request_json("POST", "/chat/completions", self._mapped(body), timeout))
 
     async def embeddings(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
         """POST /embeddings; `timeout` bounds the whole call."""
@@ -239,7 +253,8 @@ class OpenAICompatProvider:
         call without them. Either is remembered, so later calls stop asking; the returned stream's
         `whole_reply` is set when the answer came whole.
         """
-        return ProviderStream(lambda stream: self._stream(body, timeout, stream, self._stream_support))
+        mapped = self._mapped(body)
+        return ProviderStream(lambda stream: self._stream(mapped, timeout, stream, self._stream_support))
 
     async def _stream(self, body: dict[str, Any], timeout: float, stream: ProviderStream,
                       support: StreamSupport) -> AsyncIterator[bytes]:
@@ -283,8 +298,50 @@ class OpenAICompatProvider:
             self._stream_support = support
             log.warning("upstream_streaming_narrowed", provider=self.name, support=support.value)
 
+    async def native(self, api: str, body: dict[str, Any], *, headers: Mapping[str, str],
+                     timeout: float) -> dict[str, Any]:
+        """POST `body` as sent to the native endpoint of `api` (`providers.native_api`); the JSON answer.
+
+        An API this upstream does not take natively is refused with `native_unsupported` before anything
+        is sent; in `auto` mode a 404 or 405 teaches that the route is missing, for good."""
+        if api not in self.native_apis:
+            raise not_native(self.name, api)
+        try:
+            return await self._request_json("POST", ENDPOINTS[api], self._mapped(body), timeout, headers)
+        except UpstreamHTTPError as exc:
+            raise self._unlearn(api, exc) from exc
+
+    async def stream_native(self, api: str, body: dict[str, Any], *, headers: Mapping[str, str],
+                            timeout: float) -> AsyncIterator[bytes]:
+        """POST `body` to the native endpoint of `api` and yield its SSE events as sent (see `native`)."""
+        if api not in self.native_apis:
+            raise not_native(self.name, api)
+        events = self._sse_events(ENDPOINTS[api], self._mapped(body), timeout, extra_headers=headers)
+        try:
+            try:
+                first = await events.__anext__()
+            except UpstreamHTTPError as exc:
+                raise self._unlearn(api, exc) from exc
+            yield first
+            async for event in events:
+                yield event
+        except StopAsyncIteration:
+            return
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    def _unlearn(self, api: str, exc: UpstreamHTTPError) -> UpstreamError:
+        """The error to raise for a native call's refusal: a missing route is remembered (auto mode) and
+        sends the call to the translation; anything else is the upstream's answer."""
+        if self._settings.responses != "auto" or api != "responses" or not lacks_route(exc):
+            return exc
+        self.native_apis = self.native_apis - {api}
+        log.warning("upstream_lacks_native_api", provider=self.name, api=api, status=exc.upstream_status)
+        return not_native(self.name, api)
+
     async def _sse_events(self, endpoint: str, body: dict[str, Any], timeout: float,
-                          on_json: Callable[[Any], list[bytes]] | None = None) -> AsyncIterator[bytes]:
+                          on_json: Callable[[Any], list[bytes]] | None = None,
+                          extra_headers: Mapping[str, str] | None = None) -> AsyncIterator[bytes]:
         """POST `body` to `endpoint` and yield each complete SSE event (as `stream_chat` describes).
 
         A JSON answer is handed to `on_json`, whose events are yielded instead; without one, it is an
@@ -294,7 +351,8 @@ class OpenAICompatProvider:
                                                connect=min(timeout, self._settings.connect_timeout_s))
         with _translated(self.name, endpoint):
             async with self._client().post(self._endpoint_url(endpoint, body), data=jsonio.dumps(body),
-                                           headers=_SSE_REQUEST,
+                                           headers={**_SSE_REQUEST, **extra_headers} if extra_headers
+                                           else _SSE_REQUEST,
                                            timeout=client_timeout) as resp:
                 if not 200 <= resp.status < 300:
                     raise self._upstream_error(resp.status, resp.headers, await resp.read())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 
 import structlog
 
@@ -28,7 +28,6 @@ from mergebroker.token_usage import TokenUsage
 from mergebroker.errors import (
     DeadlineExceeded,
     NotFound,
-    UpstreamBadResponse,
     UpstreamError,
     UpstreamHTTPError,
     UpstreamTimeout,
@@ -36,6 +35,7 @@ from mergebroker.errors import (
     UpstreamUnsupported,
 )
 from mergebroker.providers.held_stream import HeldStream
+from mergebroker.providers.opened_stream import first_chunk_opener
 from mergebroker.providers.openai_compat import read_timeout_for
 from mergebroker.providers.retry import RetryPolicy, call_with_retries, remaining, retry_reason
 from mergebroker.providers.upstream import NullObserver, PoolObserver, Strategy, Upstream, order_upstreams
@@ -159,7 +159,37 @@ class ProviderPools:
 
         The stream keeps its upstream's concurrency slot until it ends or is closed.
         """
-        return await self._call(model, _first_chunk_opener(body),
+        def open_stream(u: Upstream, timeout: float) -> AsyncIterator[bytes]:
+            return u.provider.stream_chat(body, timeout=timeout)
+
+        return await self._call(model, first_chunk_opener(open_stream),
+                                _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
+                                          holds_slot=True, tenant=tenant))
+
+    def speaks(self, model: str, api: str) -> bool:
+        """Whether some upstream of `model` takes the inbound `api` natively (`providers.native_api`)."""
+        return any(api in getattr(u.provider, "native_apis", ()) for u in self.for_model(model))
+
+    async def native(self, model: str, api: str, body: dict[str, Any], *, headers: Mapping[str, str],
+                     deadline: float, priority: float = 0, tokens: int = 0,
+                     tenant: str | None = None) -> tuple[dict[str, Any], str]:
+        """One native call of `api` (its body as sent) through the pool, like `chat`. Upstreams that do
+        not take `api` natively refuse with `native_unsupported`, so the call fails over to those that do,
+        and only when none does is that the error (the caller then translates)."""
+        async def attempt(u: Upstream, timeout: float) -> dict[str, Any]:
+            return await u.provider.native(api, body, headers=headers, timeout=timeout)  # type: ignore[attr-defined]
+
+        return await self._call(model, attempt, _CallSpec(deadline, priority, tokens,
+                                                          lambda u: _read_timeout(body, u.token_rate), tenant=tenant))
+
+    async def stream_native(self, model: str, api: str, body: dict[str, Any], *, headers: Mapping[str, str],
+                            deadline: float, priority: float = 0, tokens: int = 0,
+                            tenant: str | None = None) -> tuple[AsyncIterator[bytes], str]:
+        """A native stream of `api` through the pool, like `stream_chat` (failover before the first byte)."""
+        def open_stream(u: Upstream, timeout: float) -> AsyncIterator[bytes]:
+            return u.provider.stream_native(api, body, headers=headers, timeout=timeout)  # type: ignore[attr-defined]
+
+        return await self._call(model, first_chunk_opener(open_stream),
                                 _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
                                           holds_slot=True, tenant=tenant))
 
@@ -348,50 +378,6 @@ class ProviderPools:
             if deadline is not None and remaining(deadline, self._clock) <= DEADLINE_SLACK_S:
                 raise DeadlineExceeded("The request's deadline passed before the upstream answered.") from exc
             raise
-
-
-def _first_chunk_opener(body: dict[str, Any]) -> Attempt[AsyncIterator[bytes]]:
-    """An attempt that succeeds once the upstream sent its first chunk, returning the rest as an iterator."""
-
-    async def attempt(u: Upstream, timeout: float) -> AsyncIterator[bytes]:
-        stream = u.provider.stream_chat(body, timeout=timeout)
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            raise UpstreamBadResponse("upstream ended the stream before its first chunk") from None
-        return _Opened(first, stream)
-
-    return attempt
-
-
-class _Opened:
-    """A stream whose first chunk has arrived: that chunk, then the rest. `whole_reply` is the provider's
-    (`providers.whole_reply.ProviderStream`): the reply, when the upstream answered whole."""
-
-    def __init__(self, first: bytes, rest: AsyncIterator[bytes]) -> None:
-        self._first: bytes | None = first
-        self._rest = rest
-        self.whole_reply: dict[str, Any] | None = getattr(rest, "whole_reply", None)
-
-    def __aiter__(self) -> _Opened:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        try:
-            return await self._rest.__anext__()
-        except BaseException:  # ended or broken: its upstream connection is freed now, not at garbage collection
-            await self.aclose()
-            raise
-
-    async def aclose(self) -> None:
-        """End the stream early; its upstream connection is freed now."""
-        self._first = None
-        aclose = getattr(self._rest, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 def _reply_of(result: Any) -> Any:

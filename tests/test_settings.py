@@ -100,7 +100,7 @@ def test_postgres_dsn_is_read_from_the_named_environment_variable(tmp_path):
     ({"name": "a", "kind": "anthropic", "base_url": "api.example.com"}, "base_url"),
     ({"name": "z", "kind": "azure", "base_url": ""}, "base_url"),
     ({"name": "o", "base_url": "http://x/v1", "deployments": {"m": "d"}}, "deployments"),
-    ({"name": "o", "base_url": "http://x/v1", "model_map": {"m": "n"}}, "model_map"),
+    ({"name": "z", "kind": "azure", "base_url": "https://r.example.com", "model_map": {"m": "n"}}, "model_map"),
 ])
 def test_provider_kinds_check_their_own_keys(provider, field):
     with pytest.raises(ConfigError, match=field):

@@ -85,7 +85,10 @@ class ProviderSettings(_Strict):
                           "as native structured output; others get the forced-tool technique. Default: the built-in "
                           "list (providers/anthropic_structured.py).")
     model_map: dict[str, str] = Field(default_factory=dict,
-                                      description="kind anthropic: callers' model name -> Anthropic model name.")
+                                      description="kinds anthropic and openai: callers' model name -> upstream's.")
+    responses: Literal["auto", "native", "translate"] = Field(
+        "auto", description="kind openai: send /v1/responses as sent (native), as Chat Completions (translate), or "
+                            "try it and remember a 404/405 (auto).")
     api_version: str = Field("2024-10-21", min_length=1, description="kind azure: the api-version query parameter.")
     deployments: dict[str, str] = Field(default_factory=dict,
                                         description="kind azure: callers' model name -> deployment name.")
@@ -94,8 +97,8 @@ class ProviderSettings(_Strict):
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "ProviderSettings":
-        if self.model_map and self.kind != "anthropic":
-            raise ValueError(f"providers.{self.name}.model_map: only for kind 'anthropic'")
+        if self.model_map and self.kind not in ("anthropic", "openai"):
+            raise ValueError(f"providers.{self.name}.model_map: only for kinds 'anthropic' and 'openai'")
         if self.deployments and self.kind != "azure":
             raise ValueError(f"providers.{self.name}.deployments: only for kind 'azure'")
         return self

@@ -28,7 +28,8 @@ def _provider(p: ProviderSettings, default_max_tokens: int) -> OpenAICompatProvi
     """The HTTP provider of `p.kind`; Anthropic's fills a missing `max_tokens` with the merge default."""
     http = HttpProviderSettings(name=p.name, base_url=p.base_url.rstrip("/"),
                                 api_key=p.api_key.get_secret_value() if p.api_key else None,
-                                max_connections=p.max_connections, connect_timeout_s=p.connect_timeout_s)
+                                max_connections=p.max_connections, connect_timeout_s=p.connect_timeout_s,
+                                responses=p.responses, model_map=tuple(p.model_map.items()))
     if p.kind == "anthropic":
         native = NATIVE_STRUCTURED_OUTPUT if p.structured_output_models is None else p.structured_output_models
         return AnthropicProvider(http, default_max_tokens=default_max_tokens, anthropic_version=p.anthropic_version,
