@@ -11,13 +11,10 @@ from aiohttp import web
 from mergebroker.errors import UpstreamBadResponse, UpstreamHTTPError, UpstreamUnsupported
 from mergebroker.providers.anthropic import AnthropicProvider
 from mergebroker.providers.openai_compat import HttpProviderSettings
+from tests.helpers.sse import event
 
 MESSAGE = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "stop_reason": "end_turn",
            "content": [{"type": "text", "text": "hi"}], "usage": {"input_tokens": 3, "output_tokens": 1}}
-
-
-def event(name: str, **data) -> bytes:
-    return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
 
 
 START = event("message_start", message={**MESSAGE, "content": [], "stop_reason": None})

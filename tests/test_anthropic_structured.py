@@ -13,6 +13,7 @@ from mergebroker.providers.anthropic_reply import REFUSED, to_completion
 from mergebroker.providers.anthropic_stream import StreamTranslator
 from mergebroker.providers.anthropic_structured import JSON_TOOL, ReplyShape
 from mergebroker.providers.anthropic_translate import to_messages
+from tests.helpers.sse import event
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -91,9 +92,6 @@ def test_a_refused_structured_request_answers_with_message_refusal():
 
 
 def test_a_streamed_forced_tool_streams_its_input_as_content():
-    def event(name: str, **data) -> bytes:
-        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
-
     translator = StreamTranslator(created=0, shape=ReplyShape(json_tool="person", structured=True))
     chunks = []
     for raw in [event("message_start", message={"id": "m", "model": "c", "usage": {}}),

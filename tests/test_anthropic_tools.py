@@ -12,6 +12,7 @@ from mergebroker.errors import UpstreamUnsupported
 from mergebroker.providers.anthropic_reply import to_completion
 from mergebroker.providers.anthropic_stream import DONE, StreamTranslator
 from mergebroker.providers.anthropic_translate import to_messages
+from tests.helpers.sse import event
 
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather in a city", "strict": True,
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -72,10 +73,6 @@ def test_a_tool_use_reply_becomes_tool_calls_with_json_string_arguments():
         {"id": "toolu_2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]
     only_calls = to_completion({**message, "content": message["content"][1:]}, created=0)["choices"][0]["message"]
     assert only_calls["content"] is None and len(only_calls["tool_calls"]) == 2
-
-
-def event(name: str, **data) -> bytes:
-    return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
 
 
 def tool_start(index: int, tool_id: str, name: str) -> bytes:

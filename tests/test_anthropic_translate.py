@@ -12,6 +12,7 @@ from mergebroker.providers.anthropic_errors import OVERLOADED_RETRY_AFTER_S, to_
 from mergebroker.providers.anthropic_reply import to_completion
 from mergebroker.providers.anthropic_stream import DONE, StreamTranslator
 from mergebroker.providers.anthropic_translate import to_messages
+from tests.helpers.sse import event
 
 USER = [{"role": "user", "content": "hello"}]
 
@@ -112,10 +113,6 @@ def test_cache_reads_and_writes_count_as_prompt_tokens():
 def test_an_answer_that_is_not_a_message_is_a_bad_response():
     with pytest.raises(UpstreamBadResponse):
         to_completion({"type": "error", "error": {}}, created=0)
-
-
-def event(name: str, **data) -> bytes:
-    return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
 
 
 STREAM = [
