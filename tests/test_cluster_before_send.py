@@ -62,43 +62,45 @@ class MarkerCheckingUpstream:
 
 
 @pytest.fixture
-async def upstream(parts):  # noqa: F811 - the fixture imported above
+async def upstream(parts, fake_clock: FakeClock):  # noqa: F811 - the fixture imported above
+    """The upstream and a dispatcher on the test's fake clock: the one the worker's jobs have their deadlines on."""
     redis, _frontend = parts
     up = MarkerCheckingUpstream(redis)
     await up.start()
-    pools = ProviderPools([Upstream(OpenAICompatProvider(HttpProviderSettings("up", up.url)))])
+    pools = ProviderPools([Upstream(OpenAICompatProvider(HttpProviderSettings("up", up.url)))], clock=fake_clock)
     dispatcher = Dispatcher(pools, tiers={"batch": TierMergePolicy(True, 0.0, 8, False)},
                             options=MergeOptions(None, 4, {}, 100_000), embedder=None,
-                            guard=QualityGuard(GuardSettings()), merging_allowed=lambda model: True)
+                            guard=QualityGuard(GuardSettings()), merging_allowed=lambda model: True, clock=fake_clock)
     yield up, dispatcher
     await pools.close()
     assert up.runner is not None
     await up.runner.cleanup()
 
 
-async def held_by_a(parts, text: str) -> tuple[Node, asyncio.Future, Any, str, bytes]:  # noqa: F811
-    """Worker `wa` holding every partition, the front-end's future of a job, the job as `wa` read it, its entry."""
+async def held_by_a(parts, text: str, clock: FakeClock) -> tuple[Node, asyncio.Future, Any, str, bytes]:  # noqa: F811
+    """Worker `wa` on `clock` holding every partition, the front-end's future of a job, the job as `wa` read it,
+    its entry."""
     redis, frontend = parts
-    node = Node(redis, "wa", FakeClock())
+    node = Node(redis, "wa", clock)
     await node.leases.renew()
     future, job = await read_by(node, frontend(), text)
     stream, entry = next(iter(node.consumer._held))
     return node, future, job, stream, entry
 
 
-async def test_the_sent_marker_is_in_redis_before_the_upstream_sees_the_call(parts, upstream):  # noqa: F811
+async def test_the_sent_marker_is_in_redis_before_the_upstream_sees_the_call(parts, upstream, fake_clock):  # noqa: F811
     up, dispatcher = upstream
-    node, future, job, stream, entry = await held_by_a(parts, "marked first")
+    node, future, job, stream, entry = await held_by_a(parts, "marked first", fake_clock)
     await dispatcher.run_group(ReleasedGroup("batch", job.merge_key, [job], 0.0))
     assert up.markers_seen == [{KEYS.sent(stream, entry).encode(): b"wa"}]  # there when the call arrived
     await node.write()
     assert content(await asyncio.wait_for(future, 10)) == "answered upstream"
 
 
-async def test_a_job_whose_entry_another_worker_took_is_not_sent_upstream(parts, upstream):  # noqa: F811
+async def test_a_job_whose_entry_another_worker_took_is_not_sent_upstream(parts, upstream, fake_clock):  # noqa: F811
     redis, _frontend = parts
     up, dispatcher = upstream
-    node, _future, job, stream, entry = await held_by_a(parts, "taken over before dispatch")
+    node, _future, job, stream, entry = await held_by_a(parts, "taken over before dispatch", fake_clock)
     await redis.xclaim(stream, GROUP, "wb", 0, [entry], justid=True)  # b claimed it; a has not heartbeated since
     await dispatcher.run_group(ReleasedGroup("batch", job.merge_key, [job], 0.0))
     assert up.markers_seen == []  # never sent
@@ -108,9 +110,9 @@ async def test_a_job_whose_entry_another_worker_took_is_not_sent_upstream(parts,
     assert node.metrics.cluster_jobs.labels("taken_over")._value.get() == 1
 
 
-async def test_a_member_its_hook_keeps_back_leaves_the_group_and_the_rest_is_sent(upstream):
+async def test_a_member_its_hook_keeps_back_leaves_the_group_and_the_rest_is_sent(upstream, fake_clock):
     up, dispatcher = upstream
-    kept, sent = chat_job("kept back"), chat_job("sent alone")
+    kept, sent = chat_job("kept back", clock=fake_clock), chat_job("sent alone", clock=fake_clock)
     asked: list[str] = []
 
     async def refuse() -> bool:

@@ -20,7 +20,7 @@ from mergebroker.broker.engine.chat.job_queue import FakeJobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ClusterSettings, default_tiers
-from mergebroker.clock import FakeClock, monotonic
+from mergebroker.clock import Clock, FakeClock, monotonic
 
 pytestmark = pytest.mark.redis
 
@@ -30,11 +30,14 @@ SETTINGS = ClusterSettings(enabled=True, partitions=4, claim_idle_ms=5000, lease
 KEYS = Keys("mbt")
 
 
-def chat_job(text: str, *, deadline_s: float = 30.0, tenant: str = "t", merge_key: str | None = None) -> ChatJob:
+def chat_job(text: str, *, deadline_s: float = 30.0, tenant: str = "t", merge_key: str | None = None,
+             clock: Clock = monotonic) -> ChatJob:
+    """A job queued now on `clock`: the real one for a front-end (which reads Redis time through it),
+    the test's fake one for a dispatcher driven by it."""
     body = {"model": "m", "messages": [{"role": "user", "content": text}]}
     return ChatJob(request_id="r-" + text, caller=Caller(tenant, "batch"), body=body, model="m", priority=0.0,
                    shape=None, merge_key=merge_key or "mk-" + text, prompt_tokens=5, max_tokens=10,
-                   deadline=monotonic() + deadline_s, enqueued_at=monotonic())
+                   deadline=clock() + deadline_s, enqueued_at=clock())
 
 
 def answer(job: ChatJob, text: str) -> None:
@@ -67,10 +70,11 @@ class Node:
     def __init__(self, redis, name: str, clock: FakeClock, tiers=None, settings: ClusterSettings = SETTINGS) -> None:
         self.queue = FakeJobQueue()
         self.metrics = Metrics()
+        server_clock = ServerClock(clock)  # one local clock for both, as a worker process has (`start_worker`)
         self.leases = PartitionLeases(redis, KEYS, name, partitions=SETTINGS.partitions, lease_ms=SETTINGS.lease_ms,
-                                      server_clock=ServerClock(clock), clock=clock)
+                                      server_clock=server_clock, clock=clock)
         self.consumer = StreamConsumer(redis, self.queue, keys=KEYS, settings=settings, tiers=tiers or default_tiers(),
-                                       leases=self.leases, server_clock=ServerClock(monotonic), consumer_id=name,
+                                       leases=self.leases, server_clock=server_clock, consumer_id=name,
                                        aging_per_s=10.0, metrics=self.metrics, clock=clock)
 
     async def write(self) -> None:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.chat.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.engine.chat.jobs import ChatJob
 from mergebroker.broker.engine.metrics import Metrics, PoolMetrics
+from mergebroker.clock import Clock, FakeClock, monotonic
 from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
 from mergebroker.merge.embedder import FakeEmbedder
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
@@ -31,11 +31,12 @@ class StuckEmbedder(FakeEmbedder):
         return await super().embed(texts)
 
 
-def job(text: str) -> ChatJob:
+def job(text: str, clock: Clock = monotonic) -> ChatJob:
+    """A job enqueued now on `clock`, with 30 s to go: on the clock the dispatcher under test reads."""
     body = {"model": "sim-small", "messages": [{"role": "user", "content": text}]}
     return ChatJob(request_id=text, caller=Caller("t", "standard"), body=body, model="sim-small", priority=0,
                    shape=merge_shape(body), merge_key="k", prompt_tokens=5, max_tokens=50,
-                   deadline=time.monotonic() + 30, enqueued_at=time.monotonic())
+                   deadline=clock() + 30, enqueued_at=clock())
 
 
 async def test_a_group_whose_vectors_miss_the_budget_is_sent_unmerged(simulator):
@@ -62,12 +63,10 @@ async def test_a_group_whose_vectors_miss_the_budget_is_sent_unmerged(simulator)
         await pools.close()
 
 
-async def test_the_similarity_budget_counts_from_the_groups_first_arrival(simulator):
-    """A group that already waited its budget in the window does not wait for the model again at release;
-    vectors that are ready (embedded while the window was open) are still used."""
-    from mergebroker.clock import FakeClock
-
-    clock = FakeClock()
+async def budget_from_first_arrival(simulator, clock: FakeClock) -> tuple[list[int], float, float]:
+    """Two groups that waited past their similarity budget in the window, on `clock`, released while the
+    model is stuck and then once it answers: the first group's batch sizes and the similarity_slow skips
+    counted after each group."""
     metrics = Metrics()
     provider = OpenAICompatProvider(HttpProviderSettings(name="sim", base_url=simulator.url))
     pools = ProviderPools([Upstream(provider)], observer=PoolMetrics(metrics), clock=clock)
@@ -76,24 +75,31 @@ async def test_the_similarity_budget_counts_from_the_groups_first_arrival(simula
         pools, tiers={"standard": TierMergePolicy(True, 0.85, 4, similarity_budget_s=0.2)},
         options=MergeOptions(None, 8, {}, 8192), embedder=embedder, guard=QualityGuard(GuardSettings()),
         merging_allowed=lambda model: True, metrics=metrics, clock=clock)
-    stale = [job("How do I reset my password?"), job("How can I reset my password?")]
+
+    def skipped() -> float:
+        return metrics.registry.get_sample_value("mergebroker_merge_skipped_total", {"reason": "similarity_slow"})
+
+    stale = [job("How do I reset my password?", clock), job("How can I reset my password?", clock)]
     for j in stale:
         j.enqueued_at = clock() - 0.5  # arrived before the budget: the model gets no more time at release
     try:
         await asyncio.wait_for(dispatcher.run_group(ReleasedGroup("standard", "k", stale, 0.0)), 10)
-        assert [j.future.result().batch_size for j in stale] == [1, 1]
-        assert metrics.registry.get_sample_value("mergebroker_merge_skipped_total",
-                                                 {"reason": "similarity_slow"}) == 2
+        sizes, skipped_stale = [j.future.result().batch_size for j in stale], skipped()
         embedder.release.set()  # the model answers at once now: ready vectors are used however late
-        ready = [job("What is the capital of France?"), job("What's the capital city of France?")]
+        ready = [job("What is the capital of France?", clock), job("What's the capital city of France?", clock)]
         for j in ready:
             j.enqueued_at = clock() - 0.5
         await asyncio.wait_for(dispatcher.run_group(ReleasedGroup("standard", "k", ready, 0.0)), 10)
-        assert metrics.registry.get_sample_value("mergebroker_merge_skipped_total",
-                                                 {"reason": "similarity_slow"}) == 2
+        return sizes, skipped_stale, skipped()
     finally:
         embedder.release.set()
         await pools.close()
+
+
+async def test_the_similarity_budget_counts_from_the_groups_first_arrival(simulator):
+    """A group that already waited its budget in the window does not wait for the model again at release;
+    vectors that are ready (embedded while the window was open) are still used."""
+    assert await budget_from_first_arrival(simulator, FakeClock()) == ([1, 1], 2, 2)
 
 
 class BehindEmbedder(FakeEmbedder):
