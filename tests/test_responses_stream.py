@@ -145,3 +145,20 @@ def test_usage_given_to_finish_wins_over_the_last_chunk():
                         TokenUsage(7, 3, 2))
     assert seen[-1]["response"]["usage"] == TokenUsage(7, 3, 2).as_responses()
     assert seen[-1]["response"]["model"] == "up-1"
+
+
+def test_shown_reasoning_streams_as_a_reasoning_item_before_the_answer():
+    request, translation, stream, seen = run({"model": "m", "input": "go"}, [
+        chunk({"reasoning_content": "Think"}), chunk({"reasoning_content": "ing."}),
+        chunk({"content": "Done."}), chunk({}, "stop")])
+    kinds = [e["type"] for e in seen]
+    assert kinds[2:9] == ["response.output_item.added", "response.content_part.added",
+                          "response.reasoning_text.delta", "response.reasoning_text.delta",
+                          "response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+    assert seen[6]["text"] == "Thinking." and seen[8]["item"]["type"] == "reasoning"
+    final = seen[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
+    reply = {"id": "c", "object": "chat.completion", "created": 1, "model": "up-1", "choices": [{
+        "index": 0, "finish_reason": "stop",
+        "message": {"role": "assistant", "content": "Done.", "reasoning_content": "Thinking."}}]}
+    assert from_chat(reply, request, translation, response_id="resp_s", created_at=1700000000) == final

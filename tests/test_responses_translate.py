@@ -189,6 +189,21 @@ def test_a_hosted_tool_choice_is_dropped_and_a_choice_without_tools_left_out():
     assert "tool_choice" not in hosted_choice.body and hosted_choice.dropped == ("tool_choice",)
 
 
+def test_a_choice_of_a_namespaced_function_or_of_allowed_tools_names_their_chat_tools():
+    def choice(tool_choice: Any) -> Any:
+        return to_chat(parse_request(codex_request(tool_choice=tool_choice))).body.get("tool_choice")
+
+    assert choice({"type": "function", "name": "get_issue"}) == {
+        "type": "function", "function": {"name": "mcp__github__get_issue"}}
+    assert choice({"type": "allowed_tools", "mode": "required", "tools": [
+        {"type": "function", "name": "exec_command"}, {"type": "web_search"},
+        {"type": "function", "name": "get_issue", "namespace": "mcp__github"}]}) == {
+        "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+            {"type": "function", "function": {"name": "exec_command"}},
+            {"type": "function", "function": {"name": "mcp__github__get_issue"}}]}}
+    assert choice({"type": "function", "name": "not_a_tool"}) is None
+
+
 def test_history_comes_after_instructions_and_before_the_input():
     history = [{"type": "message", "role": "user", "content": "first", "id": "msg_a"},
                {"type": "message", "role": "assistant", "id": "msg_b", "status": "completed",

@@ -1,6 +1,7 @@
 """A Chat Completions reply as a Responses `Response` object (pure).
 
-The output is a `message` item when the reply has text, then one `function_call` item per tool call, its
+The output is a `reasoning` item when the reply shows its reasoning (`reasoning_content` or `reasoning`,
+as DeepSeek, vLLM and others send it), a `message` item when it has text, then one `function_call` item per tool call, its
 name mapped back through the translation's `tool_names` (a namespaced function carries `namespace`
 beside its plain `name`, as the SDK's `ResponseFunctionToolCall` does). Item ids are derived from the
 response id and the item's place, so the streamed and the whole form of one answer name items alike.
@@ -17,6 +18,7 @@ from mergebroker.broker.engine.apis.responses.tools import ToolNames
 from mergebroker.broker.engine.apis.responses.translate import ChatTranslation
 from mergebroker.token_usage import NO_USAGE, TokenUsage
 
+ID_PREFIX = {"message": "msg", "reasoning": "rs"}
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 # Echoed as sent, absent as None.
 _ECHOED = ("instructions", "temperature", "top_p", "max_output_tokens", "reasoning", "user", "service_tier",
@@ -29,9 +31,9 @@ def from_chat(reply: dict[str, Any], request: ResponsesRequest, translation: Cha
     choices = reply.get("choices") or [{}]
     message = choices[0].get("message") or {}
     output: list[dict[str, Any]] = []
-    text = message.get("content")
-    if isinstance(text, str) and text:
-        output.append(message_item(item_id("msg", response_id, 0), text, "completed"))
+    for kind, text in (("reasoning", reasoning_text(message)), ("message", message.get("content"))):
+        if isinstance(text, str) and text:
+            output.append(text_item(kind, item_id(ID_PREFIX[kind], response_id, len(output)), text, "completed"))
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
         index = len(output)
@@ -44,10 +46,24 @@ def from_chat(reply: dict[str, Any], request: ResponsesRequest, translation: Cha
                            usage=TokenUsage.from_body(reply) or NO_USAGE, previous_response_id=previous_response_id)
 
 
-def message_item(item: str, text: str, status: str) -> dict[str, Any]:
-    """An assistant `message` output item holding one `output_text` part."""
-    return {"id": item, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+def reasoning_text(message: dict[str, Any]) -> str | None:
+    """The reasoning a chat message (or a stream's delta) shows, under either name providers give it."""
+    text = message.get("reasoning_content") or message.get("reasoning")
+    return text if isinstance(text, str) else None
+
+
+def text_part(kind: str, text: str) -> dict[str, Any]:
+    """The one content part of a `message` (`output_text`) or `reasoning` (`reasoning_text`) item."""
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def text_item(kind: str, item: str, text: str, status: str) -> dict[str, Any]:
+    """An assistant `message` item, or a `reasoning` item (no summary, its text as content), of one part."""
+    if kind == "reasoning":
+        return {"id": item, "type": "reasoning", "status": status, "summary": [], "content": [text_part(kind, text)]}
+    return {"id": item, "type": "message", "role": "assistant", "status": status, "content": [text_part(kind, text)]}
 
 
 def call_item(item: str, call_id: str, chat_name: str, arguments: str, names: ToolNames,

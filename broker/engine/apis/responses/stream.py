@@ -1,12 +1,13 @@
 """A Chat Completions stream as the Responses event stream (pure: chunks in, SSE frames out).
 
 `start` opens the response (`response.created`, `response.in_progress`); `feed` turns each parsed
-`chat.completion.chunk` into events: the first text opens a `message` item and its `output_text` part
-before its `response.output_text.delta`, each tool call (by its chat `index`) opens a `function_call`
-item that `response.function_call_arguments.delta` events fill. The text item closes when a tool call
-starts; tool calls stay open to the end, since a provider may interleave their arguments. `finish`
-closes what is open and ends with `response.completed` (or `response.incomplete`) carrying the whole
-Response, the same object `from_chat` builds for the equivalent reply; `fail` ends with
+`chat.completion.chunk` into events. Reasoning text (`reasoning_content` or `reasoning`) fills a
+`reasoning` item (`response.reasoning_text.delta`); the first answer text opens a `message` item and its
+`output_text` part before its `response.output_text.delta`; each tool call (by its chat `index`) opens a
+`function_call` item that `response.function_call_arguments.delta` events fill. A text item closes when
+the next item starts; tool calls stay open to the end, since a provider may interleave their arguments.
+`finish` closes what is open and ends with `response.completed` (or `response.incomplete`) carrying the
+whole Response, the same object `from_chat` builds for the equivalent reply; `fail` ends with
 `response.failed`. Every event has a `sequence_number` counting from 0.
 """
 
@@ -15,12 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 from mergebroker.broker.engine.apis.responses.items import item_id
-from mergebroker.broker.engine.apis.responses.reply import call_item, message_item, response_object
+from mergebroker.broker.engine.apis.responses.reply import (ID_PREFIX, call_item, reasoning_text, response_object,
+                                                         text_item, text_part)
 from mergebroker.broker.engine.apis.responses.request import ResponsesRequest
 from mergebroker.broker.engine.apis.responses.translate import ChatTranslation
 from mergebroker.jsonio import dumps
 from mergebroker.token_usage import NO_USAGE, TokenUsage
 
+_TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
+_LOGPROBS: dict[str, dict[str, Any]] = {"message": {"logprobs": []}, "reasoning": {}}
 # The SDK's `ResponseError.code` is a closed set; a code outside it is reported as the nearest of these.
 _ERROR_CODES = frozenset(("server_error", "rate_limit_exceeded", "invalid_prompt", "vector_store_timeout",
                           "invalid_image", "invalid_image_format", "invalid_base64_image", "invalid_image_url",
@@ -40,6 +44,7 @@ class ResponsesStream:
         self._model = request.model
         self._output: list[dict[str, Any]] = []
         self._text: list[str] | None = None
+        self._text_kind = "message"
         self._text_index = -1
         self._calls: dict[int, int] = {}
         self._finish_reason: str | None = None
@@ -69,8 +74,9 @@ class ResponsesStream:
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
-            if isinstance(delta.get("content"), str) and delta["content"]:
-                frames += self._text_delta(delta["content"])
+            for kind, text in (("reasoning", reasoning_text(delta)), ("message", delta.get("content"))):
+                if isinstance(text, str) and text:
+                    frames += self._text_delta(kind, text)
             for position, call in enumerate(delta.get("tool_calls") or ()):
                 frames += self._call_delta(call, position)
             self._finish_reason = choice.get("finish_reason") or self._finish_reason
@@ -98,17 +104,19 @@ class ResponsesStream:
                                      error={"code": code, "message": message})
         return [self._event("response.failed", response=self._final)]
 
-    def _text_delta(self, text: str) -> list[bytes]:
-        frames = []
+    def _text_delta(self, kind: str, text: str) -> list[bytes]:
+        """Text of a `message` or `reasoning` item: reasoning ends where the answer's text begins."""
+        frames = [] if self._text is not None and self._text_kind == kind else self._close_text(None)
         if self._text is None:
-            self._text, self._text_index = [], len(self._output)
-            item = {**message_item(item_id("msg", self._id, self._text_index), "", "in_progress"), "content": []}
+            self._text, self._text_kind, self._text_index = [], kind, len(self._output)
+            item = {**text_item(kind, item_id(ID_PREFIX[kind], self._id, self._text_index), "", "in_progress"),
+                    "content": []}
             self._output.append(item)
             frames.append(self._event("response.output_item.added", output_index=self._text_index, item=item))
-            frames.append(self._event("response.content_part.added", **self._part_place(),
-                                      part={"type": "output_text", "text": "", "annotations": []}))
+            frames.append(self._event("response.content_part.added", **self._part_place(), part=text_part(kind, "")))
         self._text.append(text)
-        return frames + [self._event("response.output_text.delta", **self._part_place(), delta=text, logprobs=[])]
+        return frames + [self._event(f"{_TEXT_EVENTS[kind]}.delta", **self._part_place(), delta=text,
+                                     **_LOGPROBS[kind])]
 
     def _call_delta(self, call: dict[str, Any], position: int) -> list[bytes]:
         index = call.get("index", position)
@@ -137,15 +145,15 @@ class ResponsesStream:
         """Close the open text item; `final` (the ending Response) gives its status, else it is complete."""
         if self._text is None:
             return []
-        text, index = "".join(self._text), self._text_index
+        text, index, kind = "".join(self._text), self._text_index, self._text_kind
         self._text = None
         status = final["output"][index]["status"] if final else "completed"
-        item = message_item(self._output[index]["id"], text, status)
+        item = text_item(kind, self._output[index]["id"], text, status)
         self._output[index] = item
         if final is not None:
             final["output"][index] = item
         part = item["content"][0]
-        return [self._event("response.output_text.done", **self._part_place(index), text=text, logprobs=[]),
+        return [self._event(f"{_TEXT_EVENTS[kind]}.done", **self._part_place(index), text=text, **_LOGPROBS[kind]),
                 self._event("response.content_part.done", **self._part_place(index), part=part),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
@@ -166,7 +174,8 @@ class ResponsesStream:
         """The output items as they stand, each with `status`, the open text item holding its text so far."""
         output = [{**item, "status": status} for item in self._output]
         if self._text is not None:
-            output[self._text_index] = message_item(output[self._text_index]["id"], "".join(self._text), status)
+            output[self._text_index] = text_item(self._text_kind, output[self._text_index]["id"], "".join(self._text),
+                                                 status)
         return output
 
     def _response(self, output: list[dict[str, Any]], *, usage: TokenUsage | None, status: str | None = None,

@@ -120,7 +120,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> ChatTools:
         elif kind == "namespace":
             for member in tool["tools"]:
                 if member.get("type", "function") != "function":
-                    dropped.append(f"tools.{tool['name']}.{member.get('type')}")
+                    dropped.append(f"tools.{member.get('type')}")
                     continue
                 chat = _chat_function(member, tool["name"], tool.get("description"))
                 out.append(chat)
@@ -154,12 +154,25 @@ def chat_tool_choice(choice: Any, names: ToolNames) -> tuple[Any, tuple[str, ...
     if isinstance(choice, str):
         return choice, ()
     kind = choice["type"]
-    if kind == "function":
-        return {"type": "function", "function": {"name": choice["name"]}}, ()
+    if kind == "function" and (chat := _chat_name(choice, names)) is not None:
+        return {"type": "function", "function": {"name": chat}}, ()
     if kind == "allowed_tools":
-        allowed = [{"type": "function", "function": {"name": t["name"]}} for t in choice.get("tools") or ()
-                   if isinstance(t, dict) and t.get("type") == "function" and t.get("name") in names]
+        allowed = [{"type": "function", "function": {"name": chat}} for t in choice.get("tools") or ()
+                   if isinstance(t, dict) and t.get("type") == "function" and (chat := _chat_name(t, names))]
         if allowed:
             return {"type": "allowed_tools",
                     "allowed_tools": {"mode": choice.get("mode", "auto"), "tools": allowed}}, ()
     return None, ("tool_choice",)
+
+
+def _chat_name(choice: dict[str, Any], names: ToolNames) -> str | None:
+    """The chat name of the function a choice names: its own, its `namespace`'s flat one, or the one
+    namespaced function of that name; None when no chat tool has it."""
+    name, namespace = choice.get("name"), choice.get("namespace")
+    if not isinstance(name, str):
+        return None
+    if namespace is None and name in names:
+        return name
+    matches = [chat for chat, (ns, plain) in names.items()
+               if plain == name and (ns == namespace or namespace is None and ns is not None)]
+    return matches[0] if len(matches) == 1 else None
