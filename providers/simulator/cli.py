@@ -83,6 +83,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(flag, type=kind, default=getattr(defaults, name), choices=_CHOICES.get(name),
                                 help=help_text + " (default: %(default)s)")
+    parser.add_argument("--no-responses", dest="responses", action="store_false",
+                        help="chat-only: answer POST /v1/responses with 404, as many OpenAI-compatible servers do")
 
 
 def config_from_args(ns: argparse.Namespace) -> SimulatorConfig:
@@ -90,6 +92,7 @@ def config_from_args(ns: argparse.Namespace) -> SimulatorConfig:
     defaults = SimulatorConfig()
     models = tuple(m.strip() for m in str(getattr(ns, "models", "") or "").split(",") if m.strip())
     values = {name: getattr(ns, name, getattr(defaults, name)) for name, _, _ in _CLI_OPTIONS}
+    values["responses"] = getattr(ns, "responses", defaults.responses)
     return SimulatorConfig(models=models or defaults.models, **values)
 
 

@@ -186,10 +186,16 @@ def compose_reply(messages: Sequence[Mapping[str, Any]], *, max_tokens: int | No
     if decide_truncate(config, rng):
         content, finish_reason = content[: len(content) // 2], "length"
         faults.append("truncate")
-    tokens = _encoding().encode(content) if content else []
-    if max_tokens is not None and len(tokens) > max_tokens:
-        content, finish_reason, tokens = _encoding().decode(tokens[:max_tokens]), "length", tokens[:max_tokens]
-    return Reply(content, finish_reason, len(tokens), bool(blocks), tuple(faults))
+    content, tokens, cut = cut_to_tokens(content, max_tokens)
+    return Reply(content, "length" if cut else finish_reason, tokens, bool(blocks), tuple(faults))
+
+
+def cut_to_tokens(text: str, max_tokens: int | None) -> tuple[str, int, bool]:
+    """`text` cut at `max_tokens` tokens (None: not cut): the text kept, its tokens, and whether it was cut."""
+    tokens = _encoding().encode(text) if text else []
+    if max_tokens is None or len(tokens) <= max_tokens:
+        return text, len(tokens), False
+    return _encoding().decode(tokens[:max_tokens]), max_tokens, True
 
 
 def stream_pieces(content: str, words: int = WORDS_PER_CHUNK) -> list[str]:

@@ -39,14 +39,14 @@ RATE_FIELDS = ("error_rate", "rate_429", "timeout_rate", "truncate_rate", "malfo
 _NON_NEGATIVE_FIELDS = ("latency_base_ms", "latency_per_token_ms", "retry_after_s", "hang_s",
                         "price_input", "price_cached_input", "price_output")
 _BOOL_FIELDS = ("reorder_blocks", "chatter", "down", "quiz", "ignore_stream", "reject_stream_options",
-                "reject_stream")
+                "reject_stream", "responses")
 _CHOICE_FIELDS: dict[str, tuple[Any, ...]] = {"billing": BILLING_MODES, "cache_scope": CACHE_SCOPES,
                                               "stream_error_status": STREAM_ERROR_STATUSES}
 RUNTIME_FIELDS = (*RATE_FIELDS, "latency_base_ms", "latency_per_token_ms", "retry_after_s", "hang_s",
                   "reorder_blocks", "chatter", "down", "status_override", "fail_first_n", "quiz", "answer_words",
                   "billing", "cache_scope", "cache_ttl_s", "price_input", "price_cached_input", "price_output",
                   "ignore_stream", "reject_stream_options", "reject_stream", "stream_error_after",
-                  "stream_error_status")
+                  "stream_error_status", "responses")
 CHATTER_BEFORE = "Sure! Here are the answers:"
 CHATTER_AFTER = "Let me know if you need anything else."
 MALFORMED_BODY = '{"id": "chatcmpl-sim-broken", "object": "chat.completion", "choices": [{"index"'
@@ -107,6 +107,8 @@ class SimulatorConfig:
     stream_error_rate: float = 0.0
     stream_error_after: int = 3
     stream_error_status: int = 429
+    # False: a chat-only upstream, /v1/responses answers 404 (providers.simulator.responses).
+    responses: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))

@@ -1,8 +1,8 @@
 """The simulated upstream: a real aiohttp server speaking the OpenAI endpoints the broker calls.
 
-It serves `/v1/chat/completions` (plain and SSE), `/v1/embeddings` and `/v1/models` (also without
-the `/v1` prefix), plus `/stats` (with the bill), `/_sim/bill` and `/control/faults` for tests and
-benchmarks. What it answers (`answer_for`, merged calls block by block, token counts, embeddings) comes
+It serves `/v1/chat/completions` (plain and SSE), `/v1/responses` (`providers.simulator.responses`),
+`/v1/embeddings` and `/v1/models` (also without the `/v1` prefix), plus `/stats` (with the bill),
+`/_sim/bill`, `/_sim/last_request` and `/control/faults` for tests and benchmarks. What it answers (`answer_for`, merged calls block by block, token counts, embeddings) comes
 from `providers.simulator.content`; faults (see `providers.simulator.faults`) are injected with a seeded
 RNG and can be changed at run time, as can billing (`providers.simulator.billing`: usage with cached
 tokens, a running bill) and streaming quirks (`providers.simulator.streaming`);
@@ -27,6 +27,7 @@ from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import BrokerError, InvalidRequest
 from mergebroker.providers.simulator.injection import INJECTION_MARKER
 from mergebroker.providers.simulator.billing import Biller
+from mergebroker.providers.simulator.bodies import json_object
 from mergebroker.providers.simulator.content import (answer_for, block_answers, compose_reply,
                                          count_tokens, embedding_vector, parse_request_blocks, prompt_tokens,
                                          question_text)
@@ -34,6 +35,8 @@ from mergebroker.providers.simulator.anthropic import anthropic_routes
 from mergebroker.providers.simulator.azure import azure_routes
 from mergebroker.providers.simulator.batches import add_batch_routes
 from mergebroker.providers.simulator.faults import MAX_EMBEDDING_DIM, FaultInjector, SimulatorConfig, error_response, is_int
+from mergebroker.providers.simulator.responses import responses_routes
+from mergebroker.providers.simulator.running import RunningSimulator
 from mergebroker.providers.simulator.streaming import plan_stream, refuse_stream_fields, send_stream
 
 log = structlog.get_logger(__name__)
@@ -79,16 +82,6 @@ class SimulatorStats:
         return data
 
 
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest("request body is not valid JSON") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return body
-
-
 def _chat_params(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int | None]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -122,7 +115,7 @@ async def _keep_cache(request: web.Request) -> bool:
     """A reset's `keep_cache` flag: false for an empty body, else a JSON object's boolean field."""
     if not await request.read():
         return False
-    keep = (await _json_object(request)).get("keep_cache", False)
+    keep = (await json_object(request)).get("keep_cache", False)
     if not isinstance(keep, bool):
         raise InvalidRequest("'keep_cache' must be true or false", param="keep_cache")
     return keep
@@ -154,11 +147,20 @@ class Simulator:
         self.biller = Biller(clock)
         self.clock = clock  # what prompt caches measure their TTL on (the Anthropic mode's too)
         self.last_request_body: dict[str, Any] | None = None
+        self.last_request: dict[str, Any] | None = None
+        self.responses, self._responses_routes = responses_routes(self)
 
     @property
     def config(self) -> SimulatorConfig:
         """The current configuration (fault fields as changed at run time)."""
         return self._faults.config
+
+    def record_request(self, request: web.Request, body: Any) -> None:
+        """Keep the call's method, path, query, headers and body (GET /_sim/last_request shows them), so tests
+        can check what a broker forwarded, headers and cache breakpoints included."""
+        self.last_request_body = body
+        self.last_request = {"method": request.method, "path": request.path, "query": request.query_string,
+                             "headers": dict(request.headers), "body": body}
 
     def set_faults(self, **fields: Any) -> dict[str, Any]:
         """Change run-time fields now (faults, latency, billing, streaming); returns them all.
@@ -184,10 +186,10 @@ class Simulator:
                  ("GET", "/models", self.models), ("GET", "/stats", self.get_stats),
                  ("POST", "/stats/reset", self.post_stats_reset), ("GET", "/control/faults", self.get_faults),
                  ("POST", "/control/faults", self.post_faults), ("GET", "/_sim/bill", self.get_bill),
-                 ("POST", "/_sim/bill/reset", self.post_bill_reset)]
+                 ("POST", "/_sim/bill/reset", self.post_bill_reset), ("GET", "/_sim/last_request", self.get_last_request)]
         openai_routes = [web.route(method, prefix + path, handler)
                          for prefix in ("", "/v1") for method, path, handler in table]
-        return openai_routes + anthropic_routes(self) + azure_routes(self)
+        return openai_routes + self._responses_routes + anthropic_routes(self) + azure_routes(self)
 
     async def _injected_fault(self, request: web.Request, *, chat: bool, stream: bool = False,
                               random_faults: bool = True) -> web.StreamResponse | None:
@@ -203,7 +205,8 @@ class Simulator:
         The reply stops at `max_tokens` / `max_completion_tokens` (finish_reason "length"), as providers do.
         """
         self.stats.calls["chat_completions"] += 1
-        body = self.last_request_body = await _json_object(request)
+        body = await json_object(request)
+        self.record_request(request, body)
         messages, max_tokens = _chat_params(body)
         config = self.config
         refuse_stream_fields(body, config)
@@ -243,7 +246,8 @@ class Simulator:
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         """POST /embeddings: deterministic unit vectors per input, as float lists or base64 float32."""
         self.stats.calls["embeddings"] += 1
-        body = self.last_request_body = await _json_object(request)
+        body = await json_object(request)
+        self.record_request(request, body)
         texts, dim, encoding = _embedding_params(body)
         self.stats.embedding_calls += 1
         self.stats.embedding_inputs += len(texts)
@@ -286,13 +290,17 @@ class Simulator:
         self.biller.reset(keep_cache=await _keep_cache(request))
         return web.json_response(self.biller.as_dict(self.config))
 
+    async def get_last_request(self, request: web.Request) -> web.StreamResponse:
+        """GET /_sim/last_request: the last API call's method, path, query, headers and body (null before any)."""
+        return web.json_response(self.last_request)
+
     async def get_faults(self, request: web.Request) -> web.StreamResponse:
         """GET /control/faults: the fields that change at run time (faults, latency, billing, streaming)."""
         return web.json_response(self.config.runtime_fields())
 
     async def post_faults(self, request: web.Request) -> web.StreamResponse:
         """POST /control/faults: change the fields given in the JSON body; answers with all of them."""
-        body = await _json_object(request)
+        body = await json_object(request)
         try:
             return web.json_response(self.set_faults(**body))
         except ValueError as exc:
@@ -320,61 +328,6 @@ def create_simulator_app(config: SimulatorConfig, *, sleep: Sleep = asyncio.slee
 
     app.on_shutdown.append(end_hangs)
     return app
-
-
-class RunningSimulator:
-    """A simulator serving on a loopback port; direct access to its counters and faults (no HTTP)."""
-
-    def __init__(self, runner: web.AppRunner, simulator: Simulator, host: str, port: int) -> None:
-        self._runner = runner
-        self._simulator = simulator
-        self.host = host
-        self.port = port
-
-    @property
-    def url(self) -> str:
-        """The OpenAI base URL, e.g. "http://127.0.0.1:PORT/v1"."""
-        return f"http://{self.host}:{self.port}/v1"
-
-    @property
-    def config(self) -> SimulatorConfig:
-        """The current configuration."""
-        return self._simulator.config
-
-    def stats(self) -> dict[str, Any]:
-        """The counters and the bill, as GET /stats shows them."""
-        return self._simulator.stats_dict()
-
-    def bill(self) -> dict[str, Any]:
-        """The bill, as GET /_sim/bill shows it."""
-        return self._simulator.biller.as_dict(self._simulator.config)
-
-    def reset_bill(self, *, keep_cache: bool = False) -> None:
-        """Zero the bill and forget the prompt cache unless `keep_cache` (the other counters stay)."""
-        self._simulator.biller.reset(keep_cache=keep_cache)
-
-    def set_faults(self, **fields: Any) -> dict[str, Any]:
-        """Change run-time fields now (faults, latency, billing, streaming; ValueError for bad ones); returns them all."""
-        return self._simulator.set_faults(**fields)
-
-    def last_request_body(self) -> dict[str, Any] | None:
-        """The JSON body of the last chat or embeddings call received (to check what a broker forwarded)."""
-        return self._simulator.last_request_body
-
-    def reset_stats(self, *, keep_cache: bool = False) -> None:
-        """Zero every counter and the bill; forget the prompt cache unless `keep_cache`."""
-        self._simulator.reset_stats(keep_cache=keep_cache)
-
-    async def close(self) -> None:
-        """Stop serving; hanging calls end at once."""
-        self._simulator.close()
-        await self._runner.cleanup()
-
-    async def __aenter__(self) -> RunningSimulator:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
 
 async def start_simulator(config: SimulatorConfig | None = None, host: str = "127.0.0.1", port: int = 0,
