@@ -162,3 +162,11 @@ def test_shown_reasoning_streams_as_a_reasoning_item_before_the_answer():
         "index": 0, "finish_reason": "stop",
         "message": {"role": "assistant", "content": "Done.", "reasoning_content": "Thinking."}}]}
     assert from_chat(reply, request, translation, response_id="resp_s", created_at=1700000000) == final
+
+
+def test_a_cut_after_reasoning_leaves_the_reasoning_complete_and_the_answer_incomplete():
+    _, _, _, seen = run({"model": "m", "input": "go"}, [chunk({"reasoning": "Hmm."}), chunk({"content": "Par"}),
+                                                        chunk({}, "length")])
+    done = [e["item"]["status"] for e in seen if e["type"] == "response.output_item.done"]
+    assert done == ["completed", "incomplete"]
+    assert [item["status"] for item in seen[-1]["response"]["output"]] == done

@@ -87,14 +87,14 @@ def response_object(request: ResponsesRequest, *, response_id: str, created_at: 
                     previous_response_id: str | None, status: str | None = None,
                     error: dict[str, Any] | None = None) -> dict[str, Any]:
     """The Response object: `status` completed, or incomplete when `finish_reason` says the answer was cut
-    (its items then incomplete too); `status` given outright for in_progress and failed. `usage` None is
+    (its last item then incomplete too); `status` given outright for in_progress and failed. `usage` None is
     left null (a response still in progress)."""
     raw = request.body
     reason = incomplete_reason(finish_reason)
     if status is None:
         status = "incomplete" if reason else "completed"
-    if status == "incomplete":
-        output = [{**item, "status": "incomplete"} for item in output]
+    if status == "incomplete" and output:
+        output = [*output[:-1], {**output[-1], "status": "incomplete"}]  # the one the cut fell in
     response: dict[str, Any] = {
         "id": response_id, "object": "response", "created_at": created_at, "status": status, "error": error,
         "incomplete_details": {"reason": reason} if status == "incomplete" else None,
