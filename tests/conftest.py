@@ -7,7 +7,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from typing import Iterator
 
 import pytest
@@ -16,6 +15,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from mergebroker.clock import FakeClock  # noqa: E402
+from tests.helpers.processes import wait_for_port_blocking  # noqa: E402
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
 
 
 def free_port() -> int:
@@ -50,16 +59,7 @@ class RedisServer:
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.02)  # polling a child process's port: no event to wait on
-        pytest.fail("redis-server did not start")
+        wait_for_port_blocking(self.port, proc=self.proc, timeout_s=10, probe=_answers_ping)
 
     def stop(self) -> None:
         if self.proc is not None:

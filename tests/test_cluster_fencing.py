@@ -17,6 +17,7 @@ from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.engine.chat.job_queue import FakeJobQueue
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.clock import FakeClock
+from tests.helpers.polling import wait_until
 from tests.test_cluster_streams import KEYS, SETTINGS, Node, answer, chat_job, next_job, read_by
 
 pytestmark = pytest.mark.redis
@@ -116,8 +117,8 @@ async def test_a_dead_workers_jobs_are_claimed_at_once_even_those_it_sent(redis_
     await a.write_notes()
     assert await absent_workers(redis, KEYS, me="wb") == set()  # a lives (paused or not): its connection is open
     await presence.aclose()  # kill -9: the kernel closes the process's sockets
-    while not await absent_workers(redis, KEYS, me="wb"):
-        await asyncio.sleep(0.01)  # Redis drops the client as it reads the close: no event to wait on
+    # Redis drops the client as it reads the close: no event to wait on
+    await wait_until(lambda: absent_workers(redis, KEYS, me="wb"), 10, "Redis never dropped the closed client")
     watch = DeathWatch(confirm_s=0.5)
     assert watch.observe({"wa"}, 0.0) == set()  # one miss may be a reconnect: wait for the second
     assert watch.observe({"wa"}, 0.5) == {"wa"}
@@ -138,14 +139,11 @@ async def test_a_front_end_that_loses_redis_serves_only_what_no_worker_sent(redi
     await node.leases.renew()
     fe = frontend()
     sent_future, unsent_future = fe.submit(chat_job("already upstream")), fe.submit(chat_job("still in a window"))
-    taken = 0
-    while taken < 2:
-        taken += await node.read()
+    await node.read_jobs(2)
     sent_job, unsent_job = sorted(await node.queue.wait_for(2), key=lambda j: j.request_id)
     sent_job.mark_sent()
     await node.write_notes()
-    while fe._inflight.senders() != {"w1"}:
-        await asyncio.sleep(0.01)  # the reply loop reads the note on its next turn
+    await wait_until(lambda: fe._inflight.senders() == {"w1"}, 10, "the reply loop never read the sent note")
     redis_server.stop()  # killed: the streams are lost with it
     local: FakeJobQueue = fe._local  # type: ignore[assignment]
     moved = await next_job(local)

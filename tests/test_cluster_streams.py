@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Callable
 
 import pytest
 
@@ -21,6 +22,7 @@ from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ClusterSettings, default_tiers
 from mergebroker.clock import Clock, FakeClock, monotonic
+from tests.helpers.polling import wait_until
 
 pytestmark = pytest.mark.redis
 
@@ -52,8 +54,7 @@ async def next_job(queue: FakeJobQueue, seen: int = 0) -> ChatJob:
 async def read_by(node: "Node", fe: ClusterQueue, text: str) -> tuple[asyncio.Future, ChatJob]:
     """The future of a job submitted at `fe`, and that job as `node` (holding its partition) read it."""
     future = fe.submit(chat_job(text))
-    while not await node.read():
-        pass
+    await node.read_jobs()
     return future, await next_job(node.queue)
 
 
@@ -68,6 +69,7 @@ class Node:
     """One worker's parts, driven by hand: leases renewed and reads, writes, claims called by the test."""
 
     def __init__(self, redis, name: str, clock: FakeClock, tiers=None, settings: ClusterSettings = SETTINGS) -> None:
+        self.clock = clock
         self.queue = FakeJobQueue()
         self.metrics = Metrics()
         server_clock = ServerClock(clock)  # one local clock for both, as a worker process has (`start_worker`)
@@ -80,18 +82,39 @@ class Node:
     async def write(self) -> None:
         """Write until an answer went out (its sent note may go first: the answer reaches the outbox in the
         future's callback, a loop turn later)."""
-        while True:
-            await self.consumer.wait_for_replies()
-            if await self.consumer.write_once():
-                return
+        async def wrote() -> int:
+            await asyncio.wait_for(self.consumer.wait_for_replies(), 10)
+            return await self.consumer.write_once()
+
+        await wait_until(wrote, 10, "no answer went out", interval_s=0)
 
     async def write_notes(self) -> None:
-        await self.consumer.wait_for_replies()
+        await asyncio.wait_for(self.consumer.wait_for_replies(), 10)
         await self.consumer.write_once()
 
     async def read(self) -> int:
         await self.consumer._server_clock.sync(self.consumer._redis)
         return await self.consumer.read_once(SETTINGS.block_ms * 5)
+
+    async def read_jobs(self, count: int = 1) -> None:
+        """Read until `count` jobs were taken: the front-end's send loop adds them on later turns."""
+        taken = 0
+
+        async def enough() -> bool:
+            nonlocal taken
+            taken += await self.read()
+            return taken >= count
+
+        await wait_until(enough, 10, f"fewer than {count} jobs read", interval_s=0)
+
+
+async def wait_for_queued(redis, ready: Callable[[int], bool], what: str) -> None:
+    """Wait until the number of entries in the batch tier's streams satisfies `ready`: a front-end's send loop
+    adds and deletes them on its later turns."""
+    async def counted() -> bool:
+        return ready(sum([await redis.xlen(KEYS.jobs("batch", p)) for p in range(SETTINGS.partitions)]))
+
+    await wait_until(counted, 10, what)
 
 
 @pytest.fixture
@@ -123,8 +146,7 @@ async def test_a_job_goes_to_the_worker_and_its_answer_comes_back(redis, fronten
     assert node.leases.owned == frozenset(range(4))
     fe = frontend()
     future = fe.submit(chat_job("hello"))
-    while not await node.read():
-        pass
+    await node.read_jobs()
     job = await next_job(node.queue)
     assert (job.caller, job.merge_key, job.request_id) == (Caller("t", "batch"), "mk-hello", "r-hello")
     answer(job, "hi there")
@@ -141,8 +163,7 @@ async def test_the_worker_counts_a_jobs_window_from_when_its_front_end_queued_it
     queued = chat_job("early")
     queued.enqueued_at -= 0.3  # it waited 300 ms at the front-end before the send
     frontend().submit(queued)
-    while not await node.read():
-        pass
+    await node.read_jobs()
     job = await next_job(node.queue)
     # Both ends see one clock through Redis's TIME: the worker's copy keeps the front-end's enqueue time
     # (to within the clock sync's error), so its merge window and aging do not start again at the read.
@@ -157,8 +178,7 @@ async def test_a_job_that_arrives_after_its_window_would_have_closed_still_waits
     late = chat_job("late")
     late.enqueued_at -= 2.0  # far beyond the batch tier's 250 ms window (a backlog after a handover)
     frontend().submit(late)
-    while not await node.read():
-        pass
+    await node.read_jobs()
     job = await next_job(node.queue)
     # Its window counts as if it had 50 ms left: the rest of its backlog, read a moment later, joins it.
     read_at = node.consumer._held.get(next(iter(node.consumer._held))).read_at
@@ -171,8 +191,7 @@ async def test_a_backlog_of_one_merge_key_comes_in_whole_so_it_merges_as_in_one_
     fe = frontend()
     for i in range(40):  # one popular prompt while its worker was busy (or its partition changed hands)
         fe.submit(chat_job(f"question {i}", merge_key="mk-popular"))
-    while sum([await redis.xlen(KEYS.jobs("batch", p)) for p in range(SETTINGS.partitions)]) < 40:
-        await asyncio.sleep(0.01)  # the send loop adds them on later turns
+    await wait_for_queued(redis, lambda n: n >= 40, "the send loop never added the 40 jobs")
     await node.read()  # the first read takes a fair share of every stream, and sees this one is full
     await node.read()  # the next takes the rest of it in one piece (not a few per read, each merging alone)
     assert len(node.queue.jobs) == 40
@@ -196,9 +215,7 @@ async def test_identical_jobs_from_two_frontends_share_one_call(redis, frontend)
     node = Node(redis, "w1", FakeClock())
     await node.leases.renew()
     first, second = frontend("f1").submit(chat_job("same")), frontend("f2").submit(chat_job("same"))
-    taken = 0
-    while taken < 2:
-        taken += await node.read()
+    await node.read_jobs(2)
     job = await next_job(node.queue)
     assert len(node.queue.jobs) == 1  # the second joined the first
     answer(job, "shared")
@@ -247,27 +264,24 @@ async def test_held_jobs_are_heartbeated_and_a_dead_workers_jobs_are_claimed(red
 async def test_the_first_reply_wins_and_later_ones_are_dropped_and_counted(redis, frontend):
     fe = frontend()
     future = fe.submit(chat_job("twice"))
-    while not len(fe._inflight):
-        await asyncio.sleep(0)  # the send loop runs on the next turns of the loop
+    await wait_until(lambda: len(fe._inflight), 10, "the send loop never sent it", interval_s=0)
     cid = fe._inflight.cids()[0]
     for text in ("first", "second"):
         outcome = ChatOutcome({"choices": [{"message": {"content": text}}]}, "sim", 0.0)
         await redis.xadd(KEYS.replies("f1"), encode_reply(WireReply(cid, outcome=outcome)))
     assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "first"
-    while fe._metrics.cluster_duplicates_dropped._value.get() < 1:
-        await asyncio.sleep(0.01)  # the reader drops the second in its next read
+    await wait_until(lambda: fe._metrics.cluster_duplicates_dropped._value.get() >= 1, 10,
+                     "the reader never dropped the second reply")
 
 
 async def test_a_job_whose_callers_all_left_is_taken_back_before_a_worker_reads_it(redis, frontend):
     fe = frontend()
     future = fe.submit(chat_job("abandoned"))
-    while not fe._inflight.entries():
-        await asyncio.sleep(0.01)  # the send loop adds it on a later turn
+    await wait_until(fe._inflight.entries, 10, "the send loop never added it")
     stream, _entry = fe._inflight.entries()[0]
     assert await redis.xlen(stream) == 1
     future.cancel()  # what SingleFlight does when the last caller leaves
-    while await redis.xlen(stream):
-        await asyncio.sleep(0.01)  # the send loop deletes it on a later turn
+    await wait_for_queued(redis, lambda n: n == 0, "the send loop never deleted it")
     node = Node(redis, "w1", FakeClock())
     await node.leases.renew()
     assert await node.read() == 0 and node.queue.jobs == []  # no upstream call for nobody
@@ -276,8 +290,7 @@ async def test_a_job_whose_callers_all_left_is_taken_back_before_a_worker_reads_
 async def test_a_worker_drops_a_held_job_whose_front_end_took_it_back_before_it_is_sent(redis, frontend):
     node, future, job = await read_by_a_worker(redis, frontend(), "waiting in a window")  # not yet sent upstream
     future.cancel()  # its every caller left: the front-end deletes the entry
-    while sum([await redis.xlen(KEYS.jobs("batch", p)) for p in range(SETTINGS.partitions)]):
-        await asyncio.sleep(0.01)  # deleted on the front-end's next send-loop turn
+    await wait_for_queued(redis, lambda n: n == 0, "the front-end never deleted the entry")
     await node.consumer.heartbeat_once()  # the heartbeat finds the entry gone
     assert job.future.cancelled() and node.consumer.held == 0
     assert node.metrics.cluster_jobs.labels("withdrawn")._value.get() == 1
@@ -288,8 +301,7 @@ async def test_an_expired_job_is_dropped_by_the_worker(redis, frontend):
     await node.leases.renew()
     fe = frontend()
     fe.submit(chat_job("too late", deadline_s=-1.0))
-    while not len(fe._inflight):
-        await asyncio.sleep(0.01)  # the send loop adds it on a later turn
+    await wait_until(lambda: len(fe._inflight), 10, "the send loop never sent it")
     assert await node.read() == 0
     assert node.queue.jobs == [] and node.metrics.cluster_jobs.labels("expired")._value.get() == 1
 
@@ -297,8 +309,7 @@ async def test_an_expired_job_is_dropped_by_the_worker(redis, frontend):
 async def test_frontend_falls_back_to_local_merging_and_returns(redis_server, redis, frontend):
     fe = frontend()
     waiting = fe.submit(chat_job("in flight"))
-    while not len(fe._inflight):
-        await asyncio.sleep(0)
+    await wait_until(lambda: len(fe._inflight), 10, "the send loop never sent it", interval_s=0)
     redis_server.stop()
     local: FakeJobQueue = fe._local  # type: ignore[assignment]
     moved = await next_job(local)  # the job awaiting a reply moved to the local queue
@@ -308,8 +319,7 @@ async def test_frontend_falls_back_to_local_merging_and_returns(redis_server, re
     fe.submit(chat_job("while down"))
     assert (await next_job(local, 1)).request_id == "r-while down"
     redis_server.start()
-    while fe.in_fallback:
-        await asyncio.sleep(0.05)  # the probe runs every fallback_probe_s
+    await wait_until(lambda: not fe.in_fallback, 30, "the front-end never left its fallback", interval_s=0.05)
     assert fe._metrics.cluster_fallback._value.get() == 0
 
 
@@ -324,15 +334,13 @@ async def test_with_no_live_worker_the_frontend_merges_locally_and_returns_when_
     assert fe.in_fallback and fe._metrics.cluster_fallback._value.get() == 1
     answer(moved, "served locally")
     assert (await asyncio.wait_for(waiting, 10)).body["choices"][0]["message"]["content"] == "served locally"
-    while sum([await redis.xlen(KEYS.jobs("batch", p)) for p in range(SETTINGS.partitions)]):
-        await asyncio.sleep(0.01)  # taken back from Redis: a worker arriving later does not run it again
+    # taken back from Redis: a worker arriving later does not run it again
+    await wait_for_queued(redis, lambda n: n == 0, "the job served locally was never taken back")
     node = Node(redis, "w1", FakeClock())
     await node.leases.renew()  # a worker is alive again
-    while fe.in_fallback:
-        await asyncio.sleep(0.05)  # the probe runs every fallback_probe_s
+    await wait_until(lambda: not fe.in_fallback, 30, "the front-end never left its fallback", interval_s=0.05)
     future = fe.submit(chat_job("for the worker"))
-    while not await node.read():
-        pass
+    await node.read_jobs()
     answer(await next_job(node.queue), "from the worker")
     await node.write()
     assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "from the worker"
@@ -354,7 +362,7 @@ async def test_an_identical_job_read_right_after_an_answer_does_not_take_that_an
     held = node.consumer._held.get((stream, entry))
     answer(job, "first")  # the answer is set; the consumer hears of it only on the loop's next turn
     twin = replace(held.job, correlation_id="twin")
-    node.consumer._accept(stream, b"1-1", encode_job(twin), monotonic())  # an identical job read in between: a new flight
+    node.consumer._accept(stream, b"1-1", encode_job(twin), node.clock())  # an identical job read in between: a new flight
     await node.write()
     assert (await asyncio.wait_for(first, 10)).body["choices"][0]["message"]["content"] == "first"
 
@@ -372,8 +380,10 @@ async def test_a_stopping_worker_gives_its_partitions_back_and_finishes_the_jobs
     future = frontend().submit(chat_job("asked just before a rolling restart"))
     job = await next_job(queue)  # read by the worker's own loop, now in progress
     stopping = asyncio.ensure_future(worker.stop())
-    while await redis.exists(*[KEYS.lease(p) for p in range(SETTINGS.partitions)]):
-        await asyncio.sleep(0.01)  # watching the leases in Redis: they are given back first
+    async def given_back() -> bool:
+        return not await redis.exists(*[KEYS.lease(p) for p in range(SETTINGS.partitions)])
+
+    await wait_until(given_back, 10, "the stopping worker never gave its leases back")  # it does so first
     assert not stopping.done()  # still finishing the job it holds
     answer(job, "finished while stopping")
     assert (await asyncio.wait_for(future, 10)).body["choices"][0]["message"]["content"] == "finished while stopping"

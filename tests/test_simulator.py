@@ -22,6 +22,7 @@ from mergebroker.providers.simulator.server import (RunningSimulator, SimulatorC
 from mergebroker.providers.simulator.cli import add_simulate_arguments, config_from_args, serve_simulator
 from mergebroker.providers.simulator.faults import CHATTER_AFTER, CHATTER_BEFORE, CallFault, decide_call_fault, render_blocks
 from tests.conftest import free_port
+from tests.helpers.processes import wait_for_port
 
 QUESTION = "What is the capital of France?"
 
@@ -449,15 +450,9 @@ async def test_serve_simulator_serves_until_cancelled(http: aiohttp.ClientSessio
     port = free_port()
     task = asyncio.create_task(serve_simulator(argparse.Namespace(host="127.0.0.1", port=port)))
     url = f"http://127.0.0.1:{port}/v1/models"
-    for _ in range(200):  # polling the port: the server gives no event to wait on from outside
-        try:
-            async with http.get(url) as resp:
-                assert resp.status == 200
-                break
-        except aiohttp.ClientConnectionError:
-            await asyncio.sleep(0.01)
-    else:
-        pytest.fail("serve_simulator did not start")
+    await wait_for_port(port, timeout_s=10)
+    async with http.get(url) as resp:
+        assert resp.status == 200
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
