@@ -9,8 +9,12 @@ the prompt by its `cache_control` breakpoints (`providers.simulator.anthropic_ca
 use Anthropic's envelope (`{"type": "error", "error": {"type", "message"}}`, 529 `overloaded_error`
 included). As an agent's model (`providers.simulator.agent`) it calls the tools it is given (`tool_use`
 blocks, streamed as `input_json_delta`s), answers from tool results once they come, and answers
-`output_config.format` with JSON following the schema. Images are accepted. A test drives this mode with
-the official `anthropic` SDK, so it cannot drift from the real protocol.
+`output_config.format` with JSON following the schema. Images are accepted. Beta calls (`?beta=true`, an
+`anthropic-beta` header) are checked against the SDK's beta types, so Claude Code's bodies (`context_management`,
+adaptive `thinking`, tools with `defer_loading`, system reminders as `role: "system"` turns) are taken;
+`POST /v1/messages/count_tokens` counts a prompt as this route does. Every call is recorded for
+`GET /_sim/last_request` (headers included, so tests see `anthropic-beta` and `cache_control` arrive). Tests
+drive this mode with the official `anthropic` SDK, so it cannot drift from the real protocol.
 """
 
 from __future__ import annotations
@@ -37,15 +41,16 @@ class Simulator(Protocol):
     """What this mode uses of `providers.simulator.server.Simulator` (a sibling it extends, so its private parts too)."""
 
     stats: Any
-    last_request_body: dict[str, Any] | None
     clock: Clock
     _faults: FaultInjector
 
     @property
     def config(self) -> SimulatorConfig: ...
 
-    async def _injected_fault(self, request: web.Request, *, chat: bool,
-                              stream: bool = False) -> web.StreamResponse | None: ...
+    def record_request(self, request: web.Request, body: Any) -> None: ...
+
+    async def _injected_fault(self, request: web.Request, *, chat: bool, stream: bool = False,
+                              random_faults: bool = True) -> web.StreamResponse | None: ...
 
     async def _pause(self, milliseconds: float) -> None: ...
 
@@ -89,6 +94,14 @@ def _as_anthropic_error(response: web.StreamResponse) -> web.StreamResponse:
     return error_response(response.status, message, {"retry-after": retry_after} if retry_after else None)
 
 
+async def _raw_json(request: web.Request) -> Any:
+    """The body as JSON, or None when it is not JSON (validation refuses it then)."""
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
 def _openai_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The conversation as the simulator's content rules read it (system first)."""
     system = [{"role": "system", "content": body["system"]}] if body.get("system") else []
@@ -115,17 +128,26 @@ def _text_answer(body: Mapping[str, Any], messages: list[dict[str, Any]], sim: S
                   None, reply.faults)
 
 
+def is_beta(request: web.Request) -> bool:
+    """Whether a call is a beta one (`?beta=true`, as the SDK's `client.beta` and Claude Code send it, or an
+    `anthropic-beta` header): its body is checked against the SDK's beta types."""
+    return request.query.get("beta") == "true" or bool(request.headers.get("anthropic-beta"))
+
+
 def answer(body: Mapping[str, Any], messages: list[dict[str, Any]], sim: Simulator) -> Answer:
-    """What the model answers `body`: from tool results, structured output, tool calls, or text."""
+    """What the model answers `body`: from tool results, structured output, tool calls, or text. (A system turn
+    after the last user turn, as Claude Code sends reminders, does not hide that turn's tool results.)"""
     question = question_text(messages)
-    results = [b for b in _blocks(body["messages"][-1]["content"]) if b.get("type") == "tool_result"]
+    last = next(m for m in reversed(body["messages"]) if m["role"] != "system")
+    results = [b for b in _blocks(last["content"]) if b.get("type") == "tool_result"]
     if results:
         return Answer([{"type": "text", "text": after_tools([_result_text(b) for b in results])}], "end_turn")
     output = (body.get("output_config") or {}).get("format")
     if isinstance(output, dict) and output.get("type") == "json_schema":
         return Answer([{"type": "text", "text": json.dumps(instance(output["schema"], question))}], "end_turn")
     choice = body.get("tool_choice") or {"type": "auto"}
-    tools = [{"name": t["name"], "schema": t.get("input_schema")} for t in body.get("tools") or [] if "name" in t]
+    tools = [{"name": t["name"], "schema": t.get("input_schema")} for t in body.get("tools") or []
+             if "name" in t and t.get("type") in (None, "custom")]  # server tools (web search, ...) run upstream
     calls = tool_calls(tools, choice["type"], named=choice.get("name"),
                        parallel=not choice.get("disable_parallel_tool_use"), seed=question) if tools else []
     if not calls:
@@ -143,19 +165,33 @@ class AnthropicMode:
         self._cache = BreakpointCache(simulator.clock)
 
     def routes(self) -> list[web.RouteDef]:
-        """`POST /v1/messages` (Anthropic's path; its SDK's base URL is the server's root)."""
-        return [web.post("/v1/messages", self.messages)]
+        """`POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's paths; its SDK's base URL is the
+        server's root). Any query string (`?beta=true`) is taken."""
+        return [web.post("/v1/messages", self.messages), web.post("/v1/messages/count_tokens", self.count_tokens)]
+
+    async def count_tokens(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/messages/count_tokens: `{"input_tokens": N}`, the prompt as `/v1/messages` counts it (only the
+        `down` and `status_override` faults apply)."""
+        sim = self._sim
+        sim.stats.calls["count_tokens"] += 1
+        raw = await _raw_json(request)
+        sim.record_request(request, raw)
+        try:
+            body = validate(request.headers, raw, beta=is_beta(request), count=True)
+        except AnthropicRequestError as exc:
+            return error_response(exc.status, str(exc))
+        if (early := await sim._injected_fault(request, chat=False, random_faults=False)) is not None:
+            return _as_anthropic_error(early)
+        return web.json_response({"input_tokens": prompt_tokens(_openai_messages(body))})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/messages: validate, maybe inject a fault, then answer as a Message or a stream."""
         sim = self._sim
         sim.stats.calls["messages"] += 1
+        raw = await _raw_json(request)
+        sim.record_request(request, raw)
         try:
-            raw = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raw = None
-        try:
-            body = sim.last_request_body = validate(request.headers, raw)
+            body = validate(request.headers, raw, beta=is_beta(request))
         except AnthropicRequestError as exc:
             return error_response(exc.status, str(exc))
         messages, stream = _openai_messages(body), bool(body.get("stream"))
@@ -224,8 +260,7 @@ class AnthropicMode:
                         "type": "input_json_delta", "partial_json": arguments[at:at + size]}))
             await response.write(event("content_block_stop", index=index))
         await response.write(event("message_delta", delta={"stop_reason": reply.stop_reason,
-                                                           "stop_sequence": reply.stop_sequence},
-                                   usage={"output_tokens": usage["output_tokens"]}))
+                                                           "stop_sequence": reply.stop_sequence}, usage=usage))
         await response.write(event("message_stop"))
         await response.write_eof()
         return response

@@ -4,7 +4,11 @@ Every body is validated against the request types of the official `anthropic` SD
 `MessageCreateParams` TypedDicts, through pydantic, with unknown fields refused at every level as the API
 does), so a translation the real API would refuse fails the test that sent it, not a user. The SDK is
 a development dependency: without it only the rules below apply. The sampling fields the SDK's types
-no longer list (`temperature`, `top_p`, `top_k`) are checked by hand.
+no longer list (`temperature`, `top_p`, `top_k`) are checked by hand. A beta call (`?beta=true`, as the SDK's
+`client.beta` and Claude Code send it, or an `anthropic-beta` header) is checked against the SDK's beta types,
+which take the beta fields (`context_management`, tools with `defer_loading`, ...); `count_tokens` bodies against
+its count-tokens types. A `role: "system"` turn after the first user turn (as Claude Code sends reminders) is
+taken, and left out of the turn rules.
 
 On top, the rules of the strictest Messages upstreams, which the broker's translation must meet: turns
 alternate and start with the user; text blocks are not empty; a final assistant turn does not end in
@@ -19,13 +23,14 @@ import base64
 import binascii
 import copy
 import functools
+import importlib
 from typing import Any, Mapping
 
 from mergebroker.providers.simulator.faults import is_int
 
 _SAMPLING = ("temperature", "top_p", "top_k")
 _FALLBACK_FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "metadata", "tools",
-                              "tool_choice", "output_config", "thinking", "service_tier"})
+                              "tool_choice", "output_config", "thinking", "service_tier", "context_management"})
 """The top-level fields taken when the SDK's types are not installed to say so."""
 _SIGNATURES = {"image/png": b"\x89PNG", "image/jpeg": b"\xff\xd8", "image/gif": b"GIF8", "image/webp": b"RIFF"}
 
@@ -38,8 +43,9 @@ class AnthropicRequestError(Exception):
         self.status = status
 
 
-def validate(headers: Mapping[str, str], body: Any) -> dict[str, Any]:
-    """The request's body if the Messages API would take it, else `AnthropicRequestError` (status, message)."""
+def validate(headers: Mapping[str, str], body: Any, *, beta: bool = False, count: bool = False) -> dict[str, Any]:
+    """The request's body if the Messages API would take it, else `AnthropicRequestError` (status, message).
+    `beta`: check against the beta types; `count`: a `count_tokens` body (no `max_tokens`)."""
     if not headers.get("x-api-key") and not headers.get("Authorization", "").startswith("Bearer "):
         raise AnthropicRequestError(401, "x-api-key header is required")
     if not headers.get("anthropic-version"):
@@ -50,11 +56,13 @@ def validate(headers: Mapping[str, str], body: Any) -> dict[str, Any]:
     _check_number(body, "top_p", 1)
     if body.get("top_k") is not None and not (is_int(body["top_k"]) and body["top_k"] >= 0):
         raise AnthropicRequestError(400, "top_k: Input should be a non-negative integer")
-    problem = _sdk_problem({k: v for k, v in body.items() if k not in (*_SAMPLING, "stream")})
+    checked = {**body, "messages": conversation_turns(body.get("messages"))}
+    problem = _sdk_problem({k: v for k, v in checked.items() if k not in (*_SAMPLING, "stream")}, beta=beta,
+                           count=count)
     if problem:
         raise AnthropicRequestError(400, problem)
-    _check_shape(body)
-    _check_turns(body["messages"])
+    _check_shape(checked, count=count)
+    _check_turns(checked["messages"])
     breakpoints = _cache_controls(body)
     if breakpoints > MAX_BREAKPOINTS:
         raise AnthropicRequestError(400, f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be "
@@ -85,11 +93,26 @@ def _check_number(body: Mapping[str, Any], name: str, high: float) -> None:
         raise AnthropicRequestError(400, f"{name}: Input should be between 0 and {high:g}")
 
 
-def _check_shape(body: Mapping[str, Any]) -> None:
+def conversation_turns(messages: Any) -> Any:
+    """The messages the turn rules apply to: a `role: "system"` turn after a user turn is left out (its blocks are
+    still checked); one before any user turn stays, to be refused."""
+    if not isinstance(messages, list):
+        return messages
+    turns: list[Any] = []
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "system" and any(
+                isinstance(m, dict) and m.get("role") == "user" for m in turns):
+            _check_blocks(message.get("content"), f"messages.{i}.content")
+            continue
+        turns.append(message)
+    return turns
+
+
+def _check_shape(body: Mapping[str, Any], *, count: bool = False) -> None:
     """The essentials, for when the SDK's types are not there to check them."""
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise AnthropicRequestError(400, "model: Field required")
-    if not is_int(body.get("max_tokens")) or body["max_tokens"] < 1:
+    if not count and (not is_int(body.get("max_tokens")) or body["max_tokens"] < 1):
         raise AnthropicRequestError(400, "max_tokens: Field required (an integer >= 1)")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -147,10 +170,10 @@ def _text_of(content: Any) -> str:
     return "".join(b.get("text") or "" for b in content if isinstance(b, dict) and b.get("type") == "text")
 
 
-def _sdk_problem(body: dict[str, Any]) -> str | None:
+def _sdk_problem(body: dict[str, Any], *, beta: bool, count: bool) -> str | None:
     """The first thing the SDK's request types refuse in `body` ("path: message"), or None. Without the SDK,
     only unknown top-level fields are found."""
-    validator = _sdk_validator()
+    validator = _sdk_validator(beta, count)
     if validator is None:
         extra = sorted(set(body) - _FALLBACK_FIELDS)
         return f"{extra[0]}: Extra inputs are not permitted" if extra else None
@@ -163,17 +186,24 @@ def _sdk_problem(body: dict[str, Any]) -> str | None:
     return None
 
 
+_PARAMS = {(False, False): ("anthropic.types.message_create_params", "MessageCreateParamsNonStreaming"),
+           (True, False): ("anthropic.types.beta.message_create_params", "MessageCreateParamsNonStreaming"),
+           (False, True): ("anthropic.types.message_count_tokens_params", "MessageCountTokensParams"),
+           (True, True): ("anthropic.types.beta.message_count_tokens_params", "MessageCountTokensParams")}
+
+
 @functools.cache
-def _sdk_validator() -> Any:
-    """A validator of `MessageCreateParamsNonStreaming`, or None without the SDK."""
+def _sdk_validator(beta: bool = False, count: bool = False) -> Any:
+    """A validator of the SDK's request type (create or count tokens, beta or not), or None without the SDK."""
+    module, name = _PARAMS[beta, count]
     try:
-        from anthropic.types.message_create_params import MessageCreateParamsNonStreaming
-    except ImportError:
+        params = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
         return None
     from pydantic import TypeAdapter
     from pydantic_core import SchemaValidator
 
-    return SchemaValidator(_strict(TypeAdapter(MessageCreateParamsNonStreaming).core_schema))
+    return SchemaValidator(_strict(TypeAdapter(params).core_schema))
 
 
 def _strict(schema: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +237,8 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
         kind = node.get("type")
         if kind == "generator":
             node["type"] = "list"
-        elif kind == "typed-dict" and (node.get("config") or {}).get("extra_fields_behavior") != "allow":
+        elif (kind == "typed-dict" and (node.get("config") or {}).get("extra_fields_behavior") != "allow"
+              and "extras_schema" not in node):  # a TypedDict that types its extra items takes them
             node["extra_behavior"] = "forbid"
         elif kind == "union":
             kept = [c for c in node["choices"] if not is_model(_choice(c))]

@@ -34,7 +34,7 @@ from mergebroker.providers.simulator.responses_stream import (failed_events, res
 
 
 class Simulator(Protocol):
-    """What this mode uses of `providers.simulator.server.Simulator` (a sibling it extends, so its private parts too)."""
+    """What this mode uses of `providers.simulator.server.Simulator` (a sibling it extends, private parts too)."""
 
     stats: Any
     biller: Biller

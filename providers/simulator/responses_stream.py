@@ -81,8 +81,9 @@ def failed_events(events: list[dict[str, Any]], after: int, status: int) -> list
     code, message = _FAILURES.get(status, _FAILURES[529])
     kept = [event for event in events[:after] if event["type"] not in ("response.completed", "response.incomplete")]
     final = events[-1]["response"]
-    failed = {**final, "status": "failed", "output": [e["item"] for e in kept if e["type"] == "response.output_item.done"],
-              "error": {"code": code, "message": message}, "incomplete_details": None}
+    done = [event["item"] for event in kept if event["type"] == "response.output_item.done"]
+    failed = {**final, "status": "failed", "output": done, "error": {"code": code, "message": message},
+              "incomplete_details": None}
     return numbered(kept + [{"type": "response.failed", "response": failed}])
 
 

@@ -156,11 +156,11 @@ class Simulator:
         return self._faults.config
 
     def record_request(self, request: web.Request, body: Any) -> None:
-        """Keep the call's method, path, query, headers and body (GET /_sim/last_request shows them), so tests
-        can check what a broker forwarded, headers and cache breakpoints included."""
+        """Keep the call's method, path, query, headers (names lower-cased) and body (GET /_sim/last_request shows
+        them), so tests can check what a broker forwarded, headers and cache breakpoints included."""
         self.last_request_body = body
         self.last_request = {"method": request.method, "path": request.path, "query": request.query_string,
-                             "headers": dict(request.headers), "body": body}
+                             "headers": {k.lower(): v for k, v in request.headers.items()}, "body": body}
 
     def set_faults(self, **fields: Any) -> dict[str, Any]:
         """Change run-time fields now (faults, latency, billing, streaming); returns them all.
@@ -186,7 +186,8 @@ class Simulator:
                  ("GET", "/models", self.models), ("GET", "/stats", self.get_stats),
                  ("POST", "/stats/reset", self.post_stats_reset), ("GET", "/control/faults", self.get_faults),
                  ("POST", "/control/faults", self.post_faults), ("GET", "/_sim/bill", self.get_bill),
-                 ("POST", "/_sim/bill/reset", self.post_bill_reset), ("GET", "/_sim/last_request", self.get_last_request)]
+                 ("POST", "/_sim/bill/reset", self.post_bill_reset),
+                 ("GET", "/_sim/last_request", self.get_last_request)]
         openai_routes = [web.route(method, prefix + path, handler)
                          for prefix in ("", "/v1") for method, path, handler in table]
         return openai_routes + self._responses_routes + anthropic_routes(self) + azure_routes(self)
