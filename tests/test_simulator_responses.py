@@ -257,3 +257,36 @@ async def test_bad_bodies_get_a_400_naming_the_field(simulator):
             async with http.post(simulator.url + "/responses", json=body) as reply:
                 assert reply.status == 400, body
                 assert (await reply.json())["error"]["param"] == param
+
+
+async def test_a_shell_tool_runs_the_command_the_prompt_quotes_between_backticks(client):
+    shell = {"type": "function", "name": "shell", "parameters": {
+        "type": "object", "required": ["command"], "properties": {"command": {"type": "array",
+                                                                               "items": {"type": "string"}}}}}
+    prompt = "Create result.txt using the shell: run `echo ready > result.txt`"
+    response = await client.responses.create(model="sim-small", input=prompt, tools=[shell, WEATHER])
+    assert [json.loads(i.arguments) for i in response.output] == [{"command": ["bash", "-lc",
+                                                                               "echo ready > result.txt"]}]
+
+
+async def test_the_chat_route_serves_an_agent_behind_a_chat_only_upstream(client):
+    chat_tools = [{"type": "function", "function": {"name": t["name"], "parameters": t["parameters"]}}
+                  for t in (WEATHER, CLOCK)]
+    question = [{"role": "user", "content": QUESTION}]
+    first = await client.chat.completions.create(model="sim-small", messages=question, tools=chat_tools)
+    calls = first.choices[0].message.tool_calls
+    assert first.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["weather", "clock"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["parameters"])
+    stream = await client.chat.completions.create(model="sim-small", messages=question, tools=chat_tools,
+                                                  stream=True, parallel_tool_calls=False)
+    chunks = [chunk async for chunk in stream]
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert {d.index for d in deltas} == {0} and deltas[0].function.name == "weather"
+    assert "".join(d.function.arguments for d in deltas) == calls[0].function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    follow = question + [first.choices[0].message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": out} for c, out in zip(calls, ("Sunny", "12:00"))]
+    final = await client.chat.completions.create(model="sim-small", messages=follow, tools=chat_tools)
+    assert final.choices[0].message.content == after_tools(["Sunny", "12:00"])
+    parsed = await client.chat.completions.parse(model="sim-small", messages=question, response_format=City)
+    assert isinstance(parsed.choices[0].message.parsed, City)

@@ -5,8 +5,9 @@ test's own upstream) can answer tool and structured-output requests the same way
 - Given tools it may use and no tool results yet, it calls them: the named one when the choice names
   one, else every tool (all at once, unless parallel calls are off: then the first only). An agent's tool set
   (one with a shell tool: Claude Code's `Bash`, Codex CLI's `exec_command`, `shell`, `shell_command`) gets the
-  shell tool alone, with its required inputs only and a harmless `echo` as the command, so that a real agent
-  runs it (all of its tools at once would write files and spawn sub-agents).
+  shell tool alone, with its required inputs only and as the command the last one the question quotes between
+  backticks (else a harmless `echo`), so that a real agent runs it (all of its tools at once would write
+  files and spawn sub-agents).
 - Once the last user turn holds tool results, it answers in text, quoting them (`after_tools`).
 - Inputs and structured answers are `instance(schema, seed)`: a deterministic value of the schema's
   shape (objects with every property, `$ref`s into `$defs` followed, enums and consts honoured).
@@ -15,6 +16,7 @@ test's own upstream) can answer tool and structured-output requests the same way
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any, Mapping, Sequence
 
 _LETTERS = "ghijklmnopqrstuvwxyz"  # letters only: a value never reads as a batch ID (a letter and digits)
@@ -30,7 +32,7 @@ def tool_calls(tools: Sequence[Mapping[str, Any]], choice: str, *, named: str | 
     chosen = [t for t in tools if t["name"] == named] if choice == "tool" else list(tools)
     shell = next((t for t in chosen if t["name"] in SHELL_TOOLS), None)
     if shell is not None:
-        return [(shell["name"], shell_input(shell.get("schema") or {}, f"{seed}\0{shell['name']}"))]
+        return [(shell["name"], shell_input(shell.get("schema") or {}, seed))]
     if not parallel:
         chosen = chosen[:1]
     return [(t["name"], _as_object(instance(t.get("schema") or {}, f"{seed}\0{t['name']}"))) for t in chosen]
@@ -39,16 +41,20 @@ def tool_calls(tools: Sequence[Mapping[str, Any]], choice: str, *, named: str | 
 SHELL_TOOLS = frozenset({"Bash", "bash", "shell", "local_shell", "shell_command", "exec_command"})
 """The names agents give the tool that runs a command line (Claude Code, Codex CLI)."""
 _COMMAND_KEYS = ("command", "cmd")
+_QUOTED_COMMAND = re.compile(r"`([^`\n]+)`")
 
 
-def shell_input(schema: Mapping[str, Any], seed: str) -> dict[str, Any]:
+def shell_input(schema: Mapping[str, Any], question: str) -> dict[str, Any]:
     """A shell tool's input: its required properties (a model leaves optional timeouts and flags alone), the
-    command an `echo` of a seeded word, as a string or as an argv (`["bash", "-lc", ...]`) as the schema says."""
+    command the last one `question` quotes between backticks (else an `echo` of a word seeded by it), as a string
+    or as an argv (`["bash", "-lc", ...]`) as the schema says."""
+    seed = f"{question}\0shell"
     properties = schema.get("properties") or {}
     wanted = ([k for k in schema.get("required") or [] if k in properties]
               or [k for k in _COMMAND_KEYS if k in properties][:1])
     value = {name: instance(properties[name], f"{seed}.{name}", root=schema) for name in wanted}
-    line = "echo " + _scalar("string", {}, seed)
+    quoted = _QUOTED_COMMAND.findall(question)
+    line = quoted[-1].strip() if quoted else "echo " + _scalar("string", {}, seed)
     for key in _COMMAND_KEYS:
         if key in value:
             value[key] = ["bash", "-lc", line] if (properties[key] or {}).get("type") == "array" else line

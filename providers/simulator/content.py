@@ -159,13 +159,15 @@ def question_text(messages: Sequence[Mapping[str, Any]]) -> str:
 
 @dataclass(frozen=True)
 class Reply:
-    """A composed chat reply: its content, why it ended, its token count and what shaped it."""
+    """A composed chat reply: its content, why it ended, its token count, what shaped it, and the tool calls it
+    makes (chat's `tool_calls` objects; `providers.simulator.chat_agent`)."""
 
     content: str
     finish_reason: str
     completion_tokens: int
     merged: bool
     faults: tuple[str, ...] = ()
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 def compose_reply(messages: Sequence[Mapping[str, Any]], *, max_tokens: int | None,

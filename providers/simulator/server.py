@@ -28,6 +28,7 @@ from mergebroker.errors import BrokerError, InvalidRequest
 from mergebroker.providers.simulator.injection import INJECTION_MARKER
 from mergebroker.providers.simulator.billing import Biller
 from mergebroker.providers.simulator.bodies import json_object
+from mergebroker.providers.simulator.chat_agent import agent_reply
 from mergebroker.providers.simulator.content import (answer_for, block_answers, compose_reply,
                                          count_tokens, embedding_vector, parse_request_blocks, prompt_tokens,
                                          question_text)
@@ -201,7 +202,8 @@ class Simulator:
         return await self._faults.act(fault, request, stream=stream)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        """POST /chat/completions: answer, answer every block of a merged call, or inject a fault.
+        """POST /chat/completions: answer, answer every block of a merged call, answer as an agent's model (tool
+        calls, tool results, structured output: `providers.simulator.chat_agent`), or inject a fault.
 
         The reply stops at `max_tokens` / `max_completion_tokens` (finish_reason "length"), as providers do.
         """
@@ -218,7 +220,8 @@ class Simulator:
         stream = asked_stream and not config.ignore_stream
         if (early := await self._injected_fault(request, chat=True, stream=stream)) is not None:
             return early
-        reply = compose_reply(messages, max_tokens=max_tokens, config=config, rng=self._faults.rng)
+        reply = (agent_reply(body, messages, max_tokens=max_tokens, words=config.answer_words)
+                 or compose_reply(messages, max_tokens=max_tokens, config=config, rng=self._faults.rng))
         self.stats.record_faults(*reply.faults)
         plan = plan_stream(reply, config, self._faults.rng) if stream else None
         completion_tokens = reply.completion_tokens
@@ -235,7 +238,8 @@ class Simulator:
             return await send_stream(request, meta, plan, usage=usage if include_usage else None, config=config,
                                      pause=self._pause)
         await self._pause(config.latency_base_ms + config.latency_per_token_ms * reply.completion_tokens)
-        message = {"role": "assistant", "content": reply.content, "refusal": None}
+        message = {"role": "assistant", "content": reply.content or (None if reply.tool_calls else ""),
+                   "refusal": None, **({"tool_calls": list(reply.tool_calls)} if reply.tool_calls else {})}
         return web.json_response({**meta, "object": "chat.completion", "system_fingerprint": "sim", "usage": usage,
                                   "choices": [{"index": 0, "message": message, "logprobs": None,
                                                "finish_reason": reply.finish_reason}]})

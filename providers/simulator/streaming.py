@@ -2,7 +2,8 @@
 
 A stream is SSE: a role chunk, content chunks of a few words, a finish chunk, the usage chunk when
 `stream_options.include_usage` asks for it, then `data: [DONE]`. A reply cut at `max_tokens` ends the
-same way, its finish chunk saying "length".
+same way, its finish chunk saying "length". Tool calls (`providers.simulator.chat_agent`) stream after the
+content as `delta.tool_calls` chunks, per call its id and name, then its arguments.
 
 Quirks seen at real providers, each a config field that changes at run time:
 - `ignore_stream`: a streamed request is answered with a plain `chat.completion` JSON body (the server
@@ -57,6 +58,7 @@ class StreamPlan:
     completion_tokens: int
     error_after: int | None = None
     error_status: int = 429
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
     @property
     def sent_text(self) -> str:
@@ -69,7 +71,18 @@ def plan_stream(reply: Reply, config: SimulatorConfig, rng: random.Random) -> St
     """The plan of a streamed reply, with the mid-stream error fault decided now."""
     error_after = config.stream_error_after if decide_stream_error(config, rng) else None
     return StreamPlan(tuple(stream_pieces(reply.content)), reply.finish_reason, reply.completion_tokens,
-                      error_after, config.stream_error_status)
+                      error_after, config.stream_error_status, reply.tool_calls)
+
+
+def tool_call_deltas(calls: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """The `delta.tool_calls` entries that stream `calls`, as OpenAI sends them: per call its id and name with
+    empty arguments, then the arguments."""
+    deltas: list[dict[str, Any]] = []
+    for index, call in enumerate(calls):
+        deltas.append({"index": index, "id": call["id"], "type": "function",
+                       "function": {"name": call["function"]["name"], "arguments": ""}})
+        deltas.append({"index": index, "function": {"arguments": call["function"]["arguments"]}})
+    return deltas
 
 
 async def send_stream(request: web.Request, meta: Mapping[str, Any], plan: StreamPlan, *,
@@ -90,6 +103,7 @@ async def send_stream(request: web.Request, meta: Mapping[str, Any], plan: Strea
     per_token_ms = config.latency_per_token_ms * plan.completion_tokens
     chunks = [(config.latency_base_ms, choice({"role": "assistant", "content": ""}))]
     chunks += [(per_token_ms * len(piece) / len(content), choice({"content": piece})) for piece in plan.pieces]
+    chunks += [(0.0, choice({"tool_calls": [delta]})) for delta in tool_call_deltas(plan.tool_calls)]
     for delay_ms, chunk in chunks[:plan.error_after]:
         await pause(delay_ms)
         await response.write(event(chunk))
