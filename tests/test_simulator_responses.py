@@ -141,15 +141,23 @@ async def test_namespaced_and_shell_tools_get_calls_an_agent_can_run(client, sim
     done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
     assert len(done) == 1 and deltas == done[0]["arguments"]
+    for event in events:
+        EVENTS.validate_python(event)
+    Response.model_validate(events[-1]["response"])
     assert json.loads(deltas)["cmd"].startswith("echo ") and set(json.loads(deltas)) == {"cmd"}
 
 
-async def test_reasoning_comes_first_and_max_output_tokens_leaves_the_response_incomplete(client):
+async def test_reasoning_comes_first_and_max_output_tokens_leaves_the_response_incomplete(client, simulator):
     thought = await client.responses.create(model="sim-small", input=QUESTION, include=[
         "reasoning.encrypted_content"], reasoning={"effort": "low", "summary": "auto"}, store=False)
     assert [i.type for i in thought.output] == ["reasoning", "message"]
     assert thought.output[0].summary[0].text and thought.output[0].encrypted_content
     assert 0 < thought.usage.output_tokens_details.reasoning_tokens < thought.usage.output_tokens
+    events = await raw_events(simulator, {"model": "sim-small", "input": QUESTION,
+                                          "reasoning": {"effort": "low", "summary": "auto"}})
+    for event in events:
+        EVENTS.validate_python(event)
+    assert "response.reasoning_summary_text.delta" in {e["type"] for e in events}
     cut = await client.responses.create(model="sim-small", input=QUESTION, max_output_tokens=4)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 4 and answer_for(QUESTION).startswith(cut.output_text)
