@@ -63,7 +63,8 @@ class TokenUsage:
 
     def as_responses(self) -> dict[str, Any]:
         """The OpenAI Responses `usage` object (its detail objects are always present, as its types require)."""
-        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens,
+                                                                    "cache_write_tokens": self.cache_write_tokens},
                 "output_tokens": self.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": self.total_tokens}
@@ -117,7 +118,9 @@ def _input_output_usage(usage: Mapping[str, Any]) -> TokenUsage | None:
         return TokenUsage(given + read + written, completion, read, written, reasoning_tokens=reasoning)
     details = usage.get("input_tokens_details")
     cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
-    return TokenUsage(given, completion, min(cached or 0, given), reasoning_tokens=reasoning)
+    written = _count(details.get("cache_write_tokens")) if isinstance(details, dict) else None
+    cached = min(cached or 0, given)
+    return TokenUsage(given, completion, cached, min(written or 0, given - cached), reasoning_tokens=reasoning)
 
 
 def _cache_creation_sum(detail: Any) -> int:

@@ -15,6 +15,19 @@ def test_openai_usage_with_cached_tokens_is_read_with_its_cached_part() -> None:
     assert usage.as_body()["prompt_tokens_details"] == {"cached_tokens": 1920}
 
 
+def test_responses_and_anthropic_usage_read_to_the_same_counts_and_write_back_unchanged() -> None:
+    responses = {"input_tokens": 3000, "output_tokens": 40, "total_tokens": 3040,
+                 "input_tokens_details": {"cached_tokens": 2000, "cache_write_tokens": 500},
+                 "output_tokens_details": {"reasoning_tokens": 10}}
+    anthropic = {"input_tokens": 500, "output_tokens": 40, "cache_read_input_tokens": 2000,
+                 "cache_creation_input_tokens": 500}
+    from_responses, from_anthropic = TokenUsage.from_body({"usage": responses}), TokenUsage.from_body(anthropic)
+    assert from_responses == TokenUsage(3000, 40, 2000, 500, reasoning_tokens=10)
+    assert from_anthropic == TokenUsage(3000, 40, 2000, 500)  # Anthropic's input_tokens leaves the cache out
+    assert from_responses.as_responses() == responses and from_anthropic.as_anthropic() == anthropic
+    assert from_anthropic.uncached_prompt_tokens == 500
+
+
 def test_a_body_without_usage_or_with_junk_counts_reports_none() -> None:
     assert TokenUsage.from_body({"choices": []}) is None
     assert TokenUsage.from_body({"usage": {"prompt_tokens": "12", "completion_tokens": -1}}) is None

@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from mergebroker.providers.simulator.billing import Biller
 from mergebroker.providers.simulator.faults import SimulatorConfig
 
-if TYPE_CHECKING:
-    from mergebroker.providers.simulator.server import Simulator
+
+class Simulator(Protocol):
+    """What a running simulator is read through: the server's Simulator, named by shape so this module sits below
+    the server that builds it (an import back would be a cycle)."""
+
+    config: SimulatorConfig
+    biller: Biller
+    last_request_body: dict[str, Any] | None
+    last_request: dict[str, Any] | None
+
+    def stats_dict(self) -> dict[str, Any]: ...
+
+    def set_faults(self, **fields: Any) -> dict[str, Any]: ...
+
+    def reset_stats(self, *, keep_cache: bool = False) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class RunningSimulator:
