@@ -19,7 +19,7 @@ import asyncio
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,9 @@ from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.cluster.frontend import front_end_queue
 from mergebroker.broker.engine.assemble import assemble, stop_engine
 from mergebroker.broker.engine.chat.service import CacheControl
+from mergebroker.broker.engine.inbound import messages as inbound_messages
+from mergebroker.broker.engine.inbound import responses as inbound_responses
+from mergebroker.broker.engine.streams import chat_chunk
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
 from mergebroker.broker.engine.schemas import BrokerOptions, parse_chat, parse_embeddings
 from mergebroker.broker.engine.settings import Settings
@@ -114,7 +117,7 @@ class Broker:
         async def answer(engine: Engine, info: RequestInfo) -> Reply:
             parsed, forward = parse_chat(dict(body), max_messages=engine.settings.server.max_messages)
             if parsed.stream:
-                raise InvalidRequest("Streaming is served over HTTP only; leave 'stream' unset here.",
+                raise InvalidRequest("A streaming request goes through `chat_stream`; leave 'stream' unset here.",
                                      param="stream")
             who = self._caller(engine, info, caller, parsed.broker, parsed.user)
             handling.check_chat_model(engine, info, parsed, forward)
@@ -123,6 +126,51 @@ class Broker:
             return Reply(result.outcome.body, handling.chat_headers(result))
 
         return await self._handle("chat", answer)
+
+    async def chat_stream(self, body: Mapping[str, Any], *, caller: CallerLike = None
+                          ) -> AsyncIterator[dict[str, Any]]:
+        """The `chat.completion.chunk`s the HTTP API would stream for `body`, as they come (the same
+        handling: limits, merged streams in tiers with `merge_streams`, usage settled when it ends).
+        An error before the first chunk is raised; one mid-stream is raised where the stream breaks."""
+        engine = self.engine
+        info = _new_info()
+        parsed, forward = parse_chat({**body, "stream": True}, max_messages=engine.settings.server.max_messages)
+        try:
+            who = self._caller(engine, info, caller, parsed.broker, parsed.user)
+            handling.check_chat_model(engine, info, parsed, forward)
+            stream = await handling.open_chat_stream(engine, info, who, parsed, forward)
+        except BrokerError as exc:
+            record_request(engine.metrics, engine.ledger, info, "chat", exc.status, time.perf_counter() - info.started)
+            raise
+        try:
+            async for frame in stream:
+                if info.stream_error is not None:
+                    raise info.stream_error
+                chunk = chat_chunk(frame)
+                if chunk is not None:
+                    yield chunk
+        finally:
+            await stream.aclose()
+            status = info.stream_error.status if info.stream_error is not None else 200
+            record_request(engine.metrics, engine.ledger, info, "chat", status, time.perf_counter() - info.started)
+
+    async def responses(self, body: Mapping[str, Any], *, caller: CallerLike = None) -> dict[str, Any]:
+        """The Response the HTTP API's `POST /v1/responses` would answer for a non-streaming `body`."""
+        async def answer(engine: Engine, info: RequestInfo) -> Reply:
+            who = self._caller(engine, info, caller, None, None)
+            result = await inbound_responses.create(engine, info, who, _unstreamed(body), {}, CacheControl())
+            return Reply(result.body, result.headers)  # type: ignore[union-attr]
+
+        return (await self._handle("responses", answer)).body
+
+    async def messages(self, body: Mapping[str, Any], *, caller: CallerLike = None) -> dict[str, Any]:
+        """The Message the HTTP API's `POST /v1/messages` would answer for a non-streaming `body`."""
+        async def answer(engine: Engine, info: RequestInfo) -> Reply:
+            who = self._caller(engine, info, caller, None, None)
+            result = await inbound_messages.create(engine, info, who, _unstreamed(body), {}, CacheControl())
+            return Reply(result.body, result.headers)  # type: ignore[union-attr]
+
+        return (await self._handle("messages", answer)).body
 
     async def embeddings_reply(self, body: Mapping[str, Any], *, caller: CallerLike = None) -> Reply:
         """The `/v1/embeddings` answer for an OpenAI embeddings `body`, with the broker's headers."""
@@ -142,8 +190,8 @@ class Broker:
 
     async def _handle(self, endpoint: str, answer: Callable[[Engine, RequestInfo], Awaitable[Reply]]) -> Reply:
         engine = self.engine
-        request_id = "req_" + secrets.token_hex(16)
-        info = RequestInfo(request_id, request_id, time.perf_counter())
+        info = _new_info()
+        request_id = info.request_id
         try:
             reply = await answer(engine, info)
         except BrokerError as exc:
@@ -161,3 +209,16 @@ class Broker:
             raise Forbidden(f"Unknown tier '{caller.tier}'.", param="tier", code="unknown_tier")
         info.tenant, info.tier = caller.tenant, caller.tier
         return caller
+
+
+def _new_info() -> RequestInfo:
+    request_id = "req_" + secrets.token_hex(16)
+    return RequestInfo(request_id, request_id, time.perf_counter())
+
+
+def _unstreamed(body: Mapping[str, Any]) -> dict[str, Any]:
+    """`body` for a non-streaming call; streaming ones are refused (as `chat` refuses them)."""
+    if body.get("stream"):
+        raise InvalidRequest("Leave 'stream' unset here: the library answers Responses and Messages whole.",
+                             param="stream")
+    return dict(body)

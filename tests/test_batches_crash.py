@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import openai
 import yaml
 
 from mergebroker.providers.simulator.server import answer_for
 from tests.conftest import free_port
+from tests.helpers.polling import wait_until
 
 LINES = 12
 
@@ -28,16 +27,8 @@ def start(config_path, port: int, log_path) -> subprocess.Popen:
 
 async def until(check, what: str, log_path, timeout_s: float = 60.0):
     """Poll a child process's HTTP state until `check()` returns a truthy value (no event to wait on)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            found = await check()
-            if found:
-                return found
-        except (openai.APIConnectionError, openai.APIStatusError):
-            pass
-        assert time.monotonic() < deadline, f"{what}: {log_path.read_text()[-2000:]}"
-        await asyncio.sleep(0.05)
+    return await wait_until(check, timeout_s, lambda: f"{what}: {log_path.read_text()[-2000:]}", interval_s=0.05,
+                            ignoring=(openai.APIConnectionError, openai.APIStatusError))
 
 
 async def test_killed_broker_resumes_the_batch_in_a_new_process(simulator, tmp_path):

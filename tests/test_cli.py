@@ -6,10 +6,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 
 from tests.conftest import free_port
+from tests.helpers.processes import wait_for_port_blocking
 
 
 def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
@@ -27,14 +27,7 @@ def test_serve_without_config_answers_from_the_simulated_upstream_and_logs_it(tm
         proc = subprocess.Popen([sys.executable, "-m", "mergebroker.broker.cli", "serve", "--port", str(port)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                status, _ = _get(f"http://127.0.0.1:{port}/healthz")
-                break
-            except OSError:
-                assert time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.1)  # polling a child process's port: there is no event to wait on
+        wait_for_port_blocking(port, proc=proc, log=log_path)
         status, body = _get(f"http://127.0.0.1:{port}/v1/chat/completions",
                             {"model": "sim-small", "messages": [{"role": "user", "content": "hello"}],
                              "broker": {"merge": False}})

@@ -10,7 +10,6 @@ import resource
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import aiohttp
@@ -25,6 +24,8 @@ from mergebroker.broker.http.server import CONNECTIONS, AcceptErrorLog, GuardedS
 from mergebroker.broker.engine.config import load_settings
 from mergebroker.clock import FakeClock
 from tests.conftest import free_port, provider_for
+from tests.helpers.polling import wait_until
+from tests.helpers.processes import wait_for_port_blocking
 
 LIMITS = ConnectionLimits(max_connections=4, header_timeout_s=5, body_timeout_s=10, idle_timeout_s=20)
 PARTIAL = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
@@ -99,11 +100,8 @@ async def _open(url: str, send: bytes = b"") -> tuple[asyncio.StreamReader, asyn
 
 async def _settled(app: web.Application, count: int) -> None:
     """Wait until the guard tracks `count` connections (accepting is the loop's business, not ours)."""
-    for _ in range(500):
-        if len(app[CONNECTIONS]) == count:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{len(app[CONNECTIONS])} connections tracked, expected {count}")
+    await wait_until(lambda: len(app[CONNECTIONS]) == count, 5,
+                     lambda: f"{len(app[CONNECTIONS])} connections tracked, expected {count}")
 
 
 async def test_slow_headers_and_idle_connections_are_closed_at_their_limits(guarded):
@@ -167,7 +165,7 @@ def test_a_slow_headers_flood_past_the_open_file_limit_leaves_other_clients_serv
                                 stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_limit_fds(256))
     attackers: list[socket.socket] = []
     try:
-        _wait_listening(port, proc, log_path)
+        wait_for_port_blocking(port, proc=proc, log=log_path)
         for _ in range(400):
             s = socket.create_connection(("127.0.0.1", port))
             s.sendall(PARTIAL)
@@ -180,17 +178,6 @@ def test_a_slow_headers_flood_past_the_open_file_limit_leaves_other_clients_serv
         proc.terminate()
         proc.wait(timeout=20)
     assert log_path.read_text().count("Too many open files") <= 2
-
-
-def _wait_listening(port: int, proc: subprocess.Popen, log_path) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)  # polling a child process's port: there is no event to wait on
 
 
 async def _good_clients(port: int, n: int) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
@@ -13,6 +12,7 @@ from mergebroker.breaker.circuit import BreakerState
 from mergebroker.clock import FakeClock
 from mergebroker.providers.simulator.server import SimulatorConfig, answer_for, start_simulator
 from tests.conftest import provider_for
+from tests.helpers.polling import wait_until
 
 BATCH = {"X-Broker-Tier": "batch"}
 BREAKER = {"min_calls": 4, "window_s": 30, "open_s": 10}
@@ -54,11 +54,7 @@ async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> N
     """Wait until `predicate()` holds. What it watches happens behind an HTTP boundary that sends no event
     back to the test (requests arriving in a queue, calls finishing after their client left), so this
     looks every 10 ms, within a bound."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
+    await wait_until(predicate, timeout_s, "condition not reached in time")
 
 
 class Gate:

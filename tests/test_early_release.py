@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from mergebroker.merge.prompt import request_blocks, response_block
+from tests.helpers.polling import wait_until
 
 USAGE = {"prompt_tokens": 400, "completion_tokens": 40, "total_tokens": 440}
 
@@ -114,13 +115,14 @@ def config(url: str, tmp_path, **provider) -> dict:
 async def ledger_rows(broker, tmp_path, count: int) -> list[tuple[int, int]]:
     """The ledger's (prompt, completion) rows once `count` are written: a record released early waits for the
     merged call's end, which the broker reaches on its own loop after the client has its answer."""
-    while True:
+    async def written() -> list[tuple[int, int]] | None:
         await broker.broker.ledger.flush()
         rows = sqlite3.connect(tmp_path / "ledger.sqlite3").execute(
             "SELECT prompt_tokens, completion_tokens FROM ledger").fetchall()
-        if len(rows) >= count:
-            return rows
-        await asyncio.sleep(0)  # yield to the broker's tasks on this same loop; no time passes
+        return rows if len(rows) >= count else None
+
+    # interval 0: the broker's tasks run on this same loop, so each look only yields to them
+    return await wait_until(written, 10, f"fewer than {count} ledger rows written", interval_s=0)
 
 
 async def released_in_turn(started: tuple[GatedUpstream, str], start_broker, tmp_path) -> list[tuple]:

@@ -12,6 +12,7 @@ import pytest
 
 from mergebroker.clock import FakeClock
 from tests.conftest import provider_for
+from tests.helpers.polling import wait_until
 from tests.test_tiers_api import SubmitSpy
 
 WINDOW_S = 0.2
@@ -29,12 +30,14 @@ def config(sim, path, *, early_release: bool = True) -> dict:
 async def rows(broker, path, count: int) -> list[dict]:
     """The ledger's rows once `count` are written: a stream's record waits for its usage, which settles on the
     broker's own loop once the stream ends."""
-    while True:
+    async def written() -> list[tuple] | None:
         await broker.broker.ledger.flush()
         found = sqlite3.connect(path).execute(f"SELECT {COLUMNS} FROM ledger ORDER BY ts").fetchall()
-        if len(found) >= count:
-            return [dict(zip(COLUMNS.split(", "), row)) for row in found]
-        await asyncio.sleep(0)  # yield to the broker's tasks on this same loop; no time passes
+        return found if len(found) >= count else None
+
+    # interval 0: the broker's tasks run on this same loop, so each look only yields to them
+    found = await wait_until(written, 10, f"fewer than {count} ledger rows written", interval_s=0)
+    return [dict(zip(COLUMNS.split(", "), row)) for row in found]
 
 
 async def stream(broker, question: str, *, include_usage: bool, tier: str = "standard") -> list[dict]:

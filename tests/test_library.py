@@ -11,6 +11,7 @@ import pytest
 from mergebroker.broker import Broker
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import Forbidden, InvalidRequest, Unauthorized
+from mergebroker.providers.simulator.server import answer_for
 from tests.conftest import provider_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -153,3 +154,29 @@ def test_the_readme_library_example_runs_as_written(tmp_path):
     lines = run.stdout.strip().splitlines()
     assert lines[-2] == "384 dimensions"
     assert lines[-1] == "merge rate 1.0 coalesced ratio 0.9"
+
+
+async def test_a_stream_comes_chunk_by_chunk_and_is_accounted_like_http(simulator):
+    """`chat_stream` yields the chunks HTTP would stream, text and usage included, and counts the request."""
+    async with Broker.from_settings(_settings(simulator)) as broker:
+        chunks = [chunk async for chunk in broker.chat_stream(
+            _ask("Tell me about rivers", stream_options={"include_usage": True}, broker={"merge": False}))]
+        requests = broker.engine.metrics.registry.get_sample_value(
+            "mergebroker_requests_total", {"endpoint": "chat", "tier": "standard", "status": "200"})
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    assert text == answer_for("Tell me about rivers")
+    assert chunks[-1]["usage"]["completion_tokens"] > 0 and requests == 1.0
+
+
+async def test_responses_and_messages_answer_in_process(simulator):
+    """The Responses and Messages APIs in process: the objects HTTP would answer, whole."""
+    async with Broker.from_settings(_settings(simulator)) as broker:
+        response = await broker.responses({"model": "sim-small", "input": "What is the capital of France?",
+                                           "broker": {"merge": False}})
+        message = await broker.messages({"model": "sim-small", "max_tokens": 100, "broker": {"merge": False},
+                                         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        with pytest.raises(InvalidRequest):
+            await broker.messages({"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]})
+    assert response["output"][0]["content"][0]["text"] == answer_for("What is the capital of France?")
+    assert message["content"][0]["text"] == answer_for("What is the capital of France?")
+    assert message["type"] == "message" and message["usage"]["output_tokens"] > 0

@@ -8,10 +8,8 @@ import contextlib
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -24,6 +22,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 from tests.conftest import free_port, provider_for
+from tests.helpers.processes import wait_for_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,15 +48,6 @@ def _env(**extra: str | None) -> dict[str, str]:
     return {k: v for k, v in env.items() if v is not None}
 
 
-async def _wait_for_port(port: int, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        await asyncio.sleep(0.1)  # polling a child process's port: there is no event to wait on
-
-
 @contextlib.asynccontextmanager
 async def _process(args: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> AsyncIterator[None]:
     """A `mergebroker` command running until the block ends, once it listens on `port`."""
@@ -65,7 +55,7 @@ async def _process(args: list[str], port: int, log: Path, env: dict[str, str] | 
         proc = subprocess.Popen([sys.executable, "-m", "mergebroker.broker.cli", *args], env=env or _env(),
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
-        await _wait_for_port(port, proc, log)
+        await wait_for_port(port, proc=proc, log=log)
         yield
     finally:
         proc.terminate()

@@ -8,6 +8,7 @@ import hashlib
 from mergebroker.clock import FakeClock
 from mergebroker.providers.simulator.server import answer_for
 from tests.conftest import provider_for
+from tests.helpers.polling import wait_until
 from tests.test_tiers_api import SubmitSpy
 
 BATCH = {"X-Broker-Tier": "batch"}
@@ -159,12 +160,12 @@ async def test_similarity_threshold_keeps_unrelated_questions_apart(simulator, s
 
 
 async def _until_ready(broker) -> None:
-    for _ in range(600):
+    async def ready() -> bool:
         async with broker.http.get("/readyz") as resp:
-            if resp.status == 200:
-                return
-        await asyncio.sleep(0.05)  # waiting for a model load in another thread: no event to await over HTTP
-    raise AssertionError("broker never became ready")
+            return resp.status == 200
+
+    # waiting for a model load in another thread: no event to await over HTTP
+    await wait_until(ready, 30, "broker never became ready", interval_s=0.05)
 
 
 async def test_tagged_system_prompts_let_different_system_prompts_share_a_call(simulator, start_broker):

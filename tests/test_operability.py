@@ -16,6 +16,7 @@ from mergebroker.errors import UpstreamConnectionError
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.upstream import Upstream
 from tests.conftest import NO_MERGE_MODEL, provider_for
+from tests.helpers.polling import wait_until
 
 
 async def _metrics(broker: Any, **headers: str) -> tuple[int, str]:
@@ -65,11 +66,11 @@ async def test_a_request_its_client_aborts_is_counted_as_499(simulator, start_br
             await session.post(broker.url + "/v1/chat/completions", json={
                 "model": "sim-small", "messages": [{"role": "user", "content": "too slow for me"}]})
     pattern = re.compile(r'mergebroker_requests_total\{endpoint="chat",status="499",tier="standard"\} 1\.0')
-    for _ in range(200):  # the broker notices the disconnect on its own loop; bounded wait for the counter
-        if pattern.search((await _metrics(broker))[1]):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("no 499 counted")
+    async def counted() -> bool:
+        return bool(pattern.search((await _metrics(broker))[1]))
+
+    # the broker notices the disconnect on its own loop: no event reaches the test
+    await wait_until(counted, 4, "no 499 counted", interval_s=0.02)
 
 
 class _DiesMidStream:
@@ -113,10 +114,8 @@ async def test_shutdown_with_a_hung_upstream_answers_503_after_the_drain_timeout
                                  "server": {"drain_timeout_s": 0.3}})
     simulator.set_faults(timeout_rate=1.0, hang_s=60)
     pending = asyncio.ensure_future(broker.chat("this upstream hangs"))
-    for _ in range(500):  # until the call is upstream (it is then in flight in the broker)
-        if simulator.stats()["chat_calls"]:
-            break
-        await asyncio.sleep(0.01)
+    # until the call is upstream (it is then in flight in the broker)
+    await wait_until(lambda: simulator.stats()["chat_calls"], 5, "the call never reached the upstream")
     loop = asyncio.get_running_loop()
     started = loop.time()
     await broker.runner.cleanup()

@@ -25,6 +25,8 @@ from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.merge.embedder import CachingEmbedder
 from mergebroker.providers.local_model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
+from mergebroker.broker.engine.native.calls import NativeCalls
+from mergebroker.broker.engine.response_store import ResponseStore
 
 
 @dataclass
@@ -53,6 +55,8 @@ class Broker:
     sleep: Sleep | None = None
     costs: CostBook | None = None  # dollars: what requests cost, and what they would have cost alone
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    native: NativeCalls | None = None  # requests sent to upstreams that speak their API (Responses, Messages)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # stored Responses API responses
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """Ready to serve: providers configured, workers running, the embedding model loaded (if used)."""

@@ -7,6 +7,7 @@ Each function notes what it learns in the request's `RequestInfo` (log event, me
 
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping
 
 from mergebroker.broker.engine.limits.admission import TIER_HEADER, Caller
@@ -15,6 +16,7 @@ from mergebroker.broker.engine.embeddings.service import EmbeddingResponse
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, note_usage
 from mergebroker.broker.engine.schemas import BrokerOptions, ChatRequest, EmbeddingRequest
 from mergebroker.broker.engine.broker import Broker
+from mergebroker.broker.engine.streams import HandledStream, PassThrough, Relay
 from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.errors import NotFound
 
@@ -96,6 +98,28 @@ async def complete_chat(broker: Broker, info: RequestInfo, caller: Caller, parse
     if info.costs is not None and _merges(broker, info.tier):  # the alone estimate of its answer's tokens
         info.answer_tokens = count_text_tokens(_answer_text(outcome.body))
     return result
+
+
+async def open_chat_stream(broker: Broker, info: RequestInfo, caller: Caller, parsed: ChatRequest,
+                           body: dict[str, Any], *, relay: Relay | None = None,
+                           headers: Mapping[str, str] | None = None) -> HandledStream:
+    """Open one streaming chat request (validated, authenticated, model checked): its own upstream stream, or
+    its block of a merged call, as a `HandledStream` of SSE frames, relayed as they are or through `relay`
+    (another API's events translated from chat), with `headers` added to the broker's."""
+    options = parsed.broker
+    before_upstream = time.perf_counter()
+    start = await broker.chat.stream(caller, body, timeout_s=options.timeout_s if options else None,
+                                     request_id=info.request_id, merge_opt_out=bool(options and options.merge is False))
+    outcome = start.outcome
+    info.usage_settles, info.alone_prompt_tokens = outcome.settled_usage, start.prompt_estimate  # the ledger waits
+    info.provider, info.batch_size, info.batch_id, info.cache = (outcome.provider, outcome.batch_size,
+                                                                 outcome.batch_id, "miss")
+    info.upstream_s = time.perf_counter() - before_upstream  # until the first chunk
+    sent = {"X-Broker-Batch-Size": str(outcome.batch_size), "X-Broker-Cache": "miss", **(headers or {})}
+    if outcome.batch_id:
+        sent["X-Broker-Batch-Id"] = outcome.batch_id
+    return HandledStream(info, start.chunks, start.reservation, relay or PassThrough(),
+                         settled_usage=outcome.settled_usage, headers=sent)
 
 
 def _answer_text(body: Mapping[str, Any]) -> str:

@@ -298,6 +298,13 @@ class LedgerSettings(_Strict):
     flush_interval_s: float = Field(1.0, gt=0)
 
 
+class ResponsesSettings(_Strict):
+    """`/v1/responses`: where stored responses are kept, and for how long."""
+
+    store_path: str | None = Field(None, description="SQLite file of stored responses; in memory when unset.")
+    retention_s: float = Field(30 * 86400, gt=0, description="Stored responses older than this are removed.")
+
+
 class McpSettings(_Strict):
     """`mergebroker mcp`: how the MCP server listens and where its tools send their calls."""
 
@@ -349,6 +356,7 @@ class Settings(BaseSettings):
     embeddings: EmbeddingSettings = Field(default_factory=EmbeddingSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
     ledger: LedgerSettings = Field(default_factory=LedgerSettings)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     batches: BatchSettings = Field(default_factory=BatchSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     mcp: McpSettings = Field(default_factory=McpSettings)

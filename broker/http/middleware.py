@@ -19,6 +19,7 @@ from aiohttp import web
 
 from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
+from mergebroker.broker.engine.apis.messages import anthropic_error
 from mergebroker.broker.http.drain import DRAIN
 from mergebroker.broker.http.server import CONNECTIONS
 from mergebroker.broker.http.keys import BROKER, SETTINGS_MAX_BODY
@@ -33,7 +34,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 CLIENT_CLOSED = 499
 """The status a request aborted by its client is counted with (nginx's convention; nothing is sent)."""
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings", "/v1/models": "models"}
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings", "/v1/models": "models",
+              "/v1/responses": "responses", "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
+_ANTHROPIC_PATHS = "/v1/messages"
+"""Routes of the Anthropic Messages API: their errors leave in Anthropic's envelope, not OpenAI's."""
 
 
 @web.middleware
@@ -89,27 +93,30 @@ def _failure_response(request: web.Request, info: RequestInfo, exc: Exception) -
             info.stream_error = info.stream_error or BrokerError("The stream failed.", status=500,
                                                                  code="stream_failed")
         return request[RESPONSE]
+    anthropic = request.path.startswith(_ANTHROPIC_PATHS)
     if isinstance(exc, BrokerError):
-        return _error_response(exc)
+        return _error_response(exc, anthropic=anthropic)
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return _error_response(PayloadTooLarge(
-            f"Request body too large: the limit is {request.app[SETTINGS_MAX_BODY]} bytes."))
+            f"Request body too large: the limit is {request.app[SETTINGS_MAX_BODY]} bytes."), anthropic=anthropic)
     if isinstance(exc, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(exc.allowed_methods))
         response = _error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}; "
-                                                    f"use {allowed}."))
+                                                    f"use {allowed}."), anthropic=anthropic)
         response.headers["Allow"] = allowed  # RFC 9110: a 405 says which methods the resource takes
         return response
     if isinstance(exc, web.HTTPNotFound):
-        return _error_response(NotFound(f"Unknown route: {request.method} {request.path}."))
+        return _error_response(NotFound(f"Unknown route: {request.method} {request.path}."), anthropic=anthropic)
     if isinstance(exc, web.HTTPException):
-        return _error_response(BrokerError(exc.reason, status=exc.status))
+        return _error_response(BrokerError(exc.reason, status=exc.status), anthropic=anthropic)
     log.exception("unhandled_error", path=request.path)  # never a traceback to the client
-    return _error_response(BrokerError("The broker failed to handle the request.", status=500))
+    return _error_response(BrokerError("The broker failed to handle the request.", status=500), anthropic=anthropic)
 
 
-def _error_response(exc: BrokerError) -> web.Response:
-    response = web.json_response(exc.body(), status=exc.status, headers=exc.headers())
+def _error_response(exc: BrokerError, *, anthropic: bool = False) -> web.Response:
+    status, body = (anthropic_error(exc.status, exc.code, exc.message, exc.type) if anthropic
+                    else (exc.status, exc.body()))
+    response = web.json_response(body, status=status, headers=exc.headers())
     for name, value in getattr(exc, "extra_headers", {}).items():
         response.headers[name] = value
     return response

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
-import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import structlog
 from aiohttp import web
 
-from mergebroker.broker.engine.limits.admission import Caller
+from mergebroker.broker.http.api_routes import add_api_routes, send_stream
 from mergebroker.broker.http.bulk_routes import add_batch_routes
 from mergebroker.broker.http.body import BODY_LIMITS, read_json
 from mergebroker.broker.engine.broker import Broker
@@ -21,10 +19,9 @@ from mergebroker import jsonio
 from mergebroker.clock import Clock, monotonic
 from mergebroker.broker.engine.handling import (authenticate, chat_headers, check_chat_model, complete_chat,
                                                 create_embeddings, embedding_headers, model_not_found,
-                                                with_body_options)
-from mergebroker.errors import BrokerError, Unauthorized
-from mergebroker.token_usage import TokenUsage
-from mergebroker.broker.http.middleware import INFO, RESPONSE
+                                                open_chat_stream, with_body_options)
+from mergebroker.errors import Unauthorized
+from mergebroker.broker.http.middleware import INFO
 from mergebroker.broker.engine.schemas import parse_chat, parse_embeddings
 
 log = structlog.get_logger(__name__)
@@ -68,6 +65,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     add_batch_routes(app)
+    add_api_routes(app)
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -81,85 +79,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     caller = with_body_options(broker, info, request.headers, known, parsed)
     check_chat_model(broker, info, parsed, body)
     if parsed.stream:
-        options = parsed.broker
-        return await _stream(request, broker, caller, body, options.timeout_s if options else None,
-                             bool(options and options.merge is False))
+        return await send_stream(request, await open_chat_stream(broker, info, caller, parsed, body))
     result = await complete_chat(broker, info, caller, parsed, body,
                                  CacheControl.from_header(request.headers.get("Cache-Control")))
     return web.Response(body=jsonio.dumps(result.outcome.body), content_type="application/json",
                         headers=chat_headers(result))
-
-
-async def _stream(request: web.Request, broker: Broker, caller: Caller, body: dict[str, Any],
-                  timeout_s: float | None, merge_opt_out: bool) -> web.StreamResponse:
-    """Relay an upstream stream (or a merged member's own stream). Errors before the first byte leave as
-    ordinary error responses; once the response is prepared, an error ends the stream with one SSE `error`
-    event (no `[DONE]`)."""
-    info = request[INFO]
-    before_upstream = time.perf_counter()
-    start = await broker.chat.stream(caller, body, timeout_s=timeout_s, request_id=info.request_id,
-                                     merge_opt_out=merge_opt_out)
-    chunks, outcome, reservation = start.chunks, start.outcome, start.reservation
-    # No await between here and the `try`: the stream and the reservation are released on every path.
-    spent = reservation.tokens  # unless the stream reports its usage, keep the reservation as spent
-    info.usage_settles, info.alone_prompt_tokens = outcome.settled_usage, start.prompt_estimate  # the ledger waits
-    info.provider = outcome.provider
-    response = request[RESPONSE] = web.StreamResponse()  # noted, so the middleware never answers twice
-    try:
-        info.upstream_s = time.perf_counter() - before_upstream  # until the first chunk
-        info.batch_size, info.batch_id, info.cache = outcome.batch_size, outcome.batch_id, "miss"
-        if outcome.batch_id:
-            response.headers["X-Broker-Batch-Id"] = outcome.batch_id
-        response.headers.update({
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-ID": info.request_id,
-            "X-Broker-Batch-Size": str(outcome.batch_size), "X-Broker-Cache": "miss",
-            "X-Broker-Overhead-Ms": f"{(before_upstream - info.started) * 1000:.2f}", **reservation.headers()})
-        await response.prepare(request)
-        spent = _spent(outcome.settled_usage, await _relay(response, chunks, spent))
-    except BrokerError as exc:
-        if not response.prepared:
-            raise
-        info.stream_error = exc
-        log.warning("stream_failed", status=exc.status, code=exc.code)
-        await response.write(b"data: " + json.dumps(exc.body()).encode() + b"\n\n")
-    finally:
-        try:
-            await chunks.aclose()  # a client leaving mid-stream frees the upstream slot and connection now
-        finally:
-            await reservation.settle(spent)
-    await response.write_eof()
-    return response
-
-
-async def _relay(response: web.StreamResponse, chunks: AsyncIterator[bytes], spent: int) -> int:
-    """Copy the upstream's events to the client; the tokens spent (the reported usage, if any)."""
-    async for chunk in chunks:
-        await response.write(chunk)
-        if b'"total_tokens"' in chunk:
-            spent = _stream_usage(chunk, default=spent)
-    return spent
-
-
-def _spent(usage: asyncio.Future[Any] | None, default: int) -> int:
-    """The tokens a stream spent: its settled usage when it is known by the stream's end, else `default`."""
-    if usage is None or not usage.done() or usage.cancelled() or usage.exception() is not None:
-        return default
-    settled = usage.result()
-    return settled.total_tokens if isinstance(settled, TokenUsage) else _stream_usage_of(settled, default)
-
-
-def _stream_usage_of(usage: Any, default: int) -> int:
-    total = usage.get("total_tokens") if isinstance(usage, dict) else None
-    return total if isinstance(total, int) and not isinstance(total, bool) else default
-
-
-def _stream_usage(chunk: bytes, *, default: int) -> int:
-    """Total tokens from a `stream_options.include_usage` chunk (`data: {..."usage": {...}}`)."""
-    try:
-        usage = json.loads(chunk.split(b"data:", 1)[1]).get("usage") or {}
-        return int(usage.get("total_tokens", default))
-    except (ValueError, IndexError, AttributeError, TypeError):
-        return default
 
 
 async def embeddings(request: web.Request) -> web.Response:

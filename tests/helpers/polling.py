@@ -35,9 +35,10 @@ async def wait_until(predicate: Callable[[], T | Awaitable[T]], timeout_s: float
     while True:
         found = None
         with contextlib.suppress(*ignoring):
-            found = predicate()
-            if inspect.isawaitable(found):
-                found = await found
+            result = predicate()
+            if inspect.isawaitable(result):
+                result = await result
+            found = result  # only once it is in hand: an awaitable that raised leaves "not yet"
         if found:
             return found  # type: ignore[return-value]
         if time.monotonic() >= deadline:

@@ -92,7 +92,7 @@ class Authenticator:
     def _by_key(self, headers: Mapping[str, str], requested: str | None, user: str | None) -> Caller:
         token = _bearer(headers)
         if not token:
-            raise Unauthorized("Missing API key. Send it as 'Authorization: Bearer <key>'.")
+            raise Unauthorized("Missing API key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
         digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()  # undecodable bytes: no match
         match = None
         for key in self._keys:  # compare against every key so timing does not reveal which one matched
@@ -145,8 +145,10 @@ def _text(headers: Mapping[str, str], name: str) -> str | None:
 
 
 def _bearer(headers: Mapping[str, str]) -> str | None:
+    """The caller's key: `Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>` (the SDK's and
+    Claude Code's way of sending it)."""
     value = headers.get("Authorization", "")
     scheme, _, token = value.partition(" ")
     if scheme.lower() != "bearer":
-        return None
+        return headers.get("x-api-key", "").strip() or None
     return token.strip() or None

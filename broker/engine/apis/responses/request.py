@@ -60,6 +60,8 @@ def parse_request(raw: Any, *, history: Iterable[dict[str, Any]] = ()) -> Respon
     instructions = _optional_string(raw, "instructions")
     history = tuple(history)
     items = check_input(raw.get("input"), history, check_calls=previous is None or bool(history))
+    if not items and not history and previous is None:  # nothing for the model to answer
+        raise InvalidRequest("Missing required parameter: 'input'", param="input", code="missing_required_parameter")
     check_tools(raw.get("tools"))
     check_tool_choice(raw.get("tool_choice"))
     _check_sampling(raw)
