@@ -18,6 +18,7 @@ from mergebroker import jsonio
 from mergebroker.broker.engine.accounting.request_record import RequestInfo
 from mergebroker.broker.engine.limits.ratelimit import Reservation
 from mergebroker.errors import BrokerError
+from mergebroker.providers.sse import mid_stream_error
 from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
@@ -51,6 +52,8 @@ class PassThrough:
         return []
 
     def feed(self, event: bytes) -> list[bytes]:
+        if (broken := mid_stream_error(event)) is not None:
+            raise broken  # ended with the broker's own error event, and counted as a broken stream
         return [event]
 
     def finish(self, usage: TokenUsage | None) -> list[bytes]:
@@ -86,6 +89,8 @@ class TranslatedRelay:
         return self._translator.start()
 
     def feed(self, event: bytes) -> list[bytes]:
+        if (broken := mid_stream_error(event)) is not None:
+            raise broken  # a cut answer must end as a failure in the caller's API, never as a whole one
         chunk = chat_chunk(event)
         return self._translator.feed(chunk) if chunk is not None else []
 

@@ -4,7 +4,9 @@ Same answers, latency, faults and counters as the OpenAI endpoints (one `Simulat
 Anthropic's shapes: a key (`x-api-key`, or a Bearer token as newer SDKs send) and `anthropic-version`
 are required, every body is validated against the SDK's request types and a strict upstream's rules
 (`providers.simulator.anthropic_validate`), answers are Messages with `stop_reason` and `usage`, streams
-are named events (`message_start`, `content_block_*`, `ping`, `message_delta`, `message_stop`), usage splits
+are named events (`message_start`, `content_block_*`, `ping`, `message_delta`, `message_stop`; a
+mid-stream fault, `stream_error_rate`, ends one with an `error` event after `stream_error_after` events,
+`rate_limit_error` or `overloaded_error` as `stream_error_status` says), usage splits
 the prompt by its `cache_control` breakpoints (`providers.simulator.anthropic_cache`), and errors
 use Anthropic's envelope (`{"type": "error", "error": {"type", "message"}}`, 529 `overloaded_error`
 included). As an agent's model (`providers.simulator.agent`) it calls the tools it is given (`tool_use`
@@ -34,7 +36,7 @@ from mergebroker.providers.simulator.anthropic_validate import AnthropicRequestE
 from mergebroker.providers.simulator.billing import cache_scope
 from mergebroker.providers.simulator.content import (compose_reply, count_tokens, parse_request_blocks, prompt_tokens,
                                                      question_text, stream_pieces)
-from mergebroker.providers.simulator.faults import FaultInjector, SimulatorConfig
+from mergebroker.providers.simulator.faults import FaultInjector, SimulatorConfig, decide_stream_error
 
 
 class Simulator(Protocol):
@@ -231,39 +233,63 @@ class AnthropicMode:
     async def _stream(self, request: web.Request, message: dict[str, Any], reply: Answer,
                       usage: dict[str, int]) -> web.StreamResponse:
         """The named-event stream, paced like the OpenAI stream (base latency first, per-token spread over text)."""
-        def event(name: str, **data: Any) -> bytes:
-            return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
-
         config = self._sim.config
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        # A real upstream may break an accepted stream with an `error` event (429 or 529), after some events.
+        cut = config.stream_error_after if decide_stream_error(config, self._sim._faults.rng) else None
+        sent = 0
+
+        async def write(frame: bytes) -> None:
+            nonlocal sent
+            if cut is not None and sent >= cut:
+                raise _StreamCut
+            await response.write(frame)
+            sent += 1
+
+        try:
+            await self._events(write, message, reply, usage)
+        except _StreamCut:
+            status = config.stream_error_status
+            await response.write(_event("error", error={"type": ERROR_TYPES.get(status, "api_error"),
+                                                        "message": f"Simulated mid-stream error ({status})."}))
+        await response.write_eof()
+        return response
+
+    async def _events(self, write: Any, message: dict[str, Any], reply: Answer, usage: dict[str, int]) -> None:
+        """The stream's events, from message_start to message_stop, each through `write`."""
+        config = self._sim.config
         await self._sim._pause(config.latency_base_ms)
-        await response.write(event("message_start", message={**message, "usage": {**usage, "output_tokens": 1}}))
-        await response.write(event("ping"))
+        await write(_event("message_start", message={**message, "usage": {**usage, "output_tokens": 1}}))
+        await write(_event("ping"))
         per_token_ms = config.latency_per_token_ms * usage["output_tokens"]
         text_length = sum(len(b["text"]) for b in reply.blocks if b["type"] == "text") or 1
         for index, block in enumerate(reply.blocks):
             if block["type"] == "text":
-                await response.write(event("content_block_start", index=index, content_block={"type": "text",
-                                                                                               "text": ""}))
+                await write(_event("content_block_start", index=index, content_block={"type": "text", "text": ""}))
                 for piece in stream_pieces(block["text"]):
                     await self._sim._pause(per_token_ms * len(piece) / text_length)
-                    await response.write(event("content_block_delta", index=index,
-                                               delta={"type": "text_delta", "text": piece}))
+                    await write(_event("content_block_delta", index=index,
+                                       delta={"type": "text_delta", "text": piece}))
             else:
-                await response.write(event("content_block_start", index=index,
-                                           content_block={**block, "input": {}}))
+                await write(_event("content_block_start", index=index, content_block={**block, "input": {}}))
                 arguments = json.dumps(block["input"])
                 size = -(-len(arguments) // _JSON_PIECES)
                 for at in range(0, len(arguments), size):
-                    await response.write(event("content_block_delta", index=index, delta={
+                    await write(_event("content_block_delta", index=index, delta={
                         "type": "input_json_delta", "partial_json": arguments[at:at + size]}))
-            await response.write(event("content_block_stop", index=index))
-        await response.write(event("message_delta", delta={"stop_reason": reply.stop_reason,
-                                                           "stop_sequence": reply.stop_sequence}, usage=usage))
-        await response.write(event("message_stop"))
-        await response.write_eof()
-        return response
+            await write(_event("content_block_stop", index=index))
+        await write(_event("message_delta", delta={"stop_reason": reply.stop_reason,
+                                                   "stop_sequence": reply.stop_sequence}, usage=usage))
+        await write(_event("message_stop"))
+
+
+def _event(name: str, **data: Any) -> bytes:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n".encode()
+
+
+class _StreamCut(Exception):
+    """Raised by a stream's writer where a simulated mid-stream error cuts it."""
 
 
 def anthropic_routes(simulator: Simulator) -> list[web.RouteDef]:

@@ -43,8 +43,9 @@ from mergebroker import clock
 log = structlog.get_logger(__name__)
 
 CacheOutcome = Literal["hit", "coalesced", "miss"]
-Endpoint = Literal["chat", "embeddings", "shadow", "batch"]  # shadow: a merge-quality check call;
-# batch: one line of a Batch API job (its request_id is the line's)
+Endpoint = Literal["chat", "responses", "messages", "count_tokens", "embeddings", "shadow", "batch"]
+# responses, messages, count_tokens: the Responses and Messages APIs (merged, native or translated alike);
+# shadow: a merge-quality check call; batch: one line of a Batch API job (its request_id is the line's)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,10 @@ def note_usage(info: RequestInfo, usage: TokenUsage | Mapping[str, Any] | None) 
     info.usage_counted = usage.counted
 
 
+_LEDGER_ENDPOINTS = ("responses", "messages", "count_tokens", "embeddings", "batch")
+"""The APIs a ledger row names; the rest is chat."""
+
+
 def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float,
                   dollars: tuple[float | None, float | None] = (None, None)) -> LedgerRecord:
     """The ledger's account of one answered request (token rules in `broker.engine.accounting.ledger`)."""
@@ -107,7 +111,7 @@ def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float,
         batch_id=None if reused else info.batch_id, batch_size=batch_size, cache=cache,  # type: ignore[arg-type]
         prompt_tokens=prompt, completion_tokens=completion, alone_prompt_tokens=info.alone_prompt_tokens,
         tokens_saved=saved, status=status, latency_ms=round(elapsed * 1000, 3),
-        endpoint=endpoint if endpoint in ("embeddings", "batch") else "chat",  # type: ignore[arg-type]
+        endpoint=endpoint if endpoint in _LEDGER_ENDPOINTS else "chat",  # type: ignore[arg-type]
         cached_tokens=0 if reused else info.cached_tokens, cache_write_tokens=0 if reused else info.cache_write_tokens,
         usage_counted=info.usage_counted, actual_usd=dollars[0], alone_usd=dollars[1])
 
