@@ -115,3 +115,36 @@ async def test_a_chat_stream_the_upstream_breaks_is_counted_as_broken(breaking, 
     broken = broker.broker.metrics.registry.get_sample_value(
         "mergebroker_requests_total", {"endpoint": "chat", "tier": "standard", "status": "503"})
     assert broken == 1.0
+
+
+@pytest.fixture
+async def billing():
+    """An OpenAI-compatible upstream that caches prompt prefixes and bills them as OpenAI does."""
+    sim = await start_simulator(SimulatorConfig(billing="openai"))
+    try:
+        yield sim
+    finally:
+        await sim.close()
+
+
+async def test_the_ledgers_dollars_match_the_providers_bill_on_every_path(billing, start_broker, tmp_path):
+    path = tmp_path / "ledger.sqlite3"
+    price = {"input": 2.50, "cached_input": 1.25, "output": 10.0}
+    broker = await start_broker(config(provider_for(billing), pricing={"sim-small": price},
+                                       ledger={"path": str(path), "flush_interval_s": 0.05}))
+    rules = "Rules of the house. " * 400  # a long shared prefix: later calls read it from the provider's cache
+    for i in range(3):  # native (tools), merged-like-chat (plain text), and the Messages API translated
+        await broker.openai.responses.create(model="sim-small", instructions=rules, input=f"weather {i}?",
+                                             tools=[FUNCTION])
+        await broker.openai.responses.create(model="sim-small", instructions=rules, input=f"question {i}")
+        async with broker.http.post("/v1/messages", json={
+                "model": "sim-small", "max_tokens": 100, "system": rules, "tools": [WEATHER],
+                "messages": [{"role": "user", "content": f"weather {i}?"}]}) as resp:
+            assert resp.status == 200
+    await broker.broker.ledger.flush()
+    rows = sqlite3.connect(path).execute("SELECT endpoint, actual_usd FROM ledger").fetchall()
+    assert sorted({r[0] for r in rows}) == ["messages", "responses"] and len(rows) == 9
+    assert all(r[1] is not None for r in rows)
+    bill = billing.bill()
+    assert bill["cached_tokens"] > 0
+    assert sum(r[1] for r in rows) == pytest.approx(bill["usd"], rel=0.01)

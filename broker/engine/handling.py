@@ -62,15 +62,15 @@ def check_chat_model(broker: Broker, info: RequestInfo, parsed: ChatRequest, bod
     info.model = parsed.model
     if not broker.pools.serves(parsed.model):
         raise model_not_found(parsed.model)
-    _price_on_arrival(broker, info, body)
+    price_on_arrival(broker, info, body)
 
 
-def _price_on_arrival(broker: Broker, info: RequestInfo, body: Mapping[str, Any]) -> None:
-    """A priced request is priced when answered; in a tier that merges, the model of the provider's cache
+def price_on_arrival(broker: Broker, info: RequestInfo, body: Mapping[str, Any]) -> None:
+    """A priced request (`body`: its chat form) is priced when answered, native calls of the other APIs too; in a tier that merges, the model of the provider's cache
     sees its prompt now, in arrival order, as it would have were every request sent alone."""
     costs = broker.costs
-    if costs is None or costs.price(info.model) is None:
-        return
+    if costs is None or info.costs is not None or costs.price(info.model) is None:
+        return  # unpriced, or priced already (a native call that fell back to its chat form)
     info.costs = costs
     if _merges(broker, info.tier):
         info.alone_cached_tokens = costs.observe_alone("", info.model or "", body.get("messages") or [])

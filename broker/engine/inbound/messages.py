@@ -18,7 +18,7 @@ from mergebroker.broker.engine.apis.messages import (MessagesRequest, MessagesSt
 from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.chat.service import CacheControl
 from mergebroker.broker.engine.handling import (chat_headers, check_chat_model, complete_chat, model_not_found,
-                                                open_chat_stream)
+                                                open_chat_stream, price_on_arrival)
 from mergebroker.broker.engine.inbound.messages_relay import NativeMessagesRelay
 from mergebroker.broker.engine.native.calls import NativeRequest
 from mergebroker.broker.engine.inbound.portable import dropped_header, portable
@@ -67,6 +67,7 @@ async def _native(broker: Broker, info: RequestInfo, caller: Caller, request: Me
                   headers: Mapping[str, str]) -> MessagesAnswer | HandledStream:
     body = {k: v for k, v in request.body.items() if k != "broker"}
     options = request.body.get("broker") if isinstance(request.body.get("broker"), dict) else {}
+    price_on_arrival(broker, info, chat_body)
     native = NativeRequest("messages", body, forwarded(headers), chat_body, timeout_s=options.get("timeout_s"))
     if request.stream:
         return await broker.native.stream(info, caller, native, NativeMessagesRelay)

@@ -25,7 +25,7 @@ from mergebroker.broker.engine.apis.responses import (ResponsesRequest, Response
 from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.chat.service import CacheControl
 from mergebroker.broker.engine.handling import (chat_headers, check_chat_model, complete_chat, model_not_found,
-                                                open_chat_stream)
+                                                open_chat_stream, price_on_arrival)
 from mergebroker.broker.engine.native.calls import NativeRequest
 from mergebroker.broker.engine.inbound.portable import dropped_header, portable
 from mergebroker.broker.engine.inbound.responses_relay import NativeResponsesRelay
@@ -129,6 +129,7 @@ def _replayable(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def _native(broker: Broker, info: RequestInfo, caller: Caller, turn: _Turn,
                   headers: Mapping[str, str]) -> ResponsesAnswer | HandledStream:
     options = turn.request.body.get("broker") if isinstance(turn.request.body.get("broker"), dict) else {}
+    price_on_arrival(broker, info, turn.chat_body)
     native = NativeRequest("responses", _native_body(turn), forwarded(headers), turn.chat_body,
                            timeout_s=options.get("timeout_s"))
     if turn.request.stream:
