@@ -30,6 +30,7 @@ from typing import Any, Awaitable
 import structlog
 from redis.exceptions import RedisError
 
+from mergebroker.background import spawn
 from mergebroker.broker.cluster.inflight import InFlight
 from mergebroker.broker.cluster.partition import Keys, flight_key, partition_of
 from mergebroker.broker.cluster.presence import absent_workers
@@ -118,9 +119,7 @@ class ClusterQueue:
         if self._settings.local_without_workers:
             loops.append(("workers", self._watch_workers()))
         for name, coro in loops:
-            task = asyncio.get_running_loop().create_task(coro, name=f"cluster-{name}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            spawn(self._tasks, coro, f"cluster-{name}")
 
     def alive(self) -> bool:
         return self._local.alive() and len(self._tasks) == (3 if self._settings.local_without_workers else 2)

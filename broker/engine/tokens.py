@@ -11,12 +11,14 @@ primed with 3 tokens. Parts that are not text have no text to count and get flat
 from __future__ import annotations
 
 import json
-import math
 import threading
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import structlog
+
+from mergebroker.merge.member_budget import estimate_tokens
 
 log = structlog.get_logger(__name__)
 
@@ -58,12 +60,10 @@ def _encoder() -> Callable[[str], Sequence[int]] | None:
     return _encode
 
 
-def fallback_text_tokens(text: str) -> int:
-    """Estimate without a tokenizer: one token per 4 characters, rounded up (OpenAI's rule of thumb).
-
-    Good to roughly a third on English prose; it undercounts scripts that take a token per character.
-    """
-    return math.ceil(len(text) / 4)
+fallback_text_tokens = estimate_tokens
+"""Estimate without a tokenizer: the one characters/4 rule (`merge.member_budget.estimate_tokens`), which the
+merge engine's own cuts use too. Good to roughly a third on English prose; it undercounts scripts that take a
+token per character."""
 
 
 def count_text_tokens(text: str) -> int:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from mcp.server.mcpserver import MCPServer
+
+from mergebroker.errors import error_body
 
 Scope = dict[str, Any]
 Asgi = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -48,9 +51,8 @@ class BearerGate:
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
                        send: Callable[[Any], Awaitable[None]]) -> None:
         if scope["type"] == "http" and not self._allowed(scope):
-            body = json.dumps({"error": {"message": "This MCP server needs 'Authorization: Bearer <token>'.",
-                                         "type": "invalid_request_error", "param": None,
-                                         "code": "invalid_mcp_token"}}).encode()
+            body = json.dumps(error_body("This MCP server needs 'Authorization: Bearer <token>'.",
+                                         "invalid_request_error", None, "invalid_mcp_token")).encode()
             await send({"type": "http.response.start", "status": 401,
                         "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
             await send({"type": "http.response.body", "body": body})

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import BodyPartReader, web
 
+from mergebroker.background import spawn
 from mergebroker.errors import InvalidRequest, NotFound
 
 CONCURRENCY = 16
@@ -106,9 +107,7 @@ class SimulatedBatches:
                  "request_counts": {"total": 0, "completed": 0, "failed": 0}}
         self.batches[batch["id"]] = batch
         self.counters["batches_created"] += 1
-        task = asyncio.get_running_loop().create_task(self._run(batch, source.data, str(request.url.origin())))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        spawn(self._tasks, self._run(batch, source.data, str(request.url.origin())), f"sim-batch-{batch['id']}")
         return web.json_response(batch)
 
     def _batch(self, request: web.Request) -> dict[str, Any]:

@@ -26,11 +26,12 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import numpy as np
 import structlog
 
+from mergebroker.background import spawn
 from mergebroker.errors import (BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamTimeout)
 from mergebroker.broker.engine.embeddings.stats import CoalescerStats
 from mergebroker.broker.engine.embeddings.window_rules import (CallLater, TimerHandle, caller_fault, share_tokens,
@@ -97,7 +98,7 @@ class EmbeddingBatcher:
         self._call_later = call_later or (lambda delay, cb: asyncio.get_running_loop().call_later(delay, cb))
         self._inflight: dict[str, _Pending] = {}
         self._windows: dict[tuple[str, int | None], _Window] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._counts: Counter[str] = Counter()  # the `CoalescerStats` counts
 
     @property
@@ -228,14 +229,7 @@ class EmbeddingBatcher:
             return
         for item in window.items:
             item.dispatched = True
-        task = asyncio.get_running_loop().create_task(self._run_batch(group, window.items))
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("embedding_batch_crashed", error_type=type(task.exception()).__name__)
+        spawn(self._tasks, self._run_batch(group, window.items), f"embedding-batch-{group[0]}")
 
     async def _run_batch(self, group: tuple[str, int | None], items: list[_Pending]) -> None:
         # Callers may have left between the window closing and this task starting.
