@@ -14,8 +14,9 @@ that excludes `cache_read_input_tokens` and `cache_creation_input_tokens`), Deep
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,10 @@ class TokenUsage:
         if self.reasoning_tokens:
             body["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         return body
+
+    def as_embeddings(self) -> dict[str, Any]:
+        """The OpenAI embeddings `usage` object (input only)."""
+        return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens}
 
     def as_responses(self) -> dict[str, Any]:
         """The OpenAI Responses `usage` object (its detail objects are always present, as its types require)."""

@@ -10,8 +10,10 @@ refusal stays `content_filter`. Thinking blocks are left out.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
+from mergebroker.token_usage import NO_USAGE, TokenUsage
 from mergebroker.errors import UpstreamBadResponse
 from mergebroker.providers.anthropic_structured import ReplyShape
 from mergebroker.providers.anthropic_tools import to_tool_calls
@@ -33,20 +35,9 @@ def finish_reason(stop_reason: Any, shape: ReplyShape = ReplyShape()) -> str:
 
 
 def to_usage(usage: Mapping[str, Any] | None) -> dict[str, Any]:
-    """OpenAI usage from Anthropic's: the prompt counts cache writes and reads too (all are input)."""
-    usage = usage or {}
-    cached = _count(usage.get("cache_read_input_tokens"))
-    prompt = _count(usage.get("input_tokens")) + _count(usage.get("cache_creation_input_tokens")) + cached
-    completion = _count(usage.get("output_tokens"))
-    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                           "total_tokens": prompt + completion}
-    if cached:
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
-    return out
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    """OpenAI usage from Anthropic's, through the one reader and writer: the prompt counts cache writes and
+    reads too (all are input)."""
+    return (TokenUsage.from_body(dict(usage or {})) or NO_USAGE).as_body()
 
 
 def to_completion(message: Mapping[str, Any], *, created: int, shape: ReplyShape = ReplyShape()) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from mergebroker.token_usage import TokenUsage
 from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.errors import BrokerError
 from mergebroker.merge.compaction import PlannedCall, PlannedMember
@@ -66,15 +67,10 @@ def failed(custom_ids: list[str] | tuple[str, ...], error: BrokerError) -> list[
 def shared(member: PlannedMember, body: dict[str, Any]) -> list[Result]:
     """One member's completion for each of its identical lines, the call's usage split evenly among them."""
     ids = member.custom_ids
-    usage = body.get("usage")
-    if len(ids) == 1 or not isinstance(usage, dict):
+    usage = TokenUsage.from_body(body)
+    if len(ids) == 1 or usage is None:
         return [(c, 200, body) for c in ids]
     ones = [1] * len(ids)
-    prompts = largest_remainder(_tokens(usage.get("prompt_tokens")), ones)
-    completions = largest_remainder(_tokens(usage.get("completion_tokens")), ones)
-    return [(c, 200, {**body, "usage": {"prompt_tokens": p, "completion_tokens": o, "total_tokens": p + o}})
-            for c, p, o in zip(ids, prompts, completions)]
-
-
-def _tokens(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    prompts = largest_remainder(usage.prompt_tokens, ones)
+    completions = largest_remainder(usage.completion_tokens, ones)
+    return [(c, 200, {**body, "usage": TokenUsage(p, o).as_body()}) for c, p, o in zip(ids, prompts, completions)]

@@ -8,17 +8,19 @@ Each function notes what it learns in the request's `RequestInfo` (log event, me
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from mergebroker.broker.engine.limits.admission import TIER_HEADER, Caller
+from mergebroker.broker.engine.accounting.request_record import RequestInfo, note_usage
+from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.chat.service import CacheControl, ChatResult
 from mergebroker.broker.engine.embeddings.service import EmbeddingResponse
-from mergebroker.broker.engine.accounting.request_record import RequestInfo, note_usage
+from mergebroker.broker.engine.limits.admission import TIER_HEADER, Caller
 from mergebroker.broker.engine.schemas import BrokerOptions, ChatRequest, EmbeddingRequest
-from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.streams import HandledStream, PassThrough, Relay
 from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.errors import NotFound
+from mergebroker.token_usage import TokenUsage
 
 
 def authenticate(broker: Broker, info: RequestInfo, headers: Mapping[str, str], options: BrokerOptions | None,
@@ -149,7 +151,8 @@ async def create_embeddings(broker: Broker, info: RequestInfo, caller: Caller, p
         raise model_not_found(parsed.model)
     result = await broker.embeddings.create(caller, parsed, body)
     info.cache, info.batch_size, info.upstream_s = result.cache_summary, 1, result.upstream_s
-    info.prompt_tokens = info.alone_prompt_tokens = int(result.body["usage"]["prompt_tokens"])
+    usage = TokenUsage.from_body(result.body)
+    info.prompt_tokens = info.alone_prompt_tokens = usage.prompt_tokens if usage is not None else 0
     return result
 
 

@@ -14,25 +14,26 @@ from typing import Any
 
 import numpy as np
 
+from mergebroker.token_usage import TokenUsage
+from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
+from mergebroker.broker.engine.embeddings.stats import CoalescerStats
+from mergebroker.broker.engine.embeddings.window_rules import cache_metrics_hook
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import DeadlineExceeded, InvalidRequest
-from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.limits.limiter import Limiter
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec
+from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.schemas import EmbeddingRequest
 from mergebroker.broker.engine.settings import EmbeddingSettings, ProviderSettings, Settings
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_embedding_tokens
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import DeadlineExceeded, InvalidRequest
 from mergebroker.merge.cache import TwoLevelCache
-from mergebroker.broker.engine.embeddings.stats import CoalescerStats
-from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
-from mergebroker.broker.engine.embeddings.window_rules import cache_metrics_hook
-from mergebroker.providers.base import EmbedResult
-from mergebroker.providers.local_model import SentenceModelHost
 from mergebroker.merge.lru import LruCache
 from mergebroker.merge.redis_cache import RedisCache
 from mergebroker.merge.vector_codec import to_base64
+from mergebroker.providers.base import EmbedResult
 from mergebroker.providers.local_embeddings import LocalEmbeddingBackend
+from mergebroker.providers.local_model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
 
 
@@ -125,7 +126,8 @@ class EmbeddingService:
                 raise InvalidRequest("Token-array input is not supported by local embedding models.", param="input")
             reply, _ = await self._pools.embeddings(parsed.model, body, deadline=deadline, tokens=tokens,
                                                     tenant=caller.tenant)
-            return reply, "miss", int((reply.get("usage") or {}).get("prompt_tokens", tokens))
+            usage = TokenUsage.from_body(reply)
+            return reply, "miss", usage.prompt_tokens if usage is not None else tokens
         # The embeddings cache is shared by every tenant unless the operator scopes it (README, /v1/embeddings).
         scope = f"tenant:{caller.tenant}" if self._settings.embeddings.cache_scope == "tenant" else None
         result = await self._batcher.embed(parsed.model, list(texts), dimensions=parsed.dimensions, scope=scope)
@@ -139,7 +141,7 @@ def _response_body(parsed: EmbeddingRequest, result: EmbedResult) -> dict[str, A
         embedding: Any = to_base64(vector) if parsed.encoding_format == "base64" else np.asarray(
             vector, dtype=np.float32).tolist()
         data.append({"object": "embedding", "index": index, "embedding": embedding})
-    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    usage = TokenUsage(prompt_tokens=result.prompt_tokens).as_embeddings()
     return {"object": "list", "data": data, "model": parsed.model, "usage": usage}
 
 
@@ -162,7 +164,8 @@ def build_embedding_service(settings: Settings, *, pools: ProviderPools, host: S
                                           tokens=sum(count_text_tokens(t) for t in texts))
         rows = sorted(reply.get("data") or [], key=lambda d: d.get("index", 0))
         vectors = [np.asarray(r["embedding"], dtype=np.float32) for r in rows]
-        return EmbedResult(vectors=vectors, prompt_tokens=int((reply.get("usage") or {}).get("prompt_tokens", 0)),
+        usage = TokenUsage.from_body(reply)
+        return EmbedResult(vectors=vectors, prompt_tokens=usage.prompt_tokens if usage is not None else 0,
                            cached=0, coalesced=0)
 
     l2 = RedisCache(redis, prefix="emb:", ttl_s=settings.cache.ttl_s,
