@@ -5,7 +5,12 @@ OpenAI-compatible one, merged like chat when plain text; errors in Anthropic's e
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
+import json
+import struct
+import zlib
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -24,6 +29,18 @@ TIERS = [{"name": "standard", "priority": 50, "window_ms": 0, "max_batch": 1},
 WEATHER = {"name": "weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 QUESTION = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def _png() -> str:
+    """A valid 1x1 PNG, base64-encoded."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    raw = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\x00\xff\x00\x00")) + chunk(b"IEND", b""))
+    return base64.b64encode(raw).decode()
+
+
+PNG = _png()
 
 
 def anthropic_kind(sim) -> dict[str, Any]:
@@ -47,6 +64,13 @@ async def through(request, simulator, start_broker):
     client = client_for(broker)
     yield request.param, client
     await client.close()
+
+
+@pytest.fixture(params=["anthropic", "openai"])
+async def through_http(request, simulator, start_broker):
+    """A broker over an Anthropic upstream (native) or an OpenAI-compatible one (translated), called over HTTP."""
+    upstream = anthropic_kind(simulator) if request.param == "anthropic" else provider_for(simulator)
+    return request.param, await start_broker(config(upstream), environ=ENV)
 
 
 async def test_a_tool_round_trip_on_either_kind_of_upstream(through, simulator):
@@ -153,3 +177,67 @@ async def test_a_bad_key_and_an_unknown_model_answer_as_anthropic_does(simulator
     assert denied.value.body["error"]["type"] == "authentication_error"
     assert unknown.value.body["error"]["type"] == "not_found_error"
     assert answer.content[0].text
+
+
+def claude_code_turn() -> tuple[dict[str, Any], dict[str, str]]:
+    """Claude Code's first turn as captured from a real run (tests/data/agents), and its beta headers."""
+    capture = json.loads((Path(__file__).parent / "data" / "agents" / "claude_turn1.json").read_text())
+    headers = {k: v for k, v in capture["headers"].items() if k.lower() in ("anthropic-beta", "anthropic-version")}
+    return {**capture["body"], "model": "sim-small"}, headers
+
+
+async def test_a_claude_code_turn_completes_a_tool_round_trip_on_either_kind(through_http, simulator):
+    kind, broker = through_http
+    body, headers = claude_code_turn()
+    body = {**body, "stream": False}
+
+    async def send(request: dict[str, Any]) -> anthropic.types.Message:
+        async with broker.http.post("/v1/messages?beta=true", json=request, headers=headers) as resp:
+            answer = await resp.json()
+            assert resp.status == 200, answer
+        return anthropic.types.Message.model_validate(answer)
+
+    first = await send(body)
+    call = next(block for block in first.content if block.type == "tool_use")
+    assert first.stop_reason == "tool_use" and call.name == "Bash" and call.input["command"]
+    if kind == "anthropic":  # native: breakpoints, thinking, context management and betas arrive intact
+        sent = simulator.last_request()
+        assert sent["headers"]["anthropic-beta"] == headers["anthropic-beta"]
+        assert any("cache_control" in block for block in sent["body"]["system"])
+        assert sent["body"]["thinking"] == body["thinking"]
+        assert sent["body"]["context_management"] == body["context_management"]
+    second = await send({**body, "messages": [
+        *body["messages"], {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "done"}]}]})
+    assert second.stop_reason == "end_turn" and "done" in second.content[-1].text
+
+
+async def test_an_image_and_cached_usage_in_the_stream_on_either_kind(through, simulator):
+    kind, client = through
+    if kind == "openai":
+        simulator.set_faults(billing="openai")  # an OpenAI-compatible upstream that caches prefixes
+    rules = "Rules of the house. " * 300  # long enough for the provider to cache
+    content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
+               {"type": "text", "text": "What is in this picture?"}]
+    system = [{"type": "text", "text": rules, "cache_control": {"type": "ephemeral"}}]
+    for _ in range(2):
+        async with client.messages.stream(model="sim-small", max_tokens=100, system=system,
+                                          messages=[{"role": "user", "content": content}]) as stream:
+            final = await stream.get_final_message()
+    assert final.content[0].text and final.usage.output_tokens > 0
+    assert (final.usage.cache_read_input_tokens or 0) > 0  # the second call read the prefix from the cache
+
+
+@pytest.mark.parametrize("content, field", [
+    ([{"type": "tool_result", "tool_use_id": "toolu_nowhere", "content": "x"}], "tool_use_id"),
+    ([{"type": "text", "text": ""}], "text"),
+    ([{"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "AAAA"}}], "media_type"),
+])
+async def test_bad_content_is_a_400_naming_the_field(simulator, start_broker, content, field):
+    broker = await start_broker(config(anthropic_kind(simulator)), environ=ENV)
+    async with broker.http.post("/v1/messages", json={"model": "sim-small", "max_tokens": 10,
+                                                      "messages": [{"role": "user", "content": content}]}) as resp:
+        answer = await resp.json()
+        assert resp.status == 400, answer
+    assert answer["error"]["type"] == "invalid_request_error" and field in answer["error"]["message"]
+    assert simulator.stats()["calls"].get("messages", 0) == 0

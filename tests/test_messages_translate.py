@@ -13,6 +13,9 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from pydantic import TypeAdapter
+
 from mergebroker.broker.engine.apis.messages import (
     MessagesStream,
     StreamUsageReader,
@@ -27,8 +30,6 @@ from mergebroker.broker.engine.apis.messages import (
 from mergebroker.broker.engine.apis.messages.content import BLOCK_TYPES
 from mergebroker.errors import InvalidRequest
 from mergebroker.token_usage import TokenUsage
-from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
-from pydantic import TypeAdapter
 
 AGENTS = Path(__file__).parent / "data" / "agents"
 _EVENT = TypeAdapter(RawMessageStreamEvent)
@@ -288,9 +289,10 @@ def test_fields_chat_cannot_carry_are_named_in_dropped() -> None:
                                  context_management={"edits": []}, container="c1", mcp_servers=[{"url": "x"}],
                                  service_tier="auto", future_field=1))
     chat = to_chat(request)
-    assert chat.dropped == ("thinking", "top_k", "context_management", "container", "mcp_servers", "service_tier",
+    assert chat.dropped == ("top_k", "context_management", "container", "mcp_servers", "service_tier",
                             "future_field")
-    assert set(chat.body) == {"model", "messages", "max_tokens"}
+    assert set(chat.body) == {"model", "messages", "max_tokens", "reasoning_effort"}
+    assert chat.body["reasoning_effort"] == "low"  # a 2,000-token thinking budget
 
 
 def test_a_tool_turn_becomes_tool_calls_and_tool_messages() -> None:
@@ -384,7 +386,7 @@ def test_claude_code_requests_translate_to_valid_chat(name: str) -> None:
     assert request.stream and request.has_tools and not request.text_only
     chat = to_chat(request)
     chat_valid(chat.body)
-    assert "thinking" in chat.dropped and "context_management" in chat.dropped
+    assert "context_management" in chat.dropped and chat.body["reasoning_effort"] in ("low", "medium", "high")
     assert "cache_control" not in json.dumps(chat.body)
     assert chat.body["messages"][0]["role"] == "system"
     assert chat.body["user"] == raw["metadata"]["user_id"]

@@ -18,6 +18,9 @@ ROLES = ("user", "assistant")
 # A block of these types belongs to one role only: chat has a place for it on that side alone.
 _ROLE_OF = {"tool_use": "assistant", "tool_result": "user"}
 _SOURCE_TYPES = ("base64", "url", "text", "content", "file")
+_MEDIA_TYPES = {"image": ("image/jpeg", "image/png", "image/gif", "image/webp"),
+                "document": ("application/pdf", "text/plain")}
+"""The media types Anthropic takes in a base64 source, per block type."""
 
 
 def check_messages(messages: Any) -> tuple[dict[str, Any], ...]:
@@ -35,7 +38,25 @@ def check_messages(messages: Any) -> tuple[dict[str, Any], ...]:
             raise InvalidRequest(f"{where}.role: must be 'user' or 'assistant'", param=f"{where}.role",
                                  code="invalid_value")
         check_content(message.get("content"), f"{where}.content", role=message["role"])
+    _check_tool_pairs(messages)
     return tuple(messages)
+
+
+def _check_tool_pairs(messages: list[dict[str, Any]]) -> None:
+    """Every `tool_result` answers a `tool_use` of the assistant turn just before it (as Anthropic requires;
+    chat, too, needs each tool message to follow its call)."""
+    for i, message in enumerate(messages):
+        if message["role"] != "user" or not isinstance(message["content"], list):
+            continue
+        previous = messages[i - 1]["content"] if i > 0 else []
+        calls = {b.get("id") for b in previous if isinstance(b, dict) and b.get("type") == "tool_use"} \
+            if isinstance(previous, list) else set()
+        for j, block in enumerate(message["content"]):
+            if block.get("type") == "tool_result" and block["tool_use_id"] not in calls:
+                where = f"messages.{i}.content.{j}.tool_use_id"
+                raise InvalidRequest(f"{where}: unexpected tool_use_id {block['tool_use_id']!r}: each tool_result "
+                                     "must answer a tool_use in the assistant message just before it",
+                                     param=where, code="invalid_value")
 
 
 def check_content(content: Any, where: str, *, role: str) -> None:
@@ -64,6 +85,9 @@ def check_block(block: Any, where: str, *, role: str) -> None:
                              param=where, code="invalid_value")
     if kind == "text":
         _require(block, "text", str, where, "a string")
+        if not block["text"]:
+            raise InvalidRequest(f"{where}.text: text content blocks must be non-empty", param=f"{where}.text",
+                                 code="invalid_value")
     elif kind == "tool_use":
         _require(block, "id", str, where, "a string")
         _require(block, "name", str, where, "a string")
@@ -124,6 +148,10 @@ def _check_source(block: dict[str, Any], where: str) -> None:
     needed = {"base64": ("media_type", "data"), "url": ("url",), "text": ("data",)}.get(source["type"], ())
     for name in needed:
         _require(source, name, str, f"{where}.source", "a string")
+    allowed = _MEDIA_TYPES[block["type"]]
+    if source["type"] == "base64" and source["media_type"] not in allowed:
+        raise InvalidRequest(f"{where}.source.media_type: {source['media_type']!r} is not one of "
+                             f"{', '.join(allowed)}", param=f"{where}.source.media_type", code="invalid_value")
 
 
 def _require(obj: dict[str, Any], name: str, kind: type, where: str, expected: str) -> None:

@@ -3,9 +3,10 @@
 `system` becomes the first system message, then the turns (see `turns`). Parameters chat shares keep
 their meaning under chat's names (`stop_sequences` -> `stop`, `metadata.user_id` -> `user`,
 `tool_choice.disable_parallel_tool_use` -> `parallel_tool_calls: false`). What chat cannot carry
-(`top_k`, `thinking`, `context_management`, `container`, `mcp_servers`, `service_tier`, and any field this
-module does not know) is left out and named in `dropped`; so are Anthropic's own tools. A `thinking` config
-of type "disabled" changes nothing, so it goes unnamed. The model is sent as the caller named it.
+(`top_k`, `context_management`, `container`, `mcp_servers`, `service_tier`, thinking blocks of earlier
+turns, and any field this module does not know) is left out and named in `dropped`; so are Anthropic's own
+tools. A `thinking` config becomes `reasoning_effort` by its budget (kept only for models that take it, see
+`inbound.portable`); one of type "disabled" changes nothing. The model is sent as the caller named it.
 """
 
 from __future__ import annotations
@@ -55,13 +56,21 @@ def to_chat(request: MessagesRequest) -> ChatTranslation:
     user = (raw.get("metadata") or {}).get("user_id")
     if isinstance(user, str) and user:
         body["user"] = user
-    if thinking_enabled(raw):
-        dropped.append("thinking")
+    if thinking_enabled(raw):  # kept by the broker's chat form only for models that take it (inbound.portable)
+        body["reasoning_effort"] = reasoning_effort(raw["thinking"])
     dropped += [name for name, value in raw.items() if name not in _TRANSLATED and value is not None]
     if request.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return ChatTranslation(body, tuple(dict.fromkeys(dropped)))
+
+
+def reasoning_effort(thinking: dict[str, Any]) -> str:
+    """The chat `reasoning_effort` closest to a thinking config: by its token budget (adaptive: medium)."""
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        return "medium"
+    return "low" if budget < 4096 else ("medium" if budget < 16384 else "high")
 
 
 def _tools(raw: dict[str, Any], body: dict[str, Any], dropped: list[str]) -> None:
