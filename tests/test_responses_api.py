@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from pydantic import BaseModel
 
 from mergebroker.clock import FakeClock
 from mergebroker.providers.simulator.faults import SimulatorConfig
@@ -165,3 +168,89 @@ async def test_an_unknown_model_is_a_404_before_any_upstream_call(simulator, sta
     with pytest.raises(openai.NotFoundError):
         await broker.openai.responses.create(model="no-such-model", input="hi")
     assert simulator.stats()["calls"].get("responses", 0) == 0
+
+
+CLOCK = {"type": "function", "name": "clock", "description": "The time in a zone",
+         "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}
+
+
+class City(BaseModel):
+    name: str
+    population: int
+
+
+def codex_turn() -> dict[str, Any]:
+    """Codex CLI's first turn as captured from a real run (tests/data/agents): streamed, unstored, encrypted
+    reasoning asked for, function, namespace and hosted tools."""
+    capture = json.loads((Path(__file__).parent / "data" / "agents" / "codex_turn1.json").read_text())
+    body = {**capture["body"], "model": "sim-small"}
+    extra = {"client_metadata": body.pop("client_metadata")}  # newer than this SDK
+    return {**body, "extra_body": extra}
+
+
+@pytest.mark.parametrize("kind", ["native", "chat-only"])
+async def test_parallel_calls_stream_helper_and_parse_on_either_path(simulator, chat_only, start_broker, kind):
+    broker = await start_broker(config(simulator if kind == "native" else chat_only))
+    first = await broker.openai.responses.create(model="sim-small", input="Weather and time in Oslo?",
+                                                 tools=[WEATHER, CLOCK])
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert sorted(c.name for c in calls) == ["clock", "weather"]
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": f"{c.name} is fine"} for c in calls]
+    async with broker.openai.responses.stream(model="sim-small", previous_response_id=first.id, input=outputs,
+                                              tools=[WEATHER, CLOCK]) as stream:
+        deltas = [event.delta async for event in stream if event.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert "".join(deltas) == final.output_text and "weather is fine" in final.output_text
+    parsed = await broker.openai.responses.parse(model="sim-small", input="Describe Oslo.", text_format=City)
+    assert isinstance(parsed.output_parsed, City)
+
+
+async def test_a_chain_of_three_turns_continues_across_upstreams_and_replicas(simulator, chat_only, start_broker,
+                                                                            tmp_path):
+    store = {"responses": {"store_path": str(tmp_path / "responses.sqlite3")}}
+    native, translated = (await start_broker(config(simulator, **store)),
+                          await start_broker(config(chat_only, **store)))
+    first = await native.openai.responses.create(model="sim-small", input="What is the weather in Oslo?",
+                                                 tools=[WEATHER])
+    call = next(item for item in first.output if item.type == "function_call")
+    second = await translated.openai.responses.create(
+        model="sim-small", previous_response_id=first.id, tools=[WEATHER],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    third = await native.openai.responses.create(model="sim-small", previous_response_id=second.id,
+                                                 input="And tomorrow?", tools=[WEATHER], tool_choice="none")
+    assert "sunny, 21 C" in second.output_text and third.status == "completed"
+    sent = [item.get("type", item.get("role")) for item in simulator.last_request_body()["input"]]
+    assert sent == ["message", "function_call", "function_call_output", "message", "user"]
+
+
+async def test_a_codex_turn_completes_a_tool_round_trip_through_the_translated_path(chat_only, start_broker):
+    broker = await start_broker(config(chat_only))
+    body = codex_turn()
+    stream = await broker.openai.responses.create(**body)
+    events = [event async for event in stream]
+    done = events[-1]
+    assert done.type == "response.completed" and done.response.id
+    call = next(item for item in done.response.output if item.type == "function_call")
+    assert call.name == "exec_command" and json.loads(call.arguments)["cmd"]
+    assert {e.type for e in events} >= {"response.output_item.added", "response.output_item.done"}
+    history = [item.model_dump(exclude_none=True) for item in done.response.output]
+    again = await broker.openai.responses.create(**{**body, "input": [
+        *body["input"], *history, {"type": "function_call_output", "call_id": call.call_id, "output": "ok"}]})
+    final = [event async for event in again][-1]
+    assert final.type == "response.completed" and "ok" in final.response.output_text
+    sent = chat_only.last_request_body()
+    assert {t["function"]["name"] for t in sent["tools"]} >= {"exec_command"}  # namespaces flattened, hosted dropped
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"model": "sim-small", "input": [{"type": "function_call_output", "call_id": "nowhere", "output": "x"}]},
+     "call_id"),
+    ({"model": "sim-small", "input": "hi", "tools": [{**WEATHER, "name": "w" * 65}]}, "name"),
+])
+async def test_a_call_output_with_no_call_or_a_long_tool_name_is_a_400(simulator, start_broker, body, field):
+    broker = await start_broker(config(simulator))
+    async with broker.http.post("/v1/responses", json=body) as resp:
+        error = (await resp.json())["error"]
+        assert resp.status == 400, error
+    assert field in (error.get("param") or "") + error["message"]
+    assert "responses" not in simulator.stats()["calls"]
