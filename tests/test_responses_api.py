@@ -254,3 +254,14 @@ async def test_a_call_output_with_no_call_or_a_long_tool_name_is_a_400(simulator
         assert resp.status == 400, error
     assert field in (error.get("param") or "") + error["message"]
     assert "responses" not in simulator.stats()["calls"]
+
+
+async def test_what_the_chat_form_cannot_carry_is_named_in_a_header(chat_only, start_broker):
+    broker = await start_broker(config(chat_only))
+    async with broker.http.post("/v1/responses", json={
+            "model": "sim-small", "input": "weather?", "tools": [WEATHER, {"type": "web_search"}],
+            "include": ["reasoning.encrypted_content"], "store": False}) as resp:
+        assert resp.status == 200
+        dropped = resp.headers["X-Broker-Dropped"]
+    assert "web_search" in dropped and "include" in dropped
+    assert "web_search" not in json.dumps(chat_only.last_request_body())

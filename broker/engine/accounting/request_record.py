@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import structlog
 
@@ -50,6 +51,7 @@ class RequestInfo:
     # OpenAI `usage` mapping; the ledger record waits for it.
     usage_settles: asyncio.Future[Any] | None = None
     stream_error: BrokerError | None = None  # what ended a stream whose headers were already sent
+    dropped: tuple[str, ...] = ()  # fields a translation to another API could not carry (X-Broker-Dropped)
 
 
 def record_request(metrics: Metrics | None, ledger: Ledger | None, info: RequestInfo, endpoint: str, status: int,
@@ -64,7 +66,8 @@ def record_request(metrics: Metrics | None, ledger: Ledger | None, info: Request
     log.info("request", endpoint=endpoint, status=sent_status or status, tenant=info.tenant, tier=info.tier,
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
              batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache,
-             stream_error=(info.stream_error.code or info.stream_error.type) if info.stream_error else None)
+             stream_error=(info.stream_error.code or info.stream_error.type) if info.stream_error else None,
+             **({"dropped": list(info.dropped)} if info.dropped else {}))
 
 
 def _record(ledger: Ledger | None, info: RequestInfo, endpoint: str, status: int, elapsed: float, *_: Any) -> None:

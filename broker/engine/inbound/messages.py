@@ -9,22 +9,36 @@ headers, and the other kinds get its chat form, answered back as a Message.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from mergebroker.broker.engine.accounting.request_record import RequestInfo
-from mergebroker.broker.engine.apis.messages import (MessagesRequest, MessagesStream, count_prompt, from_chat,
-                                                     parse_count_request, parse_request, to_chat)
+from mergebroker.broker.engine.apis.messages import (
+    MessagesRequest,
+    MessagesStream,
+    count_prompt,
+    from_chat,
+    parse_count_request,
+    parse_request,
+    to_chat,
+)
 from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.chat.service import CacheControl
-from mergebroker.broker.engine.handling import (chat_headers, check_chat_model, complete_chat, model_not_found,
-                                                open_chat_stream, price_on_arrival)
+from mergebroker.broker.engine.handling import (
+    chat_headers,
+    check_chat_model,
+    complete_chat,
+    model_not_found,
+    open_chat_stream,
+    price_on_arrival,
+)
 from mergebroker.broker.engine.inbound.messages_relay import NativeMessagesRelay
-from mergebroker.broker.engine.native.calls import NativeRequest
 from mergebroker.broker.engine.inbound.portable import dropped_header, portable
-from mergebroker.broker.engine.streams import HandledStream, TranslatedRelay
 from mergebroker.broker.engine.limits.admission import Caller
+from mergebroker.broker.engine.native.calls import NativeRequest
 from mergebroker.broker.engine.schemas import parse_chat
+from mergebroker.broker.engine.streams import HandledStream, TranslatedRelay
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.errors import UpstreamUnsupported
 from mergebroker.providers.native_api import forwarded
@@ -80,7 +94,7 @@ async def _translated(broker: Broker, info: RequestInfo, caller: Caller, request
                       dropped: tuple[str, ...], cache_control: CacheControl) -> MessagesAnswer | HandledStream:
     parsed, body = parse_chat(chat_body, max_messages=broker.settings.server.max_messages)
     check_chat_model(broker, info, parsed, body)
-    extra = dropped_header(dropped)
+    info.dropped, extra = tuple(dict.fromkeys(dropped)), dropped_header(dropped)
     message_id = new_message_id()
     if parsed.stream:
         stream = MessagesStream(request, message_id=message_id,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mergebroker.broker.engine.apis.messages import StreamUsageReader, error_event
 from mergebroker import jsonio
+from mergebroker.broker.engine.apis.messages import StreamUsageReader, error_event
 from mergebroker.errors import BrokerError
 from mergebroker.providers.anthropic_errors import stream_error
 from mergebroker.token_usage import TokenUsage

@@ -10,7 +10,8 @@ the translation could not carry.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 PORTABLE_FIELDS = frozenset({
     "model", "messages", "max_completion_tokens", "max_tokens", "stop", "stream", "stream_options", "user",

@@ -16,22 +16,35 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from mergebroker.broker.engine.accounting.request_record import RequestInfo
-from mergebroker.broker.engine.apis.responses import (ResponsesRequest, ResponsesStream, from_chat, input_items,
-                                                      parse_request, to_chat)
+from mergebroker.broker.engine.apis.responses import (
+    ResponsesRequest,
+    ResponsesStream,
+    from_chat,
+    input_items,
+    parse_request,
+    to_chat,
+)
 from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.chat.service import CacheControl
-from mergebroker.broker.engine.handling import (chat_headers, check_chat_model, complete_chat, model_not_found,
-                                                open_chat_stream, price_on_arrival)
-from mergebroker.broker.engine.native.calls import NativeRequest
+from mergebroker.broker.engine.handling import (
+    chat_headers,
+    check_chat_model,
+    complete_chat,
+    model_not_found,
+    open_chat_stream,
+    price_on_arrival,
+)
 from mergebroker.broker.engine.inbound.portable import dropped_header, portable
 from mergebroker.broker.engine.inbound.responses_relay import NativeResponsesRelay
-from mergebroker.broker.engine.streams import HandledStream, TranslatedRelay
 from mergebroker.broker.engine.limits.admission import Caller
+from mergebroker.broker.engine.native.calls import NativeRequest
 from mergebroker.broker.engine.schemas import parse_chat
+from mergebroker.broker.engine.streams import HandledStream, TranslatedRelay
 from mergebroker.errors import InvalidRequest, NotFound, UpstreamUnsupported
 from mergebroker.providers.native_api import forwarded
 
@@ -144,7 +157,7 @@ async def _translated(broker: Broker, info: RequestInfo, caller: Caller, turn: _
                       cache_control: CacheControl) -> ResponsesAnswer | HandledStream:
     parsed, body = parse_chat(turn.chat_body, max_messages=broker.settings.server.max_messages)
     check_chat_model(broker, info, parsed, body)
-    dropped = dropped_header(turn.dropped)
+    info.dropped, dropped = tuple(dict.fromkeys(turn.dropped)), dropped_header(turn.dropped)
     if parsed.stream:
         stream = ResponsesStream(turn.request, turn.translation, response_id=turn.response_id,
                                  created_at=turn.created_at, previous_response_id=turn.request.previous_response_id)

@@ -4,7 +4,8 @@ translated stream goes through `streams.TranslatedRelay` with a `ResponsesStream
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mergebroker import jsonio
 from mergebroker.broker.engine.apis.responses import completed_response
