@@ -30,14 +30,20 @@ from mergebroker.broker.engine.chat.shadow import ShadowRunner
 from mergebroker.broker.engine.chat.workers import LocalJobQueue
 from mergebroker.broker.engine.embeddings.service import build_embedding_service
 from mergebroker.broker.engine.limits.admission import Authenticator
-from mergebroker.broker.engine.merge_economy import MergeEconomy, economy_for
 from mergebroker.broker.engine.limits.limiter import Limiter
 from mergebroker.broker.engine.limits.ratelimit import RateLimiter
 from mergebroker.broker.engine.limits.redis_limiter import RedisRateLimiter
+from mergebroker.broker.engine.merge_economy import MergeEconomy, economy_for
+from mergebroker.broker.engine.metrics import (
+    Metrics,
+    PoolMetrics,
+    breaker_listener,
+    guard_listener,
+    merging_listener,
+    preinitialise,
+)
 from mergebroker.broker.engine.native.calls import NativeCalls
-from mergebroker.broker.engine.response_store import ResponseStore
-from mergebroker.broker.engine.metrics import (Metrics, PoolMetrics, breaker_listener, guard_listener,
-                                               merging_listener, preinitialise)
+from mergebroker.broker.engine.response_store import open_response_store
 from mergebroker.broker.engine.settings import HTTP_PROVIDER_KINDS, ProviderSettings, Settings
 from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.broker.engine.upstreams import breaker_settings, build_upstreams
@@ -126,7 +132,9 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger,
                     shadow=shadow, embedder=embedder, limiter=limiter, providers=tuple(providers), clock=clock,
                     sleep=sleep, costs=costs, native=NativeCalls(settings, chat, pools, clock),
-                    responses=ResponseStore(settings.responses.store_path, retention_s=settings.responses.retention_s))
+                    responses=open_response_store(settings.responses.backend, path=settings.responses.store_path,
+                                                  retention_s=settings.responses.retention_s, redis=redis,
+                                                  cluster=settings.cluster.enabled))
     await _start(broker, providers)
     return broker
 
@@ -248,7 +256,7 @@ async def stop_engine(broker: Broker) -> None:
     if broker.ledger is not None:
         await broker.ledger.stop()
     await broker.pools.close()
-    broker.responses.close()
+    await broker.responses.close()
     if broker.model_host is not None:
         broker.model_host.close()
     if broker.redis is not None:

@@ -11,22 +11,22 @@ from typing import Any
 
 from mergebroker.breaker.circuit import CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
-from mergebroker.broker.engine.limits.admission import Authenticator
-from mergebroker.broker.engine.chat.service import ChatService
-from mergebroker.broker.engine.embeddings.service import EmbeddingService
-from mergebroker.broker.engine.chat.job_queue import JobQueue
-from mergebroker.broker.engine.limits.limiter import Limiter
 from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.accounting.ledger import Ledger
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.settings import ProviderSettings, Settings
+from mergebroker.broker.engine.chat.job_queue import JobQueue
+from mergebroker.broker.engine.chat.service import ChatService
 from mergebroker.broker.engine.chat.shadow import ShadowRunner
+from mergebroker.broker.engine.embeddings.service import EmbeddingService
+from mergebroker.broker.engine.limits.admission import Authenticator
+from mergebroker.broker.engine.limits.limiter import Limiter
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.native.calls import NativeCalls
+from mergebroker.broker.engine.response_store import ResponseStore, SqliteResponseStore
+from mergebroker.broker.engine.settings import ProviderSettings, Settings
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.merge.embedder import CachingEmbedder
 from mergebroker.providers.local_model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
-from mergebroker.broker.engine.native.calls import NativeCalls
-from mergebroker.broker.engine.response_store import ResponseStore
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Broker:
     costs: CostBook | None = None  # dollars: what requests cost, and what they would have cost alone
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     native: NativeCalls | None = None  # requests sent to upstreams that speak their API (Responses, Messages)
-    responses: ResponseStore = field(default_factory=ResponseStore)  # stored Responses API responses
+    responses: ResponseStore = field(default_factory=SqliteResponseStore)  # stored Responses API responses
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """Ready to serve: providers configured, workers running, the embedding model loaded (if used)."""

@@ -96,7 +96,7 @@ class ProviderSettings(_Strict):
                                                "(/v1/files + /v1/batches) instead of call by call.")
 
     @model_validator(mode="after")
-    def _kind_fields(self) -> "ProviderSettings":
+    def _kind_fields(self) -> ProviderSettings:
         if self.model_map and self.kind not in ("anthropic", "openai"):
             raise ValueError(f"providers.{self.name}.model_map: only for kinds 'anthropic' and 'openai'")
         if self.deployments and self.kind != "azure":
@@ -301,6 +301,9 @@ class LedgerSettings(_Strict):
 class ResponsesSettings(_Strict):
     """`/v1/responses`: where stored responses are kept, and for how long."""
 
+    backend: Literal["auto", "sqlite", "redis"] = Field(
+        "auto", description="Where stored responses live: redis (shared by replicas; needs redis.url), sqlite, or "
+                            "auto (redis in cluster mode, else sqlite).")
     store_path: str | None = Field(None, description="SQLite file of stored responses; in memory when unset.")
     retention_s: float = Field(30 * 86400, gt=0, description="Stored responses older than this are removed.")
 
@@ -375,7 +378,7 @@ class Settings(BaseSettings):
         return (init_settings,)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Settings":
+    def _consistent(self) -> Settings:
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError("tiers: tier names must be unique")
@@ -391,6 +394,8 @@ class Settings(BaseSettings):
         for p in self.providers:
             if p.kind in HTTP_PROVIDER_KINDS and not p.base_url.startswith(("http://", "https://")):
                 raise ValueError(f"providers.{p.name}.base_url: must be an http(s) URL, got {p.base_url!r}")
+        if self.responses.backend == "redis" and not self.redis.url:
+            raise ValueError("responses.backend: redis needs redis.url")
         if self.batches.tier is not None and self.batches.tier not in names:
             raise ValueError(f"batches.tier: {self.batches.tier!r} is not a configured tier")
         if self.cluster.enabled and not self.redis.url:

@@ -38,19 +38,19 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 async def retrieve_response(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     caller = authenticate(broker, request[INFO], request.headers, None, None)
-    return _json(responses.retrieve(broker, caller, request.match_info["response_id"]))
+    return _json(await responses.retrieve(broker, caller, request.match_info["response_id"]))
 
 
 async def delete_response(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     caller = authenticate(broker, request[INFO], request.headers, None, None)
-    return _json(responses.delete(broker, caller, request.match_info["response_id"]))
+    return _json(await responses.delete(broker, caller, request.match_info["response_id"]))
 
 
 async def response_input_items(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     caller = authenticate(broker, request[INFO], request.headers, None, None)
-    return _json(responses.list_input_items(broker, caller, request.match_info["response_id"]))
+    return _json(await responses.list_input_items(broker, caller, request.match_info["response_id"]))
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:

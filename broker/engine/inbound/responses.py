@@ -43,6 +43,7 @@ from mergebroker.broker.engine.inbound.portable import dropped_header, portable
 from mergebroker.broker.engine.inbound.responses_relay import NativeResponsesRelay
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.native.calls import NativeRequest
+from mergebroker.broker.engine.response_store import StoredResponse, chain_history
 from mergebroker.broker.engine.schemas import parse_chat
 from mergebroker.broker.engine.streams import HandledStream, TranslatedRelay
 from mergebroker.errors import InvalidRequest, NotFound, UpstreamUnsupported
@@ -77,7 +78,7 @@ def new_response_id() -> str:
 async def create(broker: Broker, info: RequestInfo, caller: Caller, raw: Any, headers: Mapping[str, str],
                  cache_control: CacheControl) -> ResponsesAnswer | HandledStream:
     """Answer one `POST /v1/responses` (authenticated from the headers; the body not yet read)."""
-    turn = _turn(broker, caller, raw)
+    turn = await _turn(broker, caller, raw)
     info.model = turn.request.model
     if not broker.pools.serves(turn.request.model):
         raise model_not_found(turn.request.model)
@@ -90,11 +91,11 @@ async def create(broker: Broker, info: RequestInfo, caller: Caller, raw: Any, he
     return await _translated(broker, info, caller, turn, cache_control)
 
 
-def _turn(broker: Broker, caller: Caller, raw: Any) -> _Turn:
+async def _turn(broker: Broker, caller: Caller, raw: Any) -> _Turn:
     previous = raw.get("previous_response_id") if isinstance(raw, dict) else None
     history: list[dict[str, Any]] = []
     if isinstance(previous, str) and previous:
-        found = broker.responses.history(caller.tenant, previous)
+        found = await chain_history(broker.responses, caller.tenant, previous)
         if found is None:
             raise NotFound(f"Previous response with id '{previous}' not found.", param="previous_response_id",
                            code="previous_response_not_found")
@@ -175,30 +176,30 @@ def _keep(broker: Broker, caller: Caller, turn: _Turn, response: dict[str, Any] 
     if response is None or not turn.request.store or not isinstance(response.get("id"), str):
         return
     items = input_items(turn.request, response_id=response["id"])
-    broker.responses.put(caller.tenant, response, items, turn.request.previous_response_id)
+    broker.responses.keep(caller.tenant, response, items, turn.request.previous_response_id)
 
 
-def retrieve(broker: Broker, caller: Caller, response_id: str) -> dict[str, Any]:
+async def retrieve(broker: Broker, caller: Caller, response_id: str) -> dict[str, Any]:
     """`GET /v1/responses/{id}`: the tenant's stored response, or 404."""
-    return _stored(broker, caller, response_id).response
+    return (await _stored(broker, caller, response_id)).response
 
 
-def delete(broker: Broker, caller: Caller, response_id: str) -> dict[str, Any]:
+async def delete(broker: Broker, caller: Caller, response_id: str) -> dict[str, Any]:
     """`DELETE /v1/responses/{id}`: the deletion object, or 404."""
-    if not broker.responses.delete(caller.tenant, response_id):
+    if not await broker.responses.delete(caller.tenant, response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-def list_input_items(broker: Broker, caller: Caller, response_id: str) -> dict[str, Any]:
+async def list_input_items(broker: Broker, caller: Caller, response_id: str) -> dict[str, Any]:
     """`GET /v1/responses/{id}/input_items`: the turn's input items as a list object, or 404."""
-    items = _stored(broker, caller, response_id).input_items
+    items = (await _stored(broker, caller, response_id)).input_items
     return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
             "last_id": items[-1]["id"] if items else None, "has_more": False}
 
 
-def _stored(broker: Broker, caller: Caller, response_id: str) -> Any:
-    stored = broker.responses.get(caller.tenant, response_id)
+async def _stored(broker: Broker, caller: Caller, response_id: str) -> StoredResponse:
+    stored = await broker.responses.get(caller.tenant, response_id)
     if stored is None:
         raise _not_found(response_id)
     return stored
