@@ -206,3 +206,9 @@ class Calibration:
     def scale(self, provider: str, model: str, tokens: int) -> int:
         """`tokens` of the broker's count, in the provider's tokens."""
         return round(tokens * self.ratio(provider, model))
+
+    def learnt(self, model: str) -> float | None:
+        """The mean ratio over the providers that reported on `model`, or None before any did (a count
+        made for no provider in particular, such as `count_tokens`)."""
+        ratios = [ratio for (_, name), ratio in self._ratios.items() if name == model]
+        return sum(ratios) / len(ratios) if ratios else None

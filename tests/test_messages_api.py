@@ -241,3 +241,20 @@ async def test_bad_content_is_a_400_naming_the_field(simulator, start_broker, co
         assert resp.status == 400, answer
     assert answer["error"]["type"] == "invalid_request_error" and field in answer["error"]["message"]
     assert simulator.stats()["calls"].get("messages", 0) == 0
+
+
+async def test_count_tokens_learns_the_providers_count_from_its_reports(simulator, start_broker):
+    """With no Anthropic upstream to ask, the broker counts; once priced answers have reported the provider's
+    own counts for the model, its count is scaled to them."""
+    price = {"input": 3.0, "cached_input": 0.3, "output": 15.0}
+    broker = await start_broker(config(provider_for(simulator), pricing={"sim-small": price}), environ=ENV)
+    client = client_for(broker)
+    ask = {"model": "sim-small", "system": "You are terse. " * 20,
+           "messages": [{"role": "user", "content": "Explain the rivers of Europe with care. " * 5}]}
+    try:
+        answered = await client.messages.create(**ask, max_tokens=50)
+        counted = await client.messages.count_tokens(**ask)
+    finally:
+        await client.close()
+    assert counted.input_tokens == pytest.approx(answered.usage.input_tokens, rel=0.05)
+    assert broker.broker.costs.calibration.learnt("sim-small") is not None

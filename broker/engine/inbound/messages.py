@@ -122,4 +122,14 @@ async def count_tokens(broker: Broker, info: RequestInfo, caller: Caller, raw: A
         except UpstreamUnsupported as exc:
             if exc.code != "native_unsupported":
                 raise
-    return {"input_tokens": count_prompt(request, count_text_tokens)}
+    return {"input_tokens": _estimated(broker, request)}
+
+
+def _estimated(broker: Broker, request: MessagesRequest) -> int:
+    """The broker's count of a request's input tokens, in the provider's tokens once the broker has learnt
+    how they compare (the cost book's calibration, from the usage its upstreams reported for this model)."""
+    ratio = broker.costs.calibration.learnt(request.model) if broker.costs is not None else None
+    if ratio is None:
+        return count_prompt(request, count_text_tokens)
+    # Scaled on the count the calibration was learnt against: the chat form's prompt estimate.
+    return round(ratio * estimate_prompt_tokens(to_chat(request).body["messages"]))
