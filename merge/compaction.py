@@ -6,10 +6,10 @@ compatibility key (`merge.shape`), then by similarity, `max_batch` and the model
 the shared system prompt and header counted once (`merge.grouping`, `merge.budget.context_shares`), then
 cut into the merges that pay and whose members' budgets fit the model's output limit (`Economics`: the
 broker's `engine.merge_economy`, the live path's rule), and each group of two or more becomes one merged
-call (`merge.prompt`) whose `max_tokens` holds every member's own budget plus its response tags. A line
-that may not merge (tools, multi-turn...) is a call of its own. The runner sends the calls, settles merged
-replies with `merge.settle` (each member cut at its own budget, `merge.member_budget`), and plans the
-members that failed a second time with `max_batch=1`.
+call built as the live path builds it (`merge.merged_call`), whose `max_tokens` holds every member's own
+budget plus its response tags. A line that may not merge (tools, multi-turn...) is a call of its own. The
+runner sends the calls, settles merged replies with `merge.settle` (each member cut at its own budget,
+`merge.member_budget`), and plans the members that failed a second time with `max_batch=1`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from mergebroker.merge.budget import context_shares
-from mergebroker.output_budget import token_budget
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
 from mergebroker.merge.member_budget import TokenCounter, estimate_tokens
-from mergebroker.merge.prompt import DEFAULT_HEADER, MergeMember, merged_request_body, new_batch_ids
-from mergebroker.merge.settle import SettleMember, member_request_text
+from mergebroker.merge.merged_call import CallMember, CallRules, merged_call, own_budget
+from mergebroker.merge.prompt import DEFAULT_HEADER
+from mergebroker.merge.settle import SettleMember
 from mergebroker.merge.shape import MergeShape
 
 
@@ -120,6 +120,11 @@ class CompactionRules:
     count_tokens: TokenCounter = estimate_tokens  # the broker's tokenizer: shared prefix, header, response tags
     economics: Economics | None = None  # None: every planned batch merges whole (as for an unpriced model)
 
+    @property
+    def call_rules(self) -> CallRules:
+        """How its merged calls are built (the live path's `merge.merged_call` rules)."""
+        return CallRules(self.count_tokens, self.header, self.tagged_system)
+
 
 def plan_compaction(items: Sequence[BulkItem], rules: CompactionRules, *, vectors: Mapping[str, np.ndarray] | None = None,
                     rng: random.Random | None = None, prefix: str = "call") -> list[PlannedCall]:
@@ -188,25 +193,12 @@ def _call(call_id: str, batch: list[list[BulkItem]], rules: CompactionRules, rng
     tokens = sum(copies[0].prompt_tokens + copies[0].max_tokens for copies in batch)
     if len(batch) == 1:
         member = PlannedMember(tuple(i.custom_id for i in batch[0]), None, "", head.user_tokens, head.prompt_tokens,
-                               _own_budget(head))
+                               own_budget(head.body))
         return PlannedCall(call_id, model, dict(head.body), (member,), tokens)
-    shapes: list[MergeShape] = [copies[0].shape for copies in batch]  # type: ignore[misc]
-    tags = new_batch_ids(len(batch), rng, avoid=[t for s in shapes for t in (s.user_text, s.system_prompt) if t])
-    merge_members = [MergeMember(tag, s.user_text, copies[0].max_tokens, s.system_prompt)
-                     for tag, s, copies in zip(tags, shapes, batch)]
     limit = rules.economics.max_output_tokens(model) if rules.economics is not None else None
-    body = merged_request_body(head.body, merge_members, system_prompt=shapes[0].system_prompt,
-                               header=rules.header, tagged_system=rules.tagged_system, count_tokens=rules.count_tokens,
-                               output_limit=limit)
-    members = tuple(PlannedMember(tuple(i.custom_id for i in copies), tag,
-                                  member_request_text(s.system_prompt, s.user_text, rules.tagged_system),
-                                  copies[0].user_tokens, copies[0].prompt_tokens, _own_budget(copies[0]))
-                    for tag, s, copies in zip(tags, shapes, batch))
-    return PlannedCall(call_id, model, body, members, tokens)
-
-
-def _own_budget(item: BulkItem) -> int | None:
-    """The budget a line set itself: the broker's default only sizes a merged call, so a line without one
-    is never cut at it (alone, it would not have been)."""
-    return token_budget(item.body, 0) or None
-
+    call = merged_call([CallMember(copies[0].body, copies[0].shape, copies[0].max_tokens,  # type: ignore[arg-type]
+                                   copies[0].prompt_tokens, copies[0].user_tokens) for copies in batch],
+                       rules.call_rules, output_limit=limit, rng=rng)
+    members = tuple(PlannedMember(tuple(i.custom_id for i in copies), m.id, m.request_text, m.own_prompt_tokens,
+                                  m.alone_prompt_tokens, m.max_tokens) for m, copies in zip(call.members, batch))
+    return PlannedCall(call_id, model, call.body, members, tokens)

@@ -1,4 +1,5 @@
-"""A job's lines as the planner sees them (pure): fingerprint, merge shape and key, token counts.
+"""A job's lines as the planner sees them (pure): fingerprint, merge shape and key (by the live path's rule,
+`merge.mergeable`), token counts.
 
 Token counting is the cost, so the runner calls `bulk_items` in a worker thread. A line for a model no
 provider serves gets its 404 here; a line that cannot be described (a body that trips the fingerprint or the
@@ -7,21 +8,19 @@ token counter) gets its own 400 and the rest of the job goes on.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import structlog
 
 from mergebroker.broker.bulk.lines import BatchLine
 from mergebroker.broker.bulk.settling import Result
+from mergebroker.broker.engine.chat.units import unit_rules
 from mergebroker.broker.engine.settings import Settings
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.errors import InvalidRequest, NotFound
-from mergebroker.output_budget import token_budget
 from mergebroker.merge.compaction import BulkItem
-from mergebroker.merge.fingerprint import chat_fingerprint
-from mergebroker.merge.shape import compatibility_key, merge_shape
+from mergebroker.merge.mergeable import UnitRules
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +40,7 @@ def bulk_items(lines: Sequence[BatchLine], ctx: ItemContext) -> tuple[list[BulkI
     """The lines to plan, and the results of those refused outright."""
     items: list[BulkItem] = []
     refused: list[Result] = []
+    rules = unit_rules(ctx.settings, ctx.settings.tier(ctx.tier))
     for line in lines:
         model = line.body["model"]
         if model not in ctx.served:
@@ -49,7 +49,7 @@ def bulk_items(lines: Sequence[BatchLine], ctx: ItemContext) -> tuple[list[BulkI
                 code="model_not_found").body()))
             continue
         try:
-            items.append(_item(line, ctx))
+            items.append(_item(line, ctx, rules))
         except (ValueError, TypeError, RecursionError, UnicodeError) as exc:
             log.warning("bulk_line_unplannable", custom_id_chars=len(line.custom_id), error=type(exc).__name__)
             refused.append((line.custom_id, 400, InvalidRequest(
@@ -57,27 +57,12 @@ def bulk_items(lines: Sequence[BatchLine], ctx: ItemContext) -> tuple[list[BulkI
     return items, refused
 
 
-def _item(line: BatchLine, ctx: ItemContext) -> BulkItem:
-    settings = ctx.settings
-    tier = settings.tier(ctx.tier)
-    merging = settings.merge.enabled and tier.merge
-    body = line.body
-    if tier.omitted_temperature_is_zero and body.get("temperature") is None:
-        body = {**body, "temperature": 0}
-    shape = merge_shape(body) if merging and line.mergeable and body["model"] in ctx.mergeable else None
-    scope = _scope(settings, ctx.tenant, body)
-    key = (compatibility_key(body, shape, scope_value=scope, include_system=tier.system_prompts == "exact")
-           if shape else None)
-    fingerprint = scope + ":" + chat_fingerprint(
-        body, lowercase=settings.merge.lowercase, collapse_whitespace=settings.merge.collapse_whitespace,
-        cache_version=settings.merge.cache_version)
-    max_tokens = token_budget(body, settings.merge.default_max_tokens)
-    return BulkItem(line.custom_id, body, fingerprint, shape, key, estimate_prompt_tokens(body["messages"]),
-                    count_text_tokens(shape.user_text) if shape else 0, max_tokens)
-
-
-def _scope(settings: Settings, tenant: str, body: dict[str, Any]) -> str:
-    # Lines of one file share a tenant; with `merge.scope: user` their end users must not share a call.
-    if settings.merge.scope == "user":
-        return "user:" + json.dumps([tenant, body.get("user") or ""])
-    return "tenant:" + json.dumps(tenant)
+def _item(line: BatchLine, ctx: ItemContext, rules: UnitRules) -> BulkItem:
+    # The live path's rule; a line's end user (`merge.scope: user`) is the one its body names.
+    unit = rules.unit(
+        line.body, tenant=ctx.tenant, tier=ctx.tier, user=line.body.get("user"),
+        mergeable=line.mergeable and line.body["model"] in ctx.mergeable)
+    shape = unit.shape
+    return BulkItem(line.custom_id, unit.body, unit.fingerprint, shape, unit.merge_key,
+                    estimate_prompt_tokens(unit.body["messages"]), count_text_tokens(shape.user_text) if shape else 0,
+                    unit.max_tokens)

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import os
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -19,6 +20,7 @@ from mergebroker.broker.eval.report import EvalSummary, Scorer, default_scorer, 
     render_markdown, summarise
 from mergebroker.broker.eval.run import Evaluator, Observation, builtin_requests, load_requests
 from mergebroker.merge.fidelity import compare, needs_cosine
+from mergebroker.merge.pricing import PriceTable
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
 
 DEFAULT_KEY_ENV = "MERGEBROKER_UPSTREAM_API_KEY"
@@ -97,7 +99,7 @@ async def evaluate(ns: argparse.Namespace, requests: list[Any], *, api_key: str 
     try:
         with tqdm(unit="call", desc="eval", disable=ns.no_progress) as bar:
             evaluator = Evaluator(chat, requests, seed=ns.seed, concurrency=max(1, ns.concurrency),
-                                  progress=bar.update)
+                                  output_limit=shipped_output_limit, progress=bar.update)
             bar.total = evaluator.total_calls(ns.batch_sizes)
             observation = await evaluator.run(ns.batch_sizes)
     finally:
@@ -105,6 +107,18 @@ async def evaluate(ns: argparse.Namespace, requests: list[Any], *, api_key: str 
     scorer = await prose_scorer(observation, ns)
     return summarise(observation, model=ns.model, upstream=ns.upstream, seed=ns.seed,
                      tolerance_points=ns.tolerance, scorer=scorer)
+
+
+def shipped_output_limit(model: str) -> int | None:
+    """The model's most output tokens per call from the shipped price table (what the broker caps a merged
+    call's budget at without a price configured), None where unknown."""
+    price = _shipped_prices().get(model)
+    return price.max_output_tokens if price is not None else None
+
+
+@lru_cache(maxsize=1)
+def _shipped_prices() -> PriceTable:
+    return PriceTable.build()
 
 
 async def prose_scorer(observation: Observation, ns: argparse.Namespace) -> Scorer:

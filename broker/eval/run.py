@@ -2,10 +2,11 @@
 
 Every request is sent once alone; then, for each batch size, the set is cut into batches (shuffled by the
 seed: same seed, same batches; only requests allowed to share a call in production share one, by
-`merge.shape.compatibility_key`) and each batch goes out as one merged call built by `merge.prompt`, split
-by `merge.split` and checked by `merge.leak`. A member whose block fails is answered by its alone call,
-as production re-sends it alone, and that call is counted. What the runs observed (`Observation`s) is
-summarised and rendered by `broker.eval.report`.
+`merge.shape.compatibility_key`) and each batch goes out as one merged call built by production's own builder
+(`merge.merged_call`: the broker's tokenizer, the model's output limit, each member cut at its own budget),
+settled as production settles it (`merge.settle`: split, leak checks, stop sequences). A member whose block
+fails is answered by its alone call, as production re-sends it alone, and that call is counted. What the runs
+observed (`Observation`s) is summarised and rendered by `broker.eval.report`.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from mergebroker.errors import BrokerError
+from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.output_budget import token_budget
-from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
+from mergebroker.merge.member_budget import TokenCounter
+from mergebroker.merge.merged_call import CallMember, CallRules, MergedCall, merged_call
 from mergebroker.merge.shape import MergeShape, compatibility_key, merge_shape
-from mergebroker.merge.settle import BAD_REPLY, MERGED_CALL_FAILED, SettleMember, SettleOptions, reply_text, settle
+from mergebroker.merge.settle import BAD_REPLY, MERGED_CALL_FAILED, SettleOptions, reply_text, settle
 from mergebroker.providers.simulator.quiz_set import builtin_set
 
 Chat = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 """One upstream chat call: body -> the parsed completion (raises `BrokerError` on failure)."""
+OutputLimit = Callable[[str], int | None]
+"""A model's most output tokens per call, None where unknown (production reads its price table)."""
 
 DEFAULT_MAX_TOKENS = 256
 BUILTIN_MAX_TOKENS = 32
@@ -147,36 +152,37 @@ async def call(chat: Chat, body: dict[str, Any], clock: Callable[[], float] = ti
                       clock() - started, reply=reply)
 
 
-def merged_body(requests: Sequence[EvalRequest], ids: Sequence[str], *, header: str | None) -> dict[str, Any]:
-    """The merged call of these requests, built by the dispatcher's own rule."""
-    members = [MergeMember(i, r.shape.user_text, r.max_tokens) for i, r in zip(ids, requests)]
-    return merged_request_body(requests[0].body, members, system_prompt=requests[0].shape.system_prompt,
-                               header=header)
+def eval_merged_call(requests: Sequence[EvalRequest], rules: CallRules, *, output_limit: int | None,
+                     rng: random.Random | None) -> MergedCall:
+    """The merged call of these requests, built by production's own builder (`merge.merged_call`)."""
+    # Tokens saved are not measured here, so no member's alone prompt is counted.
+    return merged_call([CallMember(r.body, r.shape, r.max_tokens) for r in requests], rules,
+                       output_limit=output_limit, rng=rng)
 
 
-def settle_batch(result: CallResult, ids: Sequence[str], requests: Sequence[EvalRequest], *,
-                 leak_min_words: int) -> dict[str, tuple[str | None, str | None]]:
+def settle_batch(result: CallResult, call: MergedCall, *, leak_min_words: int,
+                 count_tokens: TokenCounter = count_text_tokens) -> dict[str, tuple[str | None, str | None]]:
     """Each member's (answer, None), or (None, the reason production would re-send it alone), by the
-    dispatcher's own rule (`merge.settle`)."""
+    dispatcher's own rule (`merge.settle`, with the broker's tokenizer for the members' own budgets)."""
     if result.reply is None:
-        return {i: (None, BAD_REPLY if result.error == BAD_REPLY else MERGED_CALL_FAILED) for i in ids}
-    members = [SettleMember(i, r.shape.user_text, 0, 0, r.body.get("stop")) for i, r in zip(ids, requests)]
-    settlement = settle(result.reply, members, SettleOptions(leak_min_words))
+        return {i: (None, BAD_REPLY if result.error == BAD_REPLY else MERGED_CALL_FAILED) for i in call.ids}
+    settlement = settle(result.reply, call.members, SettleOptions(leak_min_words, count_tokens))
     return {i: (settlement.answers[i].text, None) if i in settlement.answers else (None, settlement.fallbacks[i])
-            for i in ids}
+            for i in call.ids}
 
 
 class Evaluator:
     """Runs a request set alone and merged against one upstream (`chat`), `concurrency` calls at a time."""
 
     def __init__(self, chat: Chat, requests: Sequence[EvalRequest], *, seed: int = 0, concurrency: int = 8,
-                 header: str | None = None, leak_min_words: int = 8,
+                 header: str | None = None, leak_min_words: int = 8, output_limit: OutputLimit = lambda model: None,
                  progress: Callable[[int], None] = lambda n: None) -> None:
         self._chat = chat
         self._requests = list(requests)
         self._seed = seed
         self._limit = asyncio.Semaphore(concurrency)
-        self._header = header
+        self._rules = CallRules(count_text_tokens, header)
+        self._output_limit = output_limit
         self._leak_min_words = leak_min_words
         self._progress = progress
 
@@ -199,17 +205,14 @@ class Evaluator:
     async def _merged(self, batch_size: int) -> MergedRun:
         rng = random.Random(f"ids:{self._seed}:{batch_size}")
         batches = plan_batches(self._requests, batch_size, seed=self._seed)
-        ids = [new_batch_ids(len(b), rng, avoid=[t for i in b for t in (self._requests[i].shape.user_text,
-                                                                        self._requests[i].shape.system_prompt) if t])
-               for b in batches]
-        calls = await asyncio.gather(*(
-            self._call(merged_body([self._requests[i] for i in b], i_ds, header=self._header))
-            for b, i_ds in zip(batches, ids)))
+        built = [eval_merged_call([self._requests[i] for i in b], self._rules, rng=rng,
+                                  output_limit=self._output_limit(self._requests[b[0]].body["model"]))
+                 for b in batches]
+        calls = await asyncio.gather(*(self._call(merged.body) for merged in built))
         members = []
-        for batch, batch_ids, result in zip(batches, ids, calls):
-            settled = settle_batch(result, batch_ids, [self._requests[i] for i in batch],
-                                   leak_min_words=self._leak_min_words)
-            for index, member_id in zip(batch, batch_ids):
+        for batch, merged, result in zip(batches, built, calls):
+            settled = settle_batch(result, merged, leak_min_words=self._leak_min_words)
+            for index, member_id in zip(batch, merged.ids):
                 members.append(MemberResult(index, *settled[member_id], result.latency_s))
         return MergedRun(batch_size, tuple(sorted(members, key=lambda m: m.index)), tuple(calls))
 

@@ -1,11 +1,12 @@
 """Dispatch a released group: plan batches, send single or merged calls, carry out each settlement.
 
-Deciding is apart (`broker.engine.chat.planning` plans batches over `merge.grouping`; `merge.settle`
-settles a merged reply: split, leak checks, stop sequences, each member's own budget, usage, fallback
-reasons); this module only acts: it sends each batch through the provider pools and executes the
-`Settlement`, so every member gets exactly one outcome. A member whose block is missing, broken, or leaks
-another member's text is re-sent alone within its own deadline; a merged call that fails, or whose reply
-cannot be read, re-sends all its members alone. Whatever goes wrong, no member's future is left unset (`jobs.answer_all`).
+Deciding is apart (`broker.engine.chat.planning` plans batches over `merge.grouping`; `merge.merged_call`
+builds each merged call, as bulk jobs and `mergebroker eval` build theirs; `merge.settle` settles a merged
+reply: split, leak checks, stop sequences, each member's own budget, usage, fallback reasons); this module
+only acts: it sends each batch through the provider pools and executes the `Settlement`, so every member
+gets exactly one outcome. A member whose block is missing, broken, or leaks another member's text is re-sent
+alone within its own deadline; a merged call that fails, or whose reply cannot be read, re-sends all its
+members alone. Whatever goes wrong, no member's future is left unset (`jobs.answer_all`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
 from mergebroker.broker.engine.merge_economy import MergeEconomy
 from mergebroker.broker.engine.chat.planning import BatchPlanner, MergeOptions, TierMergePolicy
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
-from mergebroker.output_budget import token_budget
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.completion import member_completion
-from mergebroker.merge.prompt import MergeMember, merged_request_body, new_batch_ids
+from mergebroker.merge.merged_call import CallMember, CallRules, merged_call
 from mergebroker.merge.quality_guard import QualityGuard
 from mergebroker.broker.engine.chat.early_release import (CountedUsage, StreamCall, StreamedReply, settle_usage,
                                                           stream_blocks)
@@ -38,8 +38,7 @@ from mergebroker.broker.engine.chat.stream_usage import (MeteredStream, caller_w
                                                          settle_future, with_usage_requested)
 from mergebroker.broker.engine.chat.streamed_members import StreamedMembers
 from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, BlockVerdict, SettleMember, SettleOptions,
-                                      Settlement, apportion_reported, every_member, member_request_text,
-                                      settle, settle_call_error)
+                                      Settlement, apportion_reported, every_member, settle, settle_call_error)
 from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
@@ -134,14 +133,15 @@ class Dispatcher:
             await metered.aclose()
 
     async def _run_merged(self, tier: str, jobs: list[ChatJob]) -> None:
-        seen = [text for j in jobs if j.shape for text in (j.shape.user_text, j.shape.system_prompt) if text]
-        by_id = dict(zip(new_batch_ids(len(jobs), avoid=seen), jobs))  # IDs the model reads nowhere else
-        batch_id = "b_" + uuid.uuid4().hex[:12]
-        tagged = self._tiers[tier].tagged_system
         first = jobs[0]
-        body = self._merged_body(by_id, tagged)
+        rules = CallRules(count_text_tokens, self._options.header, self._tiers[tier].tagged_system)
+        merged = merged_call([_call_member(j) for j in jobs], rules, output_limit=(
+            self._economy.max_output_tokens(first.model) if self._economy is not None else None))
+        by_id = dict(zip(merged.ids, jobs))
+        batch_id = "b_" + uuid.uuid4().hex[:12]
+        body = merged.body
         deadline = min([j.mark_sent() for j in jobs])
-        members = [_settle_member(i, j, tagged) for i, j in by_id.items()]
+        members = list(merged.members)
         prompt_estimate = estimate_prompt_tokens(body["messages"])
         if first.stream or self._pools.streams_merged(first.model):
             # Bounded like a plain merged call, so a hung stream leaves time to re-send its open members alone.
@@ -290,16 +290,6 @@ class Dispatcher:
         else:
             stream.switch_to(metered)
 
-    def _merged_body(self, by_id: dict[str, ChatJob], tagged: bool) -> dict[str, Any]:
-        """The combined request: the first member's parameters, one tagged block per member."""
-        first = next(iter(by_id.values()))
-        members = [MergeMember(i, j.shape.user_text, j.max_tokens, j.shape.system_prompt)  # type: ignore[union-attr]
-                   for i, j in by_id.items()]
-        limit = self._economy.max_output_tokens(first.model) if self._economy is not None else None
-        return merged_request_body(first.body, members, system_prompt=first.shape.system_prompt,  # type: ignore
-                                   header=self._options.header, tagged_system=tagged, count_tokens=count_text_tokens,
-                                   output_limit=limit)
-
     def _execute(self, tier: str, reply: dict[str, Any], shared: ChatOutcome, by_id: dict[str, ChatJob],
                  settlement: Settlement) -> list[tuple[ChatJob, str]]:
         """Carry out a settlement: answer, fail, count; return the members (with the reason) to re-send alone."""
@@ -330,13 +320,8 @@ class Dispatcher:
             self._guard.record(tenant, model, bool(settlement.needed_fallback) and tenant in failed)
 
 
-def _settle_member(member_id: str, job: ChatJob, tagged_system: bool) -> SettleMember:
-    shape = job.shape
-    request = member_request_text(shape.system_prompt, shape.user_text, tagged_system)  # type: ignore[union-attr]
-    # Cut at the caller's own budget only: without one, alone it would not have been cut at the broker's
-    # default either (which only sizes the merged call).
-    return SettleMember(member_id, request, count_text_tokens(shape.user_text), job.prompt_tokens,  # type: ignore
-                        job.body.get("stop"), max_tokens=token_budget(job.body, 0) or None)
+def _call_member(job: ChatJob) -> CallMember:
+    return CallMember(job.body, job.shape, job.max_tokens, job.prompt_tokens)  # type: ignore[arg-type]
 
 
 MERGED_CALL_SHARE = 0.5

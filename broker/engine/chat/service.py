@@ -3,7 +3,8 @@
 Each accepted request gets exactly one outcome or one error before its deadline. Identical requests
 in flight share one queued job (singleflight) when they also share the tier and the merge opt-out; a
 caller that leaves or times out does not cancel it for the others, a job nobody waits for any more is
-dropped before dispatch, and every caller keeps its own deadline (see `ChatService._share`).
+dropped before dispatch, and every caller keeps its own deadline (see `ChatService._share`). A request's
+scope, fingerprint and merge key follow its tier's `merge.mergeable.UnitRules`, the rule bulk lines follow too.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any, AsyncIterator, Callable
 
 import structlog
@@ -19,9 +20,9 @@ import structlog
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, DeadlineExceeded, UpstreamUnavailable
-from mergebroker.output_budget import token_budget
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
+from mergebroker.broker.engine.chat.units import unit_rules
 from mergebroker.broker.engine.chat.stream_usage import MeteredStream, caller_wants_usage, with_usage_requested
 from mergebroker.broker.engine.limits.limiter import Limiter
 from mergebroker.broker.engine.metrics import Metrics
@@ -30,13 +31,9 @@ from mergebroker.broker.engine.settings import Settings, TierSettings
 from mergebroker.broker.engine.tokens import estimate_prompt_tokens
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.coalesce import Lead, SingleFlight
-from mergebroker.merge.fingerprint import chat_fingerprint
-from mergebroker.merge.shape import compatibility_key, merge_shape
 from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)
-
-_STREAM_FIELDS = ("stream", "stream_options")
 
 
 @dataclass(frozen=True)
@@ -76,12 +73,6 @@ class CacheControl:
 _READ_WRITE = CacheControl()
 
 
-@lru_cache(maxsize=4096)
-def _json_name(name: str) -> str:
-    """`name` JSON-encoded for a scope (remembered: the same few tenants and tiers ask on every request)."""
-    return json.dumps(name)
-
-
 class ChatService:
     """Admits, caches, coalesces and queues chat requests."""
 
@@ -99,6 +90,7 @@ class ChatService:
         # and future until answered, for followers' deadlines
         self._tiers = {t.name: t for t in settings.tiers}
         self._tier_limits = {t.name: LimitSpec(f"tier:{t.name}", t.rpm, t.tpm) for t in settings.tiers}
+        self._units = {t.name: unit_rules(settings, t) for t in settings.tiers}  # the rule bulk jobs follow too
         self._estimate_prompts = prompt_estimate_needed(settings)
         self._cache_events: dict[str, Any] = {}  # labelled children by result, looked up once
 
@@ -112,7 +104,7 @@ class ChatService:
         The prompt estimate is 0 when nothing would read it (see `prompt_estimate_needed`).
         """
         prompt_tokens = estimate_prompt_tokens(body.get("messages") or []) if self._estimate_prompts else 0
-        max_tokens = token_budget(body, self._settings.merge.default_max_tokens)
+        max_tokens = self._units[caller.tier].budget(body)
         try:
             reservation = await self._limiter.reserve(self.limit_specs(caller), prompt_tokens + max_tokens)
         except Exception:
@@ -130,8 +122,7 @@ class ChatService:
                        merge_opt_out: bool, cache_control: CacheControl) -> ChatResult:
         """Answer one non-streaming chat request."""
         tier = self._tiers[caller.tier]
-        if tier.omitted_temperature_is_zero and body.get("temperature") is None:
-            body = {**body, "temperature": 0}
+        body = self._units[tier.name].read(body)
         limit_s = tier.timeout_for(timeout_s)
         deadline = self._clock() + limit_s
         self.check_fast_fail(body["model"])
@@ -152,9 +143,7 @@ class ChatService:
                       cache_control: CacheControl, reservation: Reservation) -> ChatResult:
         deadline, limit_s = time_limit
         scope = self._scope(caller, tier)
-        key = scope + ":" + chat_fingerprint(
-            body, lowercase=self._settings.merge.lowercase, collapse_whitespace=self._settings.merge.collapse_whitespace,
-            cache_version=self._settings.merge.cache_version)
+        key = self._units[tier.name].fingerprint(body, scope)
         cacheable = self._cache is not None and self._cacheable(body)
         if cacheable and cache_control.read:
             cached = await self._cache.get(key)  # type: ignore[union-attr]
@@ -239,13 +228,7 @@ class ChatService:
     def _job(self, caller: Caller, tier: TierSettings, scope: str, request_id: str, body: dict[str, Any],
              deadline: float, prompt_tokens: int, max_tokens: int, merge_opt_out: bool, *,
              stream: bool = False) -> ChatJob:
-        # A stream is judged as the same request without its delivery fields; it merges only with streams.
-        shaped = {k: v for k, v in body.items() if k not in _STREAM_FIELDS} if stream else body
-        shape = None if merge_opt_out or not tier.merge or not self._settings.merge.enabled else merge_shape(shaped)
-        merge_key = None
-        if shape is not None:
-            merge_key = compatibility_key(shaped, shape, scope_value=scope,
-                                          include_system=tier.system_prompts == "exact") + ("|stream" if stream else "")
+        shape, merge_key = self._units[tier.name].identity(body, scope, mergeable=not merge_opt_out, stream=stream)
         now = self._clock()
         return ChatJob(request_id=request_id, caller=caller, body=body, model=body["model"],
                        priority=aged_rank(tier.priority, now, self._settings.server.aging_per_s),
@@ -253,15 +236,7 @@ class ChatService:
                        deadline=deadline, enqueued_at=now, stream=stream)
 
     def _scope(self, caller: Caller, tier: TierSettings) -> str:
-        # Names are JSON-encoded: a tenant or user containing ':' must not spell another's scope.
-        scope = self._settings.merge.scope
-        if scope == "global":
-            return "global"
-        if scope == "tier":
-            return "tier:" + _json_name(tier.name)
-        if scope == "user":
-            return "user:" + json.dumps([caller.tenant, caller.user or ""])
-        return "tenant:" + _json_name(caller.tenant)
+        return self._units[tier.name].scope_of(tenant=caller.tenant, tier=tier.name, user=caller.user)
 
     def _cacheable(self, body: dict[str, Any]) -> bool:
         return body.get("temperature") == 0 or self._settings.cache.cache_nondeterministic
