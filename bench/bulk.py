@@ -24,14 +24,26 @@ import random
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import aiohttp
 import openai
 
-from bench.harness import (Process, cpu_probe_ms, get_json, post_json, processes_together, results_path, run_meta,
-                           sim_base_url, start_broker, start_simulator, write_results)
+from bench.harness import (
+    Process,
+    cpu_probe_ms,
+    get_json,
+    post_json,
+    processes_together,
+    results_path,
+    run_meta,
+    sim_base_url,
+    start_broker,
+    start_simulator,
+    write_results,
+)
 from mergebroker.providers.simulator.server import answer_for
 
 MODEL = "sim-small"

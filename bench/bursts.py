@@ -21,10 +21,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import median
-from typing import Any, Sequence
+from typing import Any
 
 import aiohttp
 import yaml

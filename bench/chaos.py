@@ -18,14 +18,32 @@ import collections
 import sys
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import aiohttp
 
-from bench.harness import (Process, TimedSample, cpu_probe_ms, format_table, get_json, latency_summary, open_loop_for,
-                           passthrough_config, processes_together, results_path, run_meta, set_faults, sim_base_url,
-                           start_broker, start_simulator, tolerant_chat_request, warm_up, publish)
+from bench.harness import (
+    Process,
+    TimedSample,
+    cpu_probe_ms,
+    format_table,
+    get_json,
+    latency_summary,
+    open_loop_for,
+    passthrough_config,
+    processes_together,
+    publish,
+    results_path,
+    run_meta,
+    set_faults,
+    sim_base_url,
+    start_broker,
+    start_simulator,
+    tolerant_chat_request,
+    warm_up,
+)
 
 FAST_FAIL_CODE = "upstream_unavailable"
 
@@ -106,7 +124,7 @@ async def poll_breaker(broker: Process, interval_s: float, stop: asyncio.Event, 
                 timeline.states.append((time.perf_counter(), state))
             try:
                 await asyncio.wait_for(stop.wait(), interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 

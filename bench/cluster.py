@@ -22,16 +22,31 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
 import yaml
 
-from bench.harness import (CpuWindow, Process, TimedSample, _spawn, _wait_http, cpu_probe_ms, free_port, latency_summary,
-                           open_loop, post_json, processes_together, run_meta, start_simulator, write_results)
+from bench.harness import (
+    CpuWindow,
+    Process,
+    TimedSample,
+    _spawn,
+    _wait_http,
+    cpu_probe_ms,
+    free_port,
+    latency_summary,
+    open_loop,
+    post_json,
+    processes_together,
+    run_meta,
+    start_simulator,
+    write_results,
+)
 from bench.merging import SIM_OPTIONS, RunSpec, body_source, broker_config, scrape, total
 from bench.workloads import ChatItem, mixed_workload
 from mergebroker.broker.cluster.partition import GROUP
@@ -142,7 +157,7 @@ def checked_request(url: str, items: Sequence[ChatItem]) -> Any:
                 data = await resp.json(content_type=None)
                 status = resp.status
                 overhead_ms = float(resp.headers.get("X-Broker-Overhead-Ms") or "nan")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             return TimedSample(time.perf_counter() - started, 0, tag=tag, sent_at=started,
                                error_code=f"transport:{type(exc).__name__}")
         content = None
@@ -344,8 +359,8 @@ async def hop_floor(redis_url: str, *, rate: float, count: int, **overrides: Any
     """
     import random
 
-    from mergebroker.broker.engine.limits.admission import Caller
     from mergebroker.broker.engine.chat.jobs import ChatJob
+    from mergebroker.broker.engine.limits.admission import Caller
 
     frontend, worker, leases, worker_redis = _echo_pair(redis_url, **overrides)
     started = time.monotonic()

@@ -28,9 +28,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis

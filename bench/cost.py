@@ -27,8 +27,19 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import (Process, Sample, format_table, get_json, open_loop, post_json, publish, results_path,
-                           run_meta, start_broker, start_simulator)
+from bench.harness import (
+    Process,
+    Sample,
+    format_table,
+    get_json,
+    open_loop,
+    post_json,
+    publish,
+    results_path,
+    run_meta,
+    start_broker,
+    start_simulator,
+)
 
 MODEL = "bench-model"
 PRICE_POINTS = {"4o-like": (2.50, 1.25, 10.0), "5-like": (1.25, 0.125, 10.0)}

@@ -22,10 +22,11 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -108,10 +109,11 @@ def local_encoders(workdir: Path) -> dict[str, Encode]:
     """The backends that run in this environment, each as `encode(texts) -> unit vectors`."""
     _single_thread()
     import torch
+    from sentence_transformers import SentenceTransformer
+
     from mergebroker.providers import onnx_export
     from mergebroker.providers.local_model import default_model_path
     from mergebroker.providers.onnx_encoder import OnnxEncoder, load_checked
-    from sentence_transformers import SentenceTransformer
 
     path = default_model_path()
     model = SentenceTransformer(path, device="cpu", local_files_only=True)

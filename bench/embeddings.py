@@ -24,17 +24,30 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
 
 from bench.embedding_backends import FULL_BACKEND_PLAN, QUICK_BACKEND_PLAN, BackendPlan
 from bench.embedding_backends import run as run_backends
-from bench.harness import (Process, RequestFn, Sample, closed_loop, cpu_probe_ms, free_port, off_loop_seconds,
-                           percentile, run_meta, start_broker, start_simulator, write_json)
+from bench.harness import (
+    Process,
+    RequestFn,
+    Sample,
+    closed_loop,
+    cpu_probe_ms,
+    free_port,
+    off_loop_seconds,
+    percentile,
+    run_meta,
+    start_broker,
+    start_simulator,
+    write_json,
+)
 from bench.merging import Metrics, delta, scrape
 from bench.workloads import distinct_texts, with_repeats
 

@@ -18,9 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import aiohttp
 import yaml
@@ -335,7 +336,7 @@ def tolerant_chat_request(url: str, body_for: Callable[[int], tuple[dict[str, An
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 data = await resp.json(content_type=None)
                 status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             return TimedSample(time.perf_counter() - started, 0, tag=tag, sent_at=started,
                                error_code=f"transport:{type(exc).__name__}")
         elapsed = time.perf_counter() - started
@@ -498,7 +499,7 @@ def cpu_probe_ms() -> float:
 def run_meta(started: float, probe_at_start: float | None = None) -> dict[str, Any]:
     """When, where and on which code a benchmark ran (UTC time, CPUs, load average, seconds since `started`),
     with `cpu_probe_ms` at the start (`probe_at_start`, taken by the caller) and now."""
-    return {"generated_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"generated_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()[0],
             "duration_s": round(time.perf_counter() - started, 1), "code": code_version(),
             "cpu_probe_ms_start": probe_at_start, "cpu_probe_ms_end": cpu_probe_ms()}

@@ -29,8 +29,9 @@ import resource
 import subprocess
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import yaml
@@ -108,7 +109,7 @@ async def fuzz(sim: Process, pythonpath: Path | None, total: int) -> dict[str, A
                     counts["http_500"] += resp.status == 500
                     counts["served_2xx"] += resp.status < 300
                     counts["not_envelope"] += resp.status >= 400 and not is_envelope(body)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 counts["hangs"] += 1
             except aiohttp.ClientError:
                 counts["dropped"] += 1
@@ -130,7 +131,7 @@ async def slowloris(sim: Process, pythonpath: Path | None, stalled: int, clients
         for _ in range(stalled):
             try:
                 _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", broker.port), 2)
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 continue  # the listen backlog is full: the attack is at its peak
             writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
             writers.append(writer)
@@ -155,7 +156,7 @@ async def _clients(url: str, n: int) -> list[tuple[int, float]]:
                         "model": "sim-small", "messages": [{"role": "user", "content": f"question {i}"}]}) as resp:
                     await resp.read()
                     return resp.status, loop.time() - started
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return 0, loop.time() - started
 
     return list(await asyncio.gather(*(one(i) for i in range(n))))
@@ -175,7 +176,7 @@ async def noisy(pythonpath: Path | None, waves: int, quiet_requests: int) -> dic
                 async with session.post(broker.url + "/v1/chat/completions", json=body, headers=headers) as resp:
                     await resp.read()
                     statuses[tenant].append(resp.status)
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             statuses[tenant].append(0)
 
     def ask(text: str, **extra: Any) -> dict[str, Any]:

@@ -25,16 +25,30 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
 
 from bench.bursts import start_burners, stop_burners
-from bench.harness import (CpuWindow, Process, RequestFn, Sample, closed_loop, cpu_probe_ms, format_table,
-                           processes_together, publish, results_path, run_meta, sim_base_url, start_broker,
-                           start_simulator, summarize)
+from bench.harness import (
+    CpuWindow,
+    Process,
+    RequestFn,
+    Sample,
+    closed_loop,
+    cpu_probe_ms,
+    format_table,
+    processes_together,
+    publish,
+    results_path,
+    run_meta,
+    sim_base_url,
+    start_broker,
+    start_simulator,
+    summarize,
+)
 
 ROUTES = ("chat", "responses_native", "responses_translated", "messages_translated")
 _PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

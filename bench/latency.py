@@ -24,14 +24,29 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import aiohttp
 
-from bench.harness import (Process, chat_request, closed_loop, cpu_probe_ms, format_table, passthrough_config,
-                           percentile, processes_together, results_path, run_meta, sim_base_url, start_broker,
-                           start_simulator, summarize, publish)
+from bench.harness import (
+    Process,
+    chat_request,
+    closed_loop,
+    cpu_probe_ms,
+    format_table,
+    passthrough_config,
+    percentile,
+    processes_together,
+    publish,
+    results_path,
+    run_meta,
+    sim_base_url,
+    start_broker,
+    start_simulator,
+    summarize,
+)
 from bench.merging import RunSpec, bursts, measure, poisson
 from bench.merging import broker_config as merging_config
 from bench.workloads import hot_question_topics, hot_question_versions, mixed_workload
@@ -230,7 +245,7 @@ async def merged_streams(plan: Plan) -> dict[str, Any]:
             urls = {"direct": upstream.removesuffix("/v1"), "merged": broker.url}
             ttft: dict[str, list[float]] = {name: [] for name in urls}
             async with aiohttp.ClientSession() as session:
-                for batch in range(plan.early_batches):
+                for _ in range(plan.early_batches):
                     for name, url in urls.items():
                         questions = [f"stream {uuid.uuid4().hex[:8]} question {i}" for i in range(EARLY_BATCH)]
                         got = await asyncio.gather(*(first_token_ms(session, url, q) for q in questions))

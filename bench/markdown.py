@@ -6,7 +6,8 @@ judges it, so every part of the report states its goals the same way.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 COMPARE = {">=": float.__ge__, "<=": float.__le__, "<": float.__lt__, ">": float.__gt__, "==": float.__eq__}
 

@@ -16,15 +16,29 @@ import argparse
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness import (Process, RequestFn, Sample, chat_request, cpu_probe_ms, off_loop_seconds, open_loop,
-                           percentile, post_json, run_meta, start_broker, start_simulator, write_json)
+from bench.harness import (
+    Process,
+    RequestFn,
+    Sample,
+    chat_request,
+    cpu_probe_ms,
+    off_loop_seconds,
+    open_loop,
+    percentile,
+    post_json,
+    run_meta,
+    start_broker,
+    start_simulator,
+    write_json,
+)
 from bench.workloads import ChatItem, hot_question_topics, hot_question_versions, mixed_workload
 from mergebroker.broker.engine.settings import default_tiers
 from mergebroker.providers.simulator.server import answer_for

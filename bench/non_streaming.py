@@ -18,12 +18,29 @@ import asyncio
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from bench.harness import (Process, chat_request, closed_loop, cpu_probe_ms, format_table, get_json, post_json,
-                           processes_together, publish, results_path, run_meta, set_faults, sim_base_url,
-                           start_broker, start_simulator, summarize, warm_up)
+from bench.harness import (
+    Process,
+    chat_request,
+    closed_loop,
+    cpu_probe_ms,
+    format_table,
+    get_json,
+    post_json,
+    processes_together,
+    publish,
+    results_path,
+    run_meta,
+    set_faults,
+    sim_base_url,
+    start_broker,
+    start_simulator,
+    summarize,
+    warm_up,
+)
 from bench.passthrough import _median  # the one NaN-skipping median of the paired benchmarks
 
 QUIRKS = {"streams": {}, "ignore_stream": {"ignore_stream": True},

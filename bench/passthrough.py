@@ -21,12 +21,30 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from bench.harness import (CpuWindow, Process, chat_request, closed_loop, cpu_probe_ms, format_table, latency_summary,
-                           open_loop_for, passthrough_config, processes_together, results_path, run_meta, sim_base_url,
-                           start_broker, start_proxy, start_simulator, summarize, publish)
+from bench.harness import (
+    CpuWindow,
+    Process,
+    chat_request,
+    closed_loop,
+    cpu_probe_ms,
+    format_table,
+    latency_summary,
+    open_loop_for,
+    passthrough_config,
+    processes_together,
+    publish,
+    results_path,
+    run_meta,
+    sim_base_url,
+    start_broker,
+    start_proxy,
+    start_simulator,
+    summarize,
+)
 
 TARGETS = ("direct", "proxy", "broker")
 THROUGHPUT_RATIO_TARGET = 0.7

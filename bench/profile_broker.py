@@ -28,9 +28,10 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Sequence
+from typing import Any
 
 from aiohttp import web
 
@@ -64,9 +65,9 @@ def broker_config(upstream: str, *, merge: bool, cache: bool) -> dict[str, Any]:
 
 async def serve_broker(config: dict[str, Any]) -> tuple[web.AppRunner, str]:
     """The broker app on 127.0.0.1 (a free port) in this loop; returns its runner and base URL."""
-    from mergebroker.broker.http.app import create_app
-    from mergebroker.broker.engine.logging import configure_logging
     from mergebroker.broker.engine.config import load_settings
+    from mergebroker.broker.engine.logging import configure_logging
+    from mergebroker.broker.http.app import create_app
 
     settings = load_settings(None, environ={}, overrides=config)
     configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
@@ -116,7 +117,7 @@ class StackSampler:
         self.own: Counter[str] = Counter()
         self.inclusive: Counter[str] = Counter()
 
-    def __enter__(self) -> "StackSampler":
+    def __enter__(self) -> StackSampler:
         signal.signal(signal.SIGPROF, self._sample)
         signal.setitimer(signal.ITIMER_PROF, self._interval_s, self._interval_s)
         return self

@@ -16,14 +16,30 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import aiohttp
 
-from bench.harness import (CpuWindow, Process, RequestFn, Sample, chat_request, closed_loop, cpu_probe_ms,
-                           format_table, processes_together, results_path, run_meta, sim_base_url, start_broker,
-                           start_simulator, summarize, publish)
+from bench.harness import (
+    CpuWindow,
+    Process,
+    RequestFn,
+    Sample,
+    chat_request,
+    closed_loop,
+    cpu_probe_ms,
+    format_table,
+    processes_together,
+    publish,
+    results_path,
+    run_meta,
+    sim_base_url,
+    start_broker,
+    start_simulator,
+    summarize,
+)
 from bench.passthrough import _median  # the one NaN-skipping median of the paired benchmarks
 
 KINDS = ("openai", "anthropic", "azure")

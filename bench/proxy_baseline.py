@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 from aiohttp import web

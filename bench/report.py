@@ -13,12 +13,23 @@ import argparse
 import asyncio
 import json
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from bench import charts, report_chaos, report_embeddings, report_merging, report_passthrough, report_tiers
-from bench import report_bulk, report_cluster, report_latency, report_provider_kinds
+from bench import (
+    charts,
+    report_bulk,
+    report_chaos,
+    report_cluster,
+    report_embeddings,
+    report_latency,
+    report_merging,
+    report_passthrough,
+    report_provider_kinds,
+    report_tiers,
+)
 from bench.markdown import targets_table
 
 BENCH_DIR = Path(__file__).parent

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from bench import charts
 from bench.markdown import fewer, more_ms, num, pct, ratio, run_line, table

@@ -25,12 +25,30 @@ import asyncio
 import sys
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from bench.harness import (CpuWindow, Process, Sample, closed_loop_until, cpu_probe_ms, format_table, latency_summary,
-                           open_loop_for, passthrough_config, processes_together, results_path, run_meta, sim_base_url,
-                           start_broker, start_simulator, tolerant_chat_request, warm_up, publish)
+from bench.harness import (
+    CpuWindow,
+    Process,
+    Sample,
+    closed_loop_until,
+    cpu_probe_ms,
+    format_table,
+    latency_summary,
+    open_loop_for,
+    passthrough_config,
+    processes_together,
+    publish,
+    results_path,
+    run_meta,
+    sim_base_url,
+    start_broker,
+    start_simulator,
+    tolerant_chat_request,
+    warm_up,
+)
 
 QUEUE_OVERHEAD_TARGET_MS = 0.3
 NEAR_INTERVALS = 3  # see the module docstring

@@ -276,7 +276,7 @@ def mixed_workload(n: int, *, seed: int = 1, shares: MixShares = MixShares()) ->
         raise ValueError(f"{n} requests need more intents than the {len(intents)} available")
     slots: list[ChatItem | None] = [None] * n
     free = list(range(n))
-    for c in range(n_clusters):
+    for _ in range(n_clusters):
         f, e = intents.pop()
         wordings = rng.sample(range(len(FAMILIES[f].wordings)), min(shares.cluster_size, len(FAMILIES[f].wordings)))
         start = rng.randrange(n)

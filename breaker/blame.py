@@ -16,8 +16,9 @@ opens as before.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from mergebroker.breaker.window import WindowStats
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import enum
 import sys
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, AsyncContextManager, Callable
+from typing import Any
 
 import pybreaker
 import structlog
@@ -252,7 +254,7 @@ class CircuitBreaker:
         if state is BreakerState.HALF_OPEN and self._probes >= self._settings.half_open_probes:
             raise BreakerOpenError(PROBE_BUSY_RETRY_S, self._name)
 
-    def guard(self, tenant: str | None = None) -> AsyncContextManager[GuardedCall]:
+    def guard(self, tenant: str | None = None) -> AbstractAsyncContextManager[GuardedCall]:
         """Admit one call for `tenant` (or raise `BreakerOpenError`), then record how the awaited body ended.
 
         Exceptions from the body are re-raised untouched; `CancelledError` and caller-fault errors

@@ -8,10 +8,9 @@ request: it only reads breaker state, never waits.
 from __future__ import annotations
 
 import fnmatch
-from typing import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from mergebroker.breaker.circuit import BreakerState, CircuitBreaker
-from typing import Callable
 
 WILDCARD = "*"
 """The routes key whose providers serve every model."""

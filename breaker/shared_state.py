@@ -16,7 +16,8 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as redis
 import structlog

@@ -44,13 +44,13 @@ class WindowStats:
     slow_ratio: float
 
     @staticmethod
-    def of(calls: int, failures: int, slow: int) -> "WindowStats":
+    def of(calls: int, failures: int, slow: int) -> WindowStats:
         """Stats from counts; the ratios are 0.0 without calls."""
         if calls <= 0:
             return WindowStats(0, 0, 0, 0.0, 0.0)
         return WindowStats(calls, failures, slow, failures / calls, slow / calls)
 
-    def __sub__(self, other: "WindowStats") -> "WindowStats":
+    def __sub__(self, other: WindowStats) -> WindowStats:
         return WindowStats.of(self.calls - other.calls, self.failures - other.failures, self.slow - other.slow)
 
 

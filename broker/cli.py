@@ -8,7 +8,8 @@ import functools
 import importlib
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download model weights at run time
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -151,11 +152,11 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _serve(args: argparse.Namespace) -> int:
     import structlog
 
-    from mergebroker.broker.http.app import create_app
-    from mergebroker.eventloop import loop_kind, new_event_loop
-    from mergebroker.broker.engine.logging import configure_logging
-    from mergebroker.broker.http.server import serve
     from mergebroker.broker.engine.config import settings_for_command
+    from mergebroker.broker.engine.logging import configure_logging
+    from mergebroker.broker.http.app import create_app
+    from mergebroker.broker.http.server import serve
+    from mergebroker.eventloop import loop_kind, new_event_loop
 
     settings = settings_for_command(args.config, overrides=serve_overrides(args))
     if settings is None:

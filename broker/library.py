@@ -23,19 +23,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass
 from typing import Any
 
-from mergebroker.broker.engine import handling
-from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.cluster.frontend import front_end_queue
+from mergebroker.broker.engine import handling
+from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
 from mergebroker.broker.engine.assemble import assemble, stop_engine
+from mergebroker.broker.engine.broker import Broker as Engine
 from mergebroker.broker.engine.chat.service import CacheControl
+from mergebroker.broker.engine.config import load_settings
 from mergebroker.broker.engine.inbound import messages as inbound_messages
 from mergebroker.broker.engine.inbound import responses as inbound_responses
-from mergebroker.broker.engine.streams import chat_chunk
-from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.schemas import BrokerOptions, parse_chat, parse_embeddings
 from mergebroker.broker.engine.settings import Settings
-from mergebroker.broker.engine.config import load_settings
-from mergebroker.broker.engine.broker import Broker as Engine
+from mergebroker.broker.engine.streams import chat_chunk
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import BrokerError, Forbidden, InvalidRequest
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mergebroker.broker.engine.assemble import assemble, stop_engine
-from mergebroker.errors import BrokerError
 from mergebroker.broker.engine.config import settings_for_command
+from mergebroker.errors import BrokerError
 
 
 def run_warm_cache(args: argparse.Namespace) -> int:

@@ -13,7 +13,9 @@ import asyncio
 import heapq
 import itertools
 import time
-from typing import Any, AsyncContextManager, Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -42,7 +44,7 @@ class Clock(Protocol):
 
     async def sleep(self, seconds: float) -> None: ...
 
-    def timeout_at(self, when: float) -> AsyncContextManager[None]: ...
+    def timeout_at(self, when: float) -> AbstractAsyncContextManager[object]: ...
 
 
 class SystemClock:
@@ -58,7 +60,7 @@ class SystemClock:
     def call_at(self, when: float, callback: Callable[..., object], *args: Any) -> Timer:
         return asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()), callback, *args)
 
-    def timeout_at(self, when: float) -> AsyncContextManager[None]:
+    def timeout_at(self, when: float) -> AbstractAsyncContextManager[object]:
         return asyncio.timeout(max(0.0, when - time.monotonic()))
 
 
@@ -136,7 +138,7 @@ class FakeClock:
         self.advance(seconds)
         await asyncio.sleep(0)
 
-    def timeout_at(self, when: float) -> AsyncContextManager[None]:
+    def timeout_at(self, when: float) -> AbstractAsyncContextManager[object]:
         return _FakeTimeout(self, when)
 
 
@@ -156,10 +158,10 @@ class _FakeTimeout:
         if not self._inner.expired():
             self._inner.reschedule(asyncio.get_running_loop().time())
 
-    async def __aexit__(self, *exc_info: Any) -> bool | None:
+    async def __aexit__(self, *exc_info: Any) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        return await self._inner.__aexit__(*exc_info)
+        await self._inner.__aexit__(*exc_info)  # raises TimeoutError on expiry; never swallows an exception
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

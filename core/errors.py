@@ -128,7 +128,8 @@ class DeadlineExceeded(BrokerError):
 class UpstreamError(BrokerError):
     """An upstream call failed. `retryable` tells retry and breaker logic whether to try again."""
 
-    status, type, code = 502, "upstream_error", "upstream_error"
+    status, type = 502, "upstream_error"
+    code: str | None = "upstream_error"
     retryable: bool = True
 
 

@@ -7,7 +7,8 @@ provider translations all read it here, so a request is reserved, timed and sent
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 BUDGET_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 

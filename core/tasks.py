@@ -9,13 +9,14 @@ whoever awaits it waits forever. `stop_loops` cancels again until each loop has 
 from __future__ import annotations
 
 import asyncio
-from typing import Collection
+from collections.abc import Collection
+from typing import Any
 
 RECANCEL_EVERY_S = 0.25
 
 
-async def stop_loops(tasks: Collection[asyncio.Task], *, grace_s: float = 0.0, give_up_s: float = 5.0,
-                     recancel_every_s: float = RECANCEL_EVERY_S) -> set[asyncio.Task]:
+async def stop_loops(tasks: Collection[asyncio.Task[Any]], *, grace_s: float = 0.0, give_up_s: float = 5.0,
+                     recancel_every_s: float = RECANCEL_EVERY_S) -> set[asyncio.Task[Any]]:
     """Let `tasks` end by themselves within `grace_s`, then cancel them until they end; the ones still
     running after `give_up_s` more are returned (the caller may log them)."""
     pending = {t for t in tasks if not t.done()}

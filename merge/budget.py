@@ -3,11 +3,11 @@ request's output budget, lives in `mergebroker.output_budget` and is re-exported
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from mergebroker.output_budget import token_budget
 from mergebroker.merge.merge_cost import REQUEST_TAG_TOKENS
 from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS
+from mergebroker.output_budget import token_budget
 
 __all__ = ["context_shares", "token_budget"]
 

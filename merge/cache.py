@@ -6,7 +6,8 @@ they are re-exported here so callers import caches from one place.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from mergebroker.merge.lru import LruCache
 from mergebroker.merge.redis_cache import RedisCache, make_redis_client

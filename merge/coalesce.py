@@ -7,9 +7,10 @@ moment, and the next call after it runs again (caching results is `merge.cache`'
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
-from typing import Awaitable, Callable, Generic, Hashable, TypeVar
+from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")

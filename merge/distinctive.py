@@ -36,7 +36,7 @@ def squash(text: str) -> str:
 def distinctive_tokens(text: str) -> set[str]:
     """The squashed distinctive tokens of `text` (see the module docstring)."""
     folded = fold(text)
-    found = set()
+    found: set[str] = set()
     for pattern in (_DIGIT_RUN, _EMAIL, _URL, _ID):
         found.update(squash(m.group()) for m in pattern.finditer(folded))
     return {token for token in found if len(token) >= 4}

@@ -12,7 +12,8 @@ import asyncio
 import hashlib
 import time
 from collections import OrderedDict
-from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import structlog
@@ -126,7 +127,8 @@ class BatchingEmbedder:
 
     async def _drain(self) -> None:
         while self._waiting:
-            batch, size = [], 0
+            batch: list[tuple[list[str], asyncio.Future[np.ndarray]]] = []
+            size = 0
             while self._waiting and (not batch or size + len(self._waiting[0][0]) <= self._max_batch):
                 texts, future = self._waiting.pop(0)
                 if not future.done():  # a caller that left is dropped before the call

@@ -8,7 +8,7 @@ within the token `budget` with the item's cost added; otherwise it opens a new b
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -36,7 +36,7 @@ def group_by_similarity(
     if max_batch < 1:
         raise ValueError("max_batch must be at least 1")
     n = _item_count(vectors, costs, n_items)
-    use_similarity = vectors is not None and threshold > 0
+    similar = vectors if vectors is not None and threshold > 0 else None  # None: group by count and cost only
     item_costs = list(costs) if costs is not None else [0] * n
     batches: list[list[int]] = []
     totals: list[int] = []
@@ -47,23 +47,23 @@ def group_by_similarity(
                 continue
             if budget is not None and totals[b] + item_costs[item] > budget:
                 continue
-            if use_similarity and _cosine(vectors[item], sums[b]) <= threshold:
+            if similar is not None and _cosine(similar[item], sums[b]) <= threshold:
                 continue
             members.append(item)
             totals[b] += item_costs[item]
-            if use_similarity:
-                sums[b] = sums[b] + vectors[item]
+            if similar is not None:
+                sums[b] = sums[b] + similar[item]
             break
         else:
             batches.append([item])
             totals.append(item_costs[item])
-            if use_similarity:
-                sums.append(np.array(vectors[item], dtype=np.float64))
+            if similar is not None:
+                sums.append(np.array(similar[item], dtype=np.float64))
     return batches
 
 
 def _item_count(vectors: np.ndarray | None, costs: Sequence[int] | None, n_items: int | None) -> int:
-    counts = set()
+    counts: set[int] = set()
     if vectors is not None:
         if vectors.ndim != 2:
             raise ValueError("vectors must have shape (n, d)")

@@ -14,7 +14,7 @@ that its own request does not hold, however disguised: see `merge.distinctive`.
 from __future__ import annotations
 
 import re
-from typing import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from mergebroker.merge.distinctive import distinctive_tokens, stolen_tokens
 

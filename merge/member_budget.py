@@ -14,8 +14,8 @@ where none is given (tests, and the rare caller without a tokenizer).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 TokenCounter = Callable[[str], int]
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from mergebroker.merge.default_prices import DEFAULT_PRICES
 
@@ -272,7 +272,7 @@ def _positive_int(value: Any) -> int | None:
     return int(value) if _is_number(value) and value >= 1 and float(value).is_integer() else None
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -18,8 +18,9 @@ import functools
 import random
 import re
 import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from mergebroker.confusables import fold, folded_with_positions
 
@@ -119,7 +120,7 @@ def build_combined_messages(
     system_prompt: str | None,
     header: str | None = None,
     tagged_system: bool = False,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Return the messages of the merged call: the system message (if any), then the combined user message.
 
     `header` is a template with `{n}`; None means `DEFAULT_HEADER` (`TAGGED_HEADER` in tagged mode).
@@ -133,7 +134,7 @@ def build_combined_messages(
     if header is None:
         header = TAGGED_HEADER if tagged_system else DEFAULT_HEADER
     blocks = [_request_block(m, tagged_system) for m in members]
-    messages: list[dict] = []
+    messages: list[dict[str, Any]] = []
     if system_prompt is not None and not tagged_system:
         messages.append({"role": "system", "content": system_prompt})
     # str.replace rather than str.format: an operator's header may contain other braces.

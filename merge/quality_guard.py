@@ -14,8 +14,9 @@ cool-downs at once the one ending first ends now.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable, TypeVar
+from typing import TypeVar
 
 import structlog
 

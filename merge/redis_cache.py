@@ -7,7 +7,8 @@ every write is skipped, one warning is logged, and Redis is probed again every `
 from __future__ import annotations
 
 import random
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import cast
 
 import redis.asyncio as redis
 import structlog
@@ -78,7 +79,7 @@ class RedisCache:
             self._failed(exc)
             return [None] * len(keys)
         self._succeeded()
-        return list(values)
+        return list(cast(list[bytes | None], values))  # the client does not decode responses (see the class docstring)
 
     async def get(self, key: str) -> bytes | None:
         """The value for `key`, or None."""

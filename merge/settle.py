@@ -21,8 +21,9 @@ the usage split waits for the whole reply.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from mergebroker.errors import BrokerError, NotFound, UpstreamUnavailable
 from mergebroker.merge.leak import find_leaks

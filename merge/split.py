@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
 
 from mergebroker.merge.prompt import ID_PATTERN
 

@@ -22,8 +22,8 @@ released only up to `hold_words` words before its end, so the leak check has see
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from mergebroker.merge.split import _TAG_PREFIX, BlockFailure, IdMentions, Tag, tags, without_tag_prefix
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 DEFAULT_HALF_LIFE_S = 30.0
 DEFAULT_MIN_PARTNERS = 0.1  # about a 10% chance that a partner arrives within the window (Poisson)

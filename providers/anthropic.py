@@ -11,8 +11,9 @@ refused the same way.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 from mergebroker.errors import UpstreamBadResponse, UpstreamHTTPError, UpstreamUnsupported
 from mergebroker.providers.anthropic_errors import to_error

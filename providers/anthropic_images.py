@@ -13,7 +13,8 @@ from __future__ import annotations
 import base64
 import binascii
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mergebroker.providers.anthropic_refuse import refuse
 

@@ -13,10 +13,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from mergebroker.token_usage import NO_USAGE, TokenUsage
 from mergebroker.errors import UpstreamBadResponse
 from mergebroker.providers.anthropic_structured import ReplyShape
 from mergebroker.providers.anthropic_tools import to_tool_calls
+from mergebroker.token_usage import NO_USAGE, TokenUsage
 
 FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
                   "model_context_window_exceeded": "length", "tool_use": "tool_calls",

@@ -9,8 +9,9 @@ the forced structured-output tool (`ReplyShape.json_tool`) streams as `content` 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from mergebroker.errors import UpstreamBadResponse
 from mergebroker.providers.anthropic_errors import stream_error

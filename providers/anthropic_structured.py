@@ -12,8 +12,9 @@ the forced tool's input becomes `message.content`, and a refusal becomes `messag
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from mergebroker.providers.anthropic_refuse import refuse
 

@@ -11,8 +11,9 @@ Nothing here does I/O or reads a clock.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from mergebroker.output_budget import token_budget
 from mergebroker.providers.anthropic_refuse import refuse

@@ -7,8 +7,9 @@ missing from `deployments` is taken to be deployed under its own name (Azure's u
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 from yarl import URL
 

@@ -9,11 +9,11 @@ Implementations raise only `broker.errors.UpstreamError` subclasses.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
-
 
 still_wanted: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("still_wanted", default=None)
 """Set by a caller that may stop waiting: `still_wanted()` is False once nobody wants the call's result.

@@ -7,7 +7,7 @@ once whether the stream ends, breaks, is closed early, or is dropped without clo
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 
 class HeldStream:

@@ -8,14 +8,14 @@ trained for it, so short vectors lose more quality than OpenAI's do).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from mergebroker.errors import InvalidRequest, NotFound
-from mergebroker.vectors import normalize_rows
 from mergebroker.providers.base import EmbedResult
 from mergebroker.providers.local_model import SentenceModelHost
+from mergebroker.vectors import normalize_rows
 
 DEFAULT_MODEL_NAMES = ("all-MiniLM-L6-v2", "local-minilm")
 

@@ -17,8 +17,9 @@ import heapq
 import itertools
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import structlog

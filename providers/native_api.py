@@ -9,7 +9,8 @@ Chat Completions for one that does not. `NativeMode` is the per-provider setting
 
 from __future__ import annotations
 
-from typing import Literal, Mapping
+from collections.abc import Mapping
+from typing import Literal
 
 from mergebroker.errors import UpstreamHTTPError, UpstreamUnsupported
 

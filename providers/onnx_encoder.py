@@ -10,10 +10,12 @@ model's (at most 0.03 off, against 0.08). Blocking: the host runs it on its mode
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
+
 from mergebroker.vectors import normalize_rows
 
 MAX_CALL_TOKENS = 256

@@ -18,8 +18,9 @@ import logging
 import os
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 EXPORT_FORMAT = "1"
 """Bumped whenever the export below changes, so files written by an older export are not reused."""

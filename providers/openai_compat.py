@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator, Mapping
+from typing import Any
 
 import aiohttp
 import structlog
@@ -25,8 +26,13 @@ from mergebroker.errors import (
 )
 from mergebroker.providers.native_api import ENDPOINTS, NativeMode, lacks_route, not_native
 from mergebroker.providers.retry import parse_retry_after
-from mergebroker.providers.whole_reply import (ProviderStream, StreamSupport, plain_request, replay_chunks,
-                                               streaming_refusal)
+from mergebroker.providers.whole_reply import (
+    ProviderStream,
+    StreamSupport,
+    plain_request,
+    replay_chunks,
+    streaming_refusal,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +85,7 @@ def _translated(provider: str, endpoint: str) -> Iterator[None]:
         yield
     except UpstreamError:
         raise
-    except asyncio.TimeoutError as exc:  # before ClientConnectionError: ServerTimeoutError is both
+    except TimeoutError as exc:  # before ClientConnectionError: ServerTimeoutError is both
         log.debug("provider_call_failed", provider=provider, endpoint=endpoint, error="timeout")
         raise UpstreamTimeout(f"upstream {endpoint} timed out") from exc
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.InvalidURL) as exc:

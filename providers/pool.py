@@ -15,16 +15,15 @@ Retries are counted per provider and reason, for streams as for plain calls.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
 from mergebroker.breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError
 from mergebroker.breaker.policy import all_open_retry_after
 from mergebroker.clock import Clock, Sleep, monotonic
-from mergebroker.output_budget import token_budget
-from mergebroker.token_usage import TokenUsage
 from mergebroker.errors import (
     DeadlineExceeded,
     NotFound,
@@ -34,11 +33,13 @@ from mergebroker.errors import (
     UpstreamUnavailable,
     UpstreamUnsupported,
 )
+from mergebroker.output_budget import token_budget
 from mergebroker.providers.held_stream import HeldStream
-from mergebroker.providers.opened_stream import first_chunk_opener
 from mergebroker.providers.openai_compat import read_timeout_for
+from mergebroker.providers.opened_stream import first_chunk_opener
 from mergebroker.providers.retry import RetryPolicy, call_with_retries, remaining, retry_reason
 from mergebroker.providers.upstream import NullObserver, PoolObserver, Strategy, Upstream, order_upstreams
+from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

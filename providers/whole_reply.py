@@ -15,7 +15,8 @@ from __future__ import annotations
 import enum
 import json
 import re
-from typing import Any, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 from mergebroker.errors import UpstreamHTTPError
 

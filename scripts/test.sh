@@ -12,5 +12,8 @@ if command -v npm >/dev/null; then
 fi
 # The architecture cannot drift silently: layer contracts, and no bare-name imports of the repository folders.
 scripts/check_layers.sh >/dev/null || { scripts/check_layers.sh; exit 1; }
-.venv/bin/ruff check --quiet --select TID251 .
+# Lint (rule set in pyproject.toml, the banned bare-name imports among it) and types (strict on core/, merge/
+# and breaker/).
+.venv/bin/ruff check --quiet .
+scripts/typecheck.sh >/dev/null || { scripts/typecheck.sh; exit 1; }
 exec .venv/bin/python -m pytest "$@"

@@ -7,7 +7,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -123,9 +123,9 @@ async def start_broker():
     """Factory: `await start_broker(settings_dict)` runs a broker on a free port; all are stopped at the end."""
     from aiohttp import web
 
+    from mergebroker.broker.engine.config import load_settings
     from mergebroker.broker.http.app import create_app
     from mergebroker.broker.http.keys import BATCHES, BROKER
-    from mergebroker.broker.engine.config import load_settings
 
     started: list[BrokerUnderTest] = []
 

@@ -8,8 +8,8 @@ import pytest
 from pydantic import SecretStr
 
 from mergebroker.broker.engine.limits.admission import Authenticator
-from mergebroker.errors import Forbidden, Unauthorized
 from mergebroker.broker.engine.settings import ApiKeySettings, AuthSettings
+from mergebroker.errors import Forbidden, Unauthorized
 
 TIERS = ("realtime", "standard", "batch")
 

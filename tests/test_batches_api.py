@@ -9,8 +9,8 @@ import json
 import openai
 import pytest
 
-from mergebroker.providers.simulator.server import answer_for
 from mergebroker.providers.simulator.batches import BATCHES_KEY
+from mergebroker.providers.simulator.server import answer_for
 from tests.conftest import provider_for
 
 FINAL = ("completed", "failed", "expired", "cancelled")

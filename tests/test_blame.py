@@ -13,8 +13,8 @@ from mergebroker.breaker.window import WindowStats
 from mergebroker.clock import FakeClock
 from mergebroker.errors import UpstreamHTTPError, UpstreamUnavailable
 from mergebroker.providers.pool import ProviderPools
-from mergebroker.providers.upstream import Upstream
 from mergebroker.providers.retry import RetryPolicy
+from mergebroker.providers.upstream import Upstream
 
 SETTINGS = BreakerSettings(min_calls=10, error_ratio=0.10, slow_call_s=10.0, open_s=10.0)
 

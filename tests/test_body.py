@@ -9,8 +9,8 @@ import zlib
 import pytest
 
 from mergebroker.broker.http.body import inflate, parse_json
-from mergebroker.jsonio import depth_exceeds
 from mergebroker.errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from mergebroker.jsonio import depth_exceeds
 from tests.conftest import NO_MERGE_MODEL, provider_for
 
 BODY = b'{"model": "sim-small", "messages": [{"role": "user", "content": "hello"}]}'

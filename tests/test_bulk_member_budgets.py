@@ -19,8 +19,8 @@ from mergebroker.providers.simulator.faults import SimulatorConfig
 from mergebroker.providers.simulator.server import answer_for, start_simulator
 from tests.conftest import provider_for
 from tests.test_batches_api import finished, outputs, run_batch
-from tests.test_merge_pays import PRICE, SYSTEM
 from tests.test_compaction import item
+from tests.test_merge_pays import PRICE, SYSTEM
 
 WORDS = 40  # answers of about 60 tokens
 

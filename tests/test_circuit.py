@@ -9,9 +9,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from mergebroker.breaker.circuit import BreakerOpenError, BreakerSettings, BreakerState, CircuitBreaker
+from mergebroker.broker.engine.metrics import Metrics, breaker_listener
 from mergebroker.clock import FakeClock
 from mergebroker.errors import UpstreamConnectionError, UpstreamError, UpstreamHTTPError, UpstreamTimeout
-from mergebroker.broker.engine.metrics import Metrics, breaker_listener
 
 SETTINGS = BreakerSettings()  # min_calls 10, error_ratio 0.10, slow 0.30 / 10 s, open 10 s x2 up to 120 s
 

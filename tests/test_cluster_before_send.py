@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+
 from mergebroker.broker.cluster.partition import GROUP
 from mergebroker.broker.engine.chat.dispatch import (
     Dispatcher,
@@ -24,7 +25,6 @@ from mergebroker.providers.openai_compat import (
 )
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.upstream import Upstream
-
 from tests.test_cluster_fencing import content, parts  # noqa: F401 - `parts` is a fixture
 from tests.test_cluster_streams import KEYS, Node, chat_job, read_by
 

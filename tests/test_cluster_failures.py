@@ -11,8 +11,8 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import aiohttp
 import pytest
@@ -25,7 +25,15 @@ from mergebroker.providers.simulator.content import answer_for
 from mergebroker.providers.simulator.faults import SimulatorConfig
 from mergebroker.providers.simulator.server import start_simulator
 from tests.conftest import RedisServer, free_port
-from tests.test_cluster_processes import SYSTEMS, Child, ask, consumers_holding, metric, wait_for_lease_holders, wait_ready
+from tests.test_cluster_processes import (
+    SYSTEMS,
+    Child,
+    ask,
+    consumers_holding,
+    metric,
+    wait_for_lease_holders,
+    wait_ready,
+)
 
 # One cluster for the module, its tests in order: the pause and the Redis kill need both workers, the kill -9
 # leaves one.

@@ -13,8 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import aiohttp
 import pytest
@@ -24,9 +24,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from mergebroker.broker.cluster.partition import GROUP
-from mergebroker.providers.simulator.server import start_simulator
 from mergebroker.providers.simulator.content import answer_for
 from mergebroker.providers.simulator.faults import SimulatorConfig
+from mergebroker.providers.simulator.server import start_simulator
 from tests.conftest import RedisServer, free_port
 
 # One cluster for the module (starting six processes is most of the time): the kill test runs first and

@@ -4,6 +4,7 @@ loses Redis, and one warning per outage."""
 
 from __future__ import annotations
 
+from redis.exceptions import ConnectionError, ResponseError
 from structlog.testing import capture_logs
 
 from mergebroker.broker.cluster.claims import Claim, Pending, plan_claims
@@ -13,7 +14,6 @@ from mergebroker.broker.cluster.inflight import InFlight
 from mergebroker.broker.cluster.outage import Outage
 from mergebroker.broker.cluster.presence import DeathWatch
 from mergebroker.broker.cluster.wire import WireReply, decode_reply, encode_reply
-from redis.exceptions import ConnectionError, ResponseError
 
 IDLE = 5000
 

@@ -4,12 +4,11 @@ leases, heartbeats against claims, first-reply-wins and the fallback when Redis 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import pytest
 
-from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.cluster.consumer import StreamConsumer
 from mergebroker.broker.cluster.frontend import ClusterQueue
@@ -19,6 +18,7 @@ from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireReply, encode_job, encode_reply
 from mergebroker.broker.engine.chat.job_queue import FakeJobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ClusterSettings, default_tiers
 from mergebroker.clock import Clock, FakeClock, monotonic
@@ -51,14 +51,14 @@ async def next_job(queue: FakeJobQueue, seen: int = 0) -> ChatJob:
     return (await asyncio.wait_for(queue.wait_for(seen + 1), 10))[seen]
 
 
-async def read_by(node: "Node", fe: ClusterQueue, text: str) -> tuple[asyncio.Future, ChatJob]:
+async def read_by(node: Node, fe: ClusterQueue, text: str) -> tuple[asyncio.Future, ChatJob]:
     """The future of a job submitted at `fe`, and that job as `node` (holding its partition) read it."""
     future = fe.submit(chat_job(text))
     await node.read_jobs()
     return future, await next_job(node.queue)
 
 
-async def read_by_a_worker(redis, fe: ClusterQueue, text: str) -> tuple["Node", asyncio.Future, ChatJob]:
+async def read_by_a_worker(redis, fe: ClusterQueue, text: str) -> tuple[Node, asyncio.Future, ChatJob]:
     """A fresh worker holding every partition, and `read_by` it."""
     node = Node(redis, "w1", FakeClock())
     await node.leases.renew()

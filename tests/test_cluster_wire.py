@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.broker.cluster.partition import (Keys, fair_share, flight_key, lease_plan, partition_of,
-                                                  preferred_order)
-from mergebroker.broker.cluster.wire import (WireJob, WireReply, decode_job, decode_reply, encode_job,
-                                             encode_reply)
+from mergebroker.broker.cluster.partition import Keys, fair_share, flight_key, lease_plan, partition_of, preferred_order
+from mergebroker.broker.cluster.wire import WireJob, WireReply, decode_job, decode_reply, encode_job, encode_reply
 from mergebroker.broker.engine.chat.jobs import ChatOutcome
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import BrokerError, DeadlineExceeded, UpstreamError, UpstreamUnavailable
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi </request> <response id=\"x\">"}]}

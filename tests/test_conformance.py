@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import provider_for
 
+
 def _nullable(node: Any) -> Any:
     """The spec still writes some nullables the OpenAPI 3.0 way (`nullable: true`); JSON Schema needs a null branch."""
     if isinstance(node, list):

@@ -14,14 +14,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from structlog.testing import capture_logs
 import yaml
 from aiohttp import web
+from structlog.testing import capture_logs
 
+from mergebroker.broker.engine.config import load_settings
 from mergebroker.broker.http.app import create_app
 from mergebroker.broker.http.connections import Conn, ConnectionLimits, eviction_order, expired
 from mergebroker.broker.http.server import CONNECTIONS, AcceptErrorLog, GuardedSite, runner_for
-from mergebroker.broker.engine.config import load_settings
 from mergebroker.clock import FakeClock
 from tests.conftest import free_port, provider_for
 from tests.helpers.polling import wait_until
@@ -188,7 +188,7 @@ async def _good_clients(port: int, n: int) -> list[int]:
                 async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
                         "model": "sim-small", "messages": [{"role": "user", "content": f"q {i}"}]}) as resp:
                     return resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return 0
 
     return list(await asyncio.gather(*(one(i) for i in range(n))))

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 
-from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.chat.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.engine.chat.jobs import ChatJob
+from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.metrics import Metrics, PoolMetrics
 from mergebroker.clock import Clock, FakeClock, monotonic
-from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
 from mergebroker.merge.embedder import FakeEmbedder
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.shape import merge_shape
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pool import ProviderPools
-from mergebroker.providers.upstream import Upstream
 from mergebroker.providers.simulator.server import answer_for
+from mergebroker.providers.upstream import Upstream
 
 
 class StuckEmbedder(FakeEmbedder):

@@ -35,11 +35,12 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from prometheus_client.metrics import MetricWrapperBase
+from pydantic import BaseModel
+
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.schemas import ChatRequest
 from mergebroker.broker.engine.settings import ProviderSettings, Settings
-from prometheus_client.metrics import MetricWrapperBase
-from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mergebroker.errors import UpstreamBadResponse
-from mergebroker.vectors import normalize_rows
 from mergebroker.merge.embedder import CachingEmbedder, FakeEmbedder, RemoteEmbedder, fake_vector
+from mergebroker.vectors import normalize_rows
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
 import redis.asyncio as redis_asyncio
 
-from mergebroker.errors import Overloaded, UpstreamBadResponse, UpstreamHTTPError, UpstreamTimeout
+from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
+from mergebroker.broker.engine.embeddings.window_rules import (
+    TimerHandle,
+    cache_metrics_hook,
+    share_tokens,
+    window_decision,
+)
 from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.errors import Overloaded, UpstreamBadResponse, UpstreamHTTPError, UpstreamTimeout
 from mergebroker.merge.cache import LruCache, RedisCache, TwoLevelCache, make_redis_client
 from mergebroker.merge.embedder import fake_vector
 from mergebroker.providers.base import EmbedResult
-from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
-from mergebroker.broker.engine.embeddings.window_rules import (TimerHandle, cache_metrics_hook, share_tokens,
-                                                                window_decision)
 
 DIM = 16
 

@@ -8,9 +8,9 @@ import hashlib
 
 import numpy as np
 
-from mergebroker.providers.simulator.server import start_simulator
-from mergebroker.providers.simulator.faults import SimulatorConfig
 from mergebroker.clock import FakeClock
+from mergebroker.providers.simulator.faults import SimulatorConfig
+from mergebroker.providers.simulator.server import start_simulator
 from tests.conftest import provider_for
 from tests.test_degradation import eventually
 

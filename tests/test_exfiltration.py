@@ -11,8 +11,8 @@ import pytest
 
 from mergebroker.merge.distinctive import distinctive_tokens, squash
 from mergebroker.merge.leak import find_leaks
-from mergebroker.providers.simulator.server import answer_for
 from mergebroker.providers.simulator.injection import FORMS, INJECTION_MARKER, obey, request_blocks
+from mergebroker.providers.simulator.server import answer_for
 from tests.conftest import provider_for
 
 BATCH = {"X-Broker-Tier": "batch"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mergebroker.broker.bulk.store import BatchStore
 from mergebroker.broker.bulk.files import FileService
+from mergebroker.broker.bulk.store import BatchStore
 from mergebroker.clock import FakeClock
 from mergebroker.errors import NotFound
 

@@ -10,15 +10,16 @@ import http.client
 import json
 import threading
 import zlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mergebroker.broker.engine.config import load_settings
 from mergebroker.broker.http.app import create_app
 from mergebroker.broker.http.server import CONNECTIONS, GuardedSite, runner_for
-from mergebroker.broker.engine.config import load_settings
 from mergebroker.providers.simulator.server import start_simulator
 
 EXAMPLES = 150  # each is one real request: about two seconds in all

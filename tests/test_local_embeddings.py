@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from mergebroker.errors import InvalidRequest, NotFound
 from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
-from mergebroker.vectors import normalize_rows
-from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
+from mergebroker.errors import InvalidRequest, NotFound
 from mergebroker.providers.local_embeddings import LocalEmbeddingBackend
+from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
+from mergebroker.vectors import normalize_rows
 
 pytestmark = pytest.mark.model
 

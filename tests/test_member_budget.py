@@ -45,7 +45,7 @@ def test_a_watch_tells_once_the_text_is_past_its_budget_and_counts_rarely():
 
     watch = BudgetWatch(50, count)
     text, crossed = "", None
-    for n, word in enumerate((TEXT + " ") * 10):  # one character per delta
+    for word in (TEXT + " ") * 10:  # one character per delta
         text += word
         if watch.exceeded(text):
             crossed = text

@@ -5,11 +5,13 @@ torch int8 copy (one warning) where it cannot be built."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
+
 from mergebroker.providers import onnx_export
 from mergebroker.providers.local_model import (
     LocalEmbedder,
@@ -17,7 +19,6 @@ from mergebroker.providers.local_model import (
     default_model_path,
 )
 from mergebroker.providers.onnx_encoder import OnnxEncoder, plan_calls
-from structlog.testing import capture_logs
 
 PARAPHRASES = [
     ("How do I reset my password?", "Hi, how can I reset my password? Thanks."),

@@ -102,6 +102,7 @@ class LoopbackBroker:
 
     async def _serve(self) -> int:
         from aiohttp import web
+
         from mergebroker.broker.engine.config import load_settings
         from mergebroker.broker.http.app import create_app
 

@@ -6,9 +6,9 @@ import pytest
 
 from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
+from mergebroker.broker.engine.metrics import Metrics, merging_listener
 from mergebroker.clock import FakeClock
 from mergebroker.errors import UpstreamHTTPError
-from mergebroker.broker.engine.metrics import Metrics, merging_listener
 
 SETTINGS = BreakerSettings()
 

@@ -9,15 +9,15 @@ from typing import Any
 import pytest
 
 from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
+from mergebroker.broker.engine.metrics import Metrics, PoolMetrics
 from mergebroker.clock import FakeClock
 from mergebroker.errors import DeadlineExceeded, UpstreamError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
-from mergebroker.broker.engine.metrics import Metrics, PoolMetrics
 from mergebroker.providers.fake import FakeProvider
-from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.providers.openai_compat import read_timeout_for
+from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.providers.pool import ProviderPools
-from mergebroker.providers.upstream import Upstream, order_upstreams
 from mergebroker.providers.retry import RetryPolicy
+from mergebroker.providers.upstream import Upstream, order_upstreams
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
 NO_WAIT = RetryPolicy(attempts=3, backoff_base_s=0, backoff_max_s=0)

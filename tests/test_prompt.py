@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.merge.merge_cost import REQUEST_TAG_TOKENS, RESPONSE_TAG_TOKENS
 from mergebroker.merge.prompt import (
     DEFAULT_HEADER,
     TAGGED_HEADER,
@@ -21,8 +23,6 @@ from mergebroker.merge.prompt import (
     response_block,
     response_tag_tokens,
 )
-from mergebroker.merge.merge_cost import REQUEST_TAG_TOKENS, RESPONSE_TAG_TOKENS
-from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.providers.fake import FakePool
 
 # Any tag of the ID's shape, whatever its ID: what a careless reader would take for a block's edge.

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import pytest
 from structlog.testing import capture_logs
 
+from mergebroker.broker.engine.chat.merge_queue import MergeQueue, TierWindow
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.settings import TierSettings
 from mergebroker.clock import FakeClock
 from mergebroker.errors import Overloaded
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.chat.merge_queue import MergeQueue, TierWindow
-from mergebroker.broker.engine.settings import TierSettings
 
 
 @dataclass(eq=False)

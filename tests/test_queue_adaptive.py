@@ -6,8 +6,8 @@ import asyncio
 import math
 from dataclasses import dataclass, field
 
-from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.chat.merge_queue import MergeQueue, TierWindow
+from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.clock import FakeClock
 
 

@@ -9,9 +9,9 @@ import aiohttp
 
 from mergebroker.merge.prompt import MergeMember, build_combined_messages, new_batch_ids
 from mergebroker.merge.split import split_reply
+from mergebroker.providers.simulator.quiz_mode import is_degraded
 from mergebroker.providers.simulator.quiz_set import builtin_set, solve
 from mergebroker.providers.simulator.server import SimulatorConfig, start_simulator
-from mergebroker.providers.simulator.quiz_mode import is_degraded
 
 
 def test_the_same_seed_gives_the_same_200_distinct_questions_with_computed_answers():

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from mergebroker.broker.engine.limits.ratelimit import LimitSpec, RateLimiter, TokenBucket, format_duration
 from mergebroker.clock import FakeClock
 from mergebroker.errors import RateLimited
-from mergebroker.broker.engine.limits.ratelimit import LimitSpec, RateLimiter, TokenBucket, format_duration
 
 TIER = LimitSpec("tier:standard", rpm=5, tpm=1000)
 KEY = LimitSpec("key:ab12cd", rpm=60, tpm=600)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -11,10 +11,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from structlog.testing import capture_logs
 
-from mergebroker.clock import FakeClock
-from mergebroker.errors import RateLimited
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec, RateLimiter
 from mergebroker.broker.engine.limits.redis_limiter import RedisRateLimiter
+from mergebroker.clock import FakeClock
+from mergebroker.errors import RateLimited
 
 pytestmark = pytest.mark.redis
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as redis

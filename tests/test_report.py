@@ -10,10 +10,16 @@ import json
 import pytest
 
 from mergebroker.broker.engine.accounting.ledger import LedgerRecord
+from mergebroker.broker.engine.accounting.report import (
+    add_report_arguments,
+    build_report,
+    parse_duration,
+    render_json,
+    render_table,
+    run_report,
+)
 from mergebroker.broker.engine.accounting.store import SqliteLedgerStore
 from mergebroker.merge.pricing import ModelPrice, PriceTable
-from mergebroker.broker.engine.accounting.report import (add_report_arguments, build_report, parse_duration, render_json,
-                           render_table, run_report)
 from mergebroker.merge.usage import largest_remainder
 
 NOW = 1_700_000_000.0

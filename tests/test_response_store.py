@@ -8,8 +8,12 @@ from typing import Any
 
 import pytest
 
-from mergebroker.broker.engine.response_store import (RedisResponseStore, SqliteResponseStore, chain_history,
-                                                      open_response_store)
+from mergebroker.broker.engine.response_store import (
+    RedisResponseStore,
+    SqliteResponseStore,
+    chain_history,
+    open_response_store,
+)
 from mergebroker.merge.redis_cache import make_redis_client
 from tests.conftest import provider_for
 from tests.test_responses_api import TIERS, WEATHER

@@ -12,7 +12,14 @@ from openai.types.responses import Response, ResponseItem, ResponseUsage
 from pydantic import TypeAdapter
 
 from mergebroker.broker.engine.apis.responses import (
-    completed_response, flat_name, from_chat, input_items, parse_request, stream_usage, to_chat)
+    completed_response,
+    flat_name,
+    from_chat,
+    input_items,
+    parse_request,
+    stream_usage,
+    to_chat,
+)
 from mergebroker.errors import InvalidRequest
 from mergebroker.token_usage import TokenUsage
 

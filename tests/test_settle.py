@@ -7,8 +7,7 @@ from typing import Any
 import pytest
 
 from mergebroker.errors import NotFound, UpstreamTimeout, UpstreamUnavailable
-from mergebroker.merge.settle import (SettleMember, SettleOptions, apply_stop, settle, settle_block,
-                                      settle_call_error)
+from mergebroker.merge.settle import SettleMember, SettleOptions, apply_stop, settle, settle_block, settle_call_error
 from mergebroker.merge.split import BlockFailure
 
 A, B = "K42", "B07"

@@ -9,18 +9,31 @@ import json
 import random
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import numpy as np
 import openai
 import pytest
 
-from mergebroker.providers.simulator.server import (RunningSimulator, SimulatorConfig, answer_for, count_tokens, prompt_tokens,
-                                 start_simulator)
 from mergebroker.providers.simulator.cli import add_simulate_arguments, config_from_args, serve_simulator
-from mergebroker.providers.simulator.faults import CHATTER_AFTER, CHATTER_BEFORE, CallFault, decide_call_fault, render_blocks
+from mergebroker.providers.simulator.faults import (
+    CHATTER_AFTER,
+    CHATTER_BEFORE,
+    CallFault,
+    decide_call_fault,
+    render_blocks,
+)
+from mergebroker.providers.simulator.server import (
+    RunningSimulator,
+    SimulatorConfig,
+    answer_for,
+    count_tokens,
+    prompt_tokens,
+    start_simulator,
+)
 from tests.conftest import free_port
 from tests.helpers.processes import wait_for_port
 

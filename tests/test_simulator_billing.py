@@ -4,7 +4,8 @@ with a TTL on the injected clock, cached tokens in usage, and a running bill in 
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai

@@ -6,8 +6,14 @@ import random
 
 import pytest
 
-from mergebroker.merge.prompt import (MergeMember, build_combined_messages, neutralize_tags, new_batch_ids,
-                                      request_blocks, response_block)
+from mergebroker.merge.prompt import (
+    MergeMember,
+    build_combined_messages,
+    neutralize_tags,
+    new_batch_ids,
+    request_blocks,
+    response_block,
+)
 from mergebroker.merge.split import BlockFailure, IdMentions, split_reply
 
 IDS = ["K42", "B07", "Q11"]

@@ -76,7 +76,7 @@ class SubmitSpy:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise AssertionError(f"only {len(self.jobs)} of {count} requests reached the queue") from None
         return self.jobs
 

@@ -7,9 +7,9 @@ import base64
 import numpy as np
 import pytest
 
-from mergebroker.vectors import normalize_rows
 from mergebroker.merge.embedder import fake_vector
 from mergebroker.merge.vector_codec import decode_vector, encode_vector, from_base64, to_base64
+from mergebroker.vectors import normalize_rows
 
 
 def unit_vectors(n: int = 200, dim: int = 384) -> np.ndarray:

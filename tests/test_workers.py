@@ -6,8 +6,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.chat.workers import WorkerPool
+from mergebroker.broker.engine.metrics import Metrics
 
 
 class _Groups:

@@ -22,17 +22,18 @@ import secrets
 import sqlite3
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
 from mergebroker.background import spawn
+from mergebroker.broker.bulk.batch_request import WINDOWS_S, CreateRequest, check_create
 from mergebroker.broker.bulk.files import BATCH_PURPOSE, FileService
 from mergebroker.broker.bulk.finalize import Written, write_files
 from mergebroker.broker.bulk.lines import BatchLine, LineLimits
-from mergebroker.broker.bulk.batch_request import WINDOWS_S, CreateRequest, check_create
 from mergebroker.broker.bulk.runner import BulkJob, BulkRunner, Limits, Result
 from mergebroker.broker.bulk.store import BatchRow, BatchStore, FileRecord
 from mergebroker.broker.engine.accounting.costs import CostBook
@@ -40,8 +41,8 @@ from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ProviderSettings, Settings
 from mergebroker.clock import Clock, Sleep
-from mergebroker.gc_policy import PROCESS, GcPolicy, Hold, let_go
 from mergebroker.errors import BrokerError, InvalidRequest, NotFound
+from mergebroker.gc_policy import PROCESS, GcPolicy, Hold, let_go
 from mergebroker.merge.embedder import Embedder
 from mergebroker.providers.openai_batches import OpenAIBatchClient
 from mergebroker.providers.openai_compat import HttpProviderSettings

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict, deque
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 
 class FairSlots:

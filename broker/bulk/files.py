@@ -19,8 +19,9 @@ import secrets
 import shutil
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
-from typing import IO, Any, AsyncIterator, Callable, Iterable
+from typing import IO, Any
 
 import structlog
 

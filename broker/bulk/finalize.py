@@ -13,8 +13,8 @@ the event loop; nothing is listed until both files are complete.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from mergebroker.broker.bulk.files import FileService
 from mergebroker.broker.bulk.lines import error_line, jsonl, output_line_bytes

@@ -8,8 +8,8 @@ token counter) gets its own 400 and the rest of the job goes on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import structlog
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, BinaryIO
 
-from mergebroker.jsonio import NotStrictJson, parse_strict
 from mergebroker.broker.engine.schemas import parse_chat
 from mergebroker.errors import InvalidRequest
+from mergebroker.jsonio import NotStrictJson, parse_strict
 
 SUPPORTED_URLS = ("/v1/chat/completions",)
 MAX_CUSTOM_ID_CHARS = 512
@@ -157,7 +158,8 @@ def output_line_bytes(custom_id: str, status: int, body_json: str) -> bytes:
     error = "null"
     if status >= 300:
         error = json.dumps(output_line(custom_id, status, json.loads(body_json))["error"], separators=(",", ":"))
-    return ('{"id":"batch_req_%s","custom_id":%s,"response":{"status_code":%d,"request_id":"req_%s","body":%s},'
+    # %-formatting: the template is JSON text, whose braces an f-string would have to double.
+    return ('{"id":"batch_req_%s","custom_id":%s,"response":{"status_code":%d,"request_id":"req_%s","body":%s},'  # noqa: UP031
             '"error":%s}\n' % (secrets.token_hex(12), json.dumps(custom_id), status, secrets.token_hex(12),
                                body_json, error)).encode()
 

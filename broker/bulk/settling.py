@@ -14,13 +14,13 @@ from typing import Any
 
 import structlog
 
-from mergebroker.token_usage import TokenUsage
 from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.errors import BrokerError
 from mergebroker.merge.compaction import PlannedCall, PlannedMember
 from mergebroker.merge.completion import member_completion
 from mergebroker.merge.settle import BAD_REPLY, SettleOptions, every_member, settle, settle_call_error
 from mergebroker.merge.usage import largest_remainder
+from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
 

@@ -16,9 +16,10 @@ import asyncio
 import json
 import sqlite3
 import threading
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 

@@ -15,8 +15,9 @@ marker that lands between the scan and the claim wins.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from mergebroker.broker.cluster.partition import GROUP, Keys
 

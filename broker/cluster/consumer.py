@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterable
 from functools import partial
-from typing import Any, Iterable
+from typing import Any
 
 import structlog
 from redis.exceptions import RedisError, ResponseError

@@ -23,28 +23,29 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
+from collections.abc import Awaitable
 from dataclasses import replace
 from functools import partial
-from typing import Any, Awaitable
+from typing import Any
 
 import structlog
 from redis.exceptions import RedisError
 
 from mergebroker.background import spawn
+from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.cluster.inflight import InFlight
 from mergebroker.broker.cluster.partition import Keys, flight_key, partition_of
 from mergebroker.broker.cluster.presence import absent_workers
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireJob, decode_reply, encode_job, next_stream_id, stream_pairs
+from mergebroker.broker.engine.assemble import QueueChoice
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.engine.metrics import Metrics, preinitialise_cluster
-from mergebroker.broker.cluster.client import make_stream_client
-from mergebroker.broker.engine.assemble import QueueChoice
 from mergebroker.broker.engine.settings import ClusterSettings, Settings
-from mergebroker.tasks import stop_loops
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import Overloaded
+from mergebroker.tasks import stop_loops
 
 log = structlog.get_logger(__name__)
 

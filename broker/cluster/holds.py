@@ -22,8 +22,9 @@ tells the front-ends.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import structlog
 
@@ -72,7 +73,7 @@ class Flight:
     """One job on the engine's queue and the entries it answers (identical jobs from any front-end)."""
 
     job: ChatJob
-    entries: list["Held"] = field(default_factory=list)
+    entries: list[Held] = field(default_factory=list)
     marking: bool = False  # its sent markers are being written: it is about to go upstream
 
     @property

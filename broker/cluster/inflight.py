@@ -9,8 +9,9 @@ twice. Its caller's deadline still bounds the wait.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Collection
+from typing import Any
 
 from mergebroker.broker.engine.chat.jobs import ChatJob
 

@@ -19,7 +19,8 @@ them up) tries again every `SHORT_RETRY_SHARE` of a round until it has it.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 from redis.exceptions import RedisError

@@ -10,7 +10,7 @@ error, a wrong type) is no outage: it is logged as a warning each time, as a bug
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import structlog
 from redis.exceptions import ConnectionError, RedisError, TimeoutError

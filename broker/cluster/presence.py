@@ -19,7 +19,8 @@ A host that vanishes without closing its sockets looks paused until Redis notice
 
 from __future__ import annotations
 
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry

@@ -16,7 +16,6 @@ from typing import Any
 
 from mergebroker.clock import Clock, monotonic
 
-
 KEEP_SAMPLES = 16  # the recent samples the fastest is chosen from (with a sync per lease round: ~3 s)
 FIRST_SYNC_SAMPLES = 3
 

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.chat.jobs import ChatOutcome
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import BrokerError, DeadlineExceeded, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
 
 WIRE_VERSION = 1

@@ -12,7 +12,8 @@ it has not sent upstream (the front-ends serve those). The worker never exits be
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 from redis.exceptions import RedisError
@@ -25,8 +26,8 @@ from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.cluster.presence import PRESENCE_S, DeathWatch, Presence, absent_workers
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ClusterSettings
-from mergebroker.tasks import stop_loops
 from mergebroker.clock import Clock, Sleep, monotonic, sleep_or_event
+from mergebroker.tasks import stop_loops
 
 log = structlog.get_logger(__name__)
 

@@ -16,8 +16,6 @@ from typing import Any
 
 import structlog
 
-from mergebroker.broker.engine.assemble import assemble, stop_engine
-from mergebroker.broker.engine.metrics import preinitialise_cluster
 from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.cluster.consumer import StreamConsumer
 from mergebroker.broker.cluster.leases import PartitionLeases
@@ -25,8 +23,10 @@ from mergebroker.broker.cluster.partition import Keys
 from mergebroker.broker.cluster.presence import Presence, make_presence_client
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.worker import ClusterWorker
-from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.assemble import assemble, stop_engine
 from mergebroker.broker.engine.broker import Broker
+from mergebroker.broker.engine.metrics import preinitialise_cluster
+from mergebroker.broker.engine.settings import Settings
 from mergebroker.clock import Clock, Sleep, monotonic
 
 log = structlog.get_logger(__name__)

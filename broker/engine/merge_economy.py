@@ -22,9 +22,9 @@ from mergebroker.broker.engine.settings import Settings
 from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.clock import Clock
 from mergebroker.merge.merge_cost import MemberTokens, MergeDecision, MergeLayout, MergePolicy, decide
+from mergebroker.merge.pricing import CacheStyle
 from mergebroker.merge.prompt import DEFAULT_HEADER
 from mergebroker.merge.prompt_cache import CacheKey, PrefixCache, ProviderCacheModel
-from mergebroker.merge.pricing import CacheStyle
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ The Grafana dashboard and alert rules in `configs/` query exactly these names.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 

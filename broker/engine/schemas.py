@@ -13,8 +13,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mergebroker.broker.engine.tool_shapes import check_tool_choice, check_tools
 from mergebroker.errors import InvalidRequest
@@ -50,7 +60,7 @@ class _TextPart(BaseModel):
     text: StrictStr | None = None
 
     @model_validator(mode="after")
-    def _text_needs_text(self) -> "_TextPart":
+    def _text_needs_text(self) -> _TextPart:
         if self.type == "text" and self.text is None:
             raise ValueError("a text part needs a string 'text'")
         return self

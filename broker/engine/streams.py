@@ -10,7 +10,8 @@ The HTTP handlers and the library only move frames; none of them repeats this bo
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import structlog
 

@@ -10,14 +10,22 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from tqdm import tqdm
 
-from mergebroker.broker.eval.report import EvalSummary, Scorer, default_scorer, render_chart, render_json, \
-    render_markdown, summarise
+from mergebroker.broker.eval.report import (
+    EvalSummary,
+    Scorer,
+    default_scorer,
+    render_chart,
+    render_json,
+    render_markdown,
+    summarise,
+)
 from mergebroker.broker.eval.run import Evaluator, Observation, builtin_requests, load_requests
 from mergebroker.merge.fidelity import compare, needs_cosine
 from mergebroker.merge.pricing import PriceTable

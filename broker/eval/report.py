@@ -18,8 +18,8 @@ import dataclasses
 import json
 import statistics
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from mergebroker.broker.eval.run import CallResult, MergedRun, Observation
 from mergebroker.merge.fidelity import compare

@@ -15,16 +15,17 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
-from mergebroker.errors import BrokerError
 from mergebroker.broker.engine.tokens import count_text_tokens
-from mergebroker.output_budget import token_budget
+from mergebroker.errors import BrokerError
 from mergebroker.merge.member_budget import TokenCounter
 from mergebroker.merge.merged_call import CallMember, CallRules, MergedCall, merged_call
-from mergebroker.merge.shape import MergeShape, compatibility_key, merge_shape
 from mergebroker.merge.settle import BAD_REPLY, MERGED_CALL_FAILED, SettleOptions, reply_text, settle
+from mergebroker.merge.shape import MergeShape, compatibility_key, merge_shape
+from mergebroker.output_budget import token_budget
 from mergebroker.providers.simulator.quiz_set import builtin_set
 
 Chat = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]

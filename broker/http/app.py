@@ -9,14 +9,15 @@ provider is configured, has to be listening before the pools can point at it) an
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
 from mergebroker.broker.bulk.batches import BatchService, build_batch_service
 from mergebroker.broker.bulk.runner import BulkJob, Limits
-from mergebroker.broker.engine.accounting.request_record import record_bulk_line
 from mergebroker.broker.cluster.frontend import front_end_queue
+from mergebroker.broker.engine.accounting.request_record import record_bulk_line
 from mergebroker.broker.engine.assemble import assemble, freeze_startup_objects, stop_engine
 from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.metrics import connections_listener

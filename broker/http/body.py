@@ -17,8 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from mergebroker.jsonio import NotStrictJson, parse_strict
 from mergebroker.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from mergebroker.jsonio import NotStrictJson, parse_strict
 
 HANDLER_ARGS = {"auto_decompress": False}
 """aiohttp handler arguments for apps that read their bodies through `read_json` (it decompresses itself)."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.bulk.batches import BatchService
-from mergebroker.broker.http.body import BODY_LIMITS, read_json
 from mergebroker.broker.bulk.files import file_object, too_large
-from mergebroker.broker.http.middleware import INFO
+from mergebroker.broker.engine.limits.admission import Caller
+from mergebroker.broker.http.body import BODY_LIMITS, read_json
 from mergebroker.broker.http.keys import BATCHES, BROKER
+from mergebroker.broker.http.middleware import INFO
 from mergebroker.broker.http.uploads import FORM_OVERHEAD_BYTES, body_encoding, read_form
 from mergebroker.errors import InvalidRequest, NotFound, UnsupportedMediaType
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import resource
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import structlog
 

@@ -50,7 +50,7 @@ class Drain:
         """Wait up to the timeout for the handlers in flight; cancel the rest (they answer 503)."""
         try:
             await asyncio.wait_for(self._idle.wait(), self._timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.expired = True
             log.warning("drain_timeout", in_flight=len(self._running), timeout_s=self._timeout_s)
             for task in list(self._running):

@@ -12,17 +12,17 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
 
-from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
 from mergebroker.broker.engine.apis.messages import anthropic_error
 from mergebroker.broker.http.drain import DRAIN
-from mergebroker.broker.http.server import CONNECTIONS
 from mergebroker.broker.http.keys import BROKER, SETTINGS_MAX_BODY
+from mergebroker.broker.http.server import CONNECTIONS
+from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
 
 log = structlog.get_logger("mergebroker.access")
 

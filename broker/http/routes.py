@@ -4,25 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
 
-from mergebroker.broker.http.api_routes import add_api_routes, send_stream
-from mergebroker.broker.http.bulk_routes import add_batch_routes
-from mergebroker.broker.http.body import BODY_LIMITS, read_json
-from mergebroker.broker.engine.broker import Broker
-from mergebroker.broker.http.keys import BROKER
-from mergebroker.broker.engine.chat.service import CacheControl
 from mergebroker import jsonio
-from mergebroker.clock import Clock, monotonic
-from mergebroker.broker.engine.handling import (authenticate, chat_headers, check_chat_model, complete_chat,
-                                                create_embeddings, embedding_headers, model_not_found,
-                                                open_chat_stream, with_body_options)
-from mergebroker.errors import Unauthorized
-from mergebroker.broker.http.middleware import INFO
+from mergebroker.broker.engine.broker import Broker
+from mergebroker.broker.engine.chat.service import CacheControl
+from mergebroker.broker.engine.handling import (
+    authenticate,
+    chat_headers,
+    check_chat_model,
+    complete_chat,
+    create_embeddings,
+    embedding_headers,
+    model_not_found,
+    open_chat_stream,
+    with_body_options,
+)
 from mergebroker.broker.engine.schemas import parse_chat, parse_embeddings
+from mergebroker.broker.http.api_routes import add_api_routes, send_stream
+from mergebroker.broker.http.body import BODY_LIMITS, read_json
+from mergebroker.broker.http.bulk_routes import add_batch_routes
+from mergebroker.broker.http.keys import BROKER
+from mergebroker.broker.http.middleware import INFO
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import Unauthorized
 
 log = structlog.get_logger(__name__)
 

@@ -16,8 +16,8 @@ import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from mergebroker.broker.http.connections import ConnectionGuard
 from mergebroker.broker.engine.settings import ServerSettings
+from mergebroker.broker.http.connections import ConnectionGuard
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import error_body
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -45,8 +45,8 @@ def create_worker_app(settings: Settings) -> web.Application:
 
 def run_worker(args: argparse.Namespace) -> int:
     """`mergebroker worker`: run until interrupted."""
-    from mergebroker.broker.engine.logging import configure_logging
     from mergebroker.broker.engine.config import settings_for_command
+    from mergebroker.broker.engine.logging import configure_logging
 
     settings = settings_for_command(args.config)
     if settings is None:

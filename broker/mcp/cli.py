@@ -11,9 +11,8 @@ import os
 import sys
 from typing import Any
 
-from mergebroker.broker.engine.settings import McpSettings, Settings
-
 from mergebroker.broker.engine.config import settings_for_command
+from mergebroker.broker.engine.settings import McpSettings, Settings
 
 MISSING_EXTRA = "mergebroker mcp needs the MCP SDK: install the extra with  pip install 'mergebroker[mcp]'"
 

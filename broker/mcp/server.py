@@ -18,17 +18,18 @@ small enough for the official client over HTTP (`broker.mcp.handles`; the last `
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
 
 from mcp.server.mcpserver import MCPServer
 from mcp.types import CallToolResult, TextContent
 from pydantic import Field
 
+from mergebroker.broker.engine.settings import McpSettings
+from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.broker.library import Reply
 from mergebroker.broker.mcp.backend import ToolBackend
 from mergebroker.broker.mcp.handles import HANDLE_URI, PAGE_URI, EmbeddingHandles, embed_result
-from mergebroker.broker.engine.settings import McpSettings
-from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.errors import BrokerError, InvalidRequest
 
 INSTRUCTIONS = ("mergebroker answers chat and embedding calls through a request-merge broker: identical calls "

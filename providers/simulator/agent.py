@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 _LETTERS = "ghijklmnopqrstuvwxyz"  # letters only: a value never reads as a batch ID (a letter and digits)
 _MAX_DEPTH = 8

@@ -23,19 +23,25 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from mergebroker.clock import Clock
-
 from mergebroker.providers.simulator.agent import after_tools, instance, tool_calls
 from mergebroker.providers.simulator.anthropic_cache import BreakpointCache
 from mergebroker.providers.simulator.anthropic_validate import AnthropicRequestError, validate
 from mergebroker.providers.simulator.billing import cache_scope
-from mergebroker.providers.simulator.content import (compose_reply, count_tokens, parse_request_blocks, prompt_tokens,
-                                                     question_text, stream_pieces)
+from mergebroker.providers.simulator.content import (
+    compose_reply,
+    count_tokens,
+    parse_request_blocks,
+    prompt_tokens,
+    question_text,
+    stream_pieces,
+)
 from mergebroker.providers.simulator.faults import FaultInjector, SimulatorConfig, decide_stream_error
 
 

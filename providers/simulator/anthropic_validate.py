@@ -24,7 +24,8 @@ import binascii
 import copy
 import functools
 import importlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from mergebroker.providers.simulator.faults import is_int
 

@@ -10,7 +10,8 @@ The official `openai` SDK's `AzureOpenAI` client drives this mode in a test.
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from aiohttp import web
 

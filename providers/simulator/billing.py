@@ -11,8 +11,9 @@ time. Tokens are the simulator's own count (`providers.simulator.content`), not 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from mergebroker.clock import Clock, monotonic
 from mergebroker.providers.simulator.content import prompt_token_ids, prompt_tokens

@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mergebroker.providers.simulator.agent import after_tools, instance, tool_calls
-from mergebroker.providers.simulator.content import (Reply, answer_for, count_tokens, cut_to_tokens, message_text,
-                                                     question_text)
+from mergebroker.providers.simulator.content import (
+    Reply,
+    answer_for,
+    count_tokens,
+    cut_to_tokens,
+    message_text,
+    question_text,
+)
 from mergebroker.providers.simulator.faults import DEFAULT_ANSWER_WORDS
 
 

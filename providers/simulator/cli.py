@@ -12,9 +12,8 @@ from typing import Any
 
 import structlog
 
+from mergebroker.providers.simulator.faults import BILLING_MODES, CACHE_SCOPES, STREAM_ERROR_STATUSES, SimulatorConfig
 from mergebroker.providers.simulator.server import start_simulator
-from mergebroker.providers.simulator.faults import (BILLING_MODES, CACHE_SCOPES, STREAM_ERROR_STATUSES,
-                                                    SimulatorConfig)
 
 log = structlog.get_logger(__name__)
 

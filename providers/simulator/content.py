@@ -22,16 +22,16 @@ import random
 import re
 import zlib
 from array import array
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import bpe_openai
 import numpy as np
 
-from mergebroker.providers.simulator.quiz_mode import merged_answers, quiz_answer
 from mergebroker.providers.simulator.faults import DEFAULT_ANSWER_WORDS, SimulatorConfig, decide_truncate, render_blocks
-from mergebroker.providers.simulator.injection import (canonical_tags, injected_form, obey, read,
-                                                       request_blocks)
+from mergebroker.providers.simulator.injection import canonical_tags, injected_form, obey, read, request_blocks
+from mergebroker.providers.simulator.quiz_mode import merged_answers, quiz_answer
 
 WORDS_PER_CHUNK = 3
 

@@ -19,8 +19,9 @@ import asyncio
 import enum
 import math
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import structlog
 from aiohttp import web

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from mergebroker.confusables import fold
 

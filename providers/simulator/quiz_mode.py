@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from mergebroker.providers.simulator.quiz_set import solve
 

@@ -16,7 +16,8 @@ OpenAI's envelope, as many OpenAI-compatible servers do. Calls are counted in `s
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -26,11 +27,9 @@ from mergebroker.providers.simulator.bodies import json_object
 from mergebroker.providers.simulator.content import count_tokens, parse_request_blocks, question_text
 from mergebroker.providers.simulator.faults import FaultInjector, SimulatorConfig, decide_stream_error
 from mergebroker.providers.simulator.responses_answer import Outcome, compose_output, new_id
-from mergebroker.providers.simulator.responses_input import (check_body, conversation, input_items, text_format,
-                                                             tool_set)
+from mergebroker.providers.simulator.responses_input import check_body, conversation, input_items, text_format, tool_set
 from mergebroker.providers.simulator.responses_state import ResponseStore, with_ids
-from mergebroker.providers.simulator.responses_stream import (failed_events, response_events, send_events,
-                                                              sent_text)
+from mergebroker.providers.simulator.responses_stream import failed_events, response_events, send_events, sent_text
 
 
 class Simulator(Protocol):

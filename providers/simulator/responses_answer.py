@@ -17,12 +17,18 @@ import base64
 import json
 import random
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from mergebroker.providers.simulator.agent import after_tools, instance, tool_calls
-from mergebroker.providers.simulator.content import (answer_for, compose_reply, count_tokens, cut_to_tokens,
-                                                     question_text)
+from mergebroker.providers.simulator.content import (
+    answer_for,
+    compose_reply,
+    count_tokens,
+    cut_to_tokens,
+    question_text,
+)
 from mergebroker.providers.simulator.faults import SimulatorConfig
 from mergebroker.providers.simulator.responses_input import ToolSet, ends_with_user, trailing_outputs
 

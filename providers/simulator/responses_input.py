@@ -13,8 +13,9 @@ than any list here, and a refusal would break them for no test's benefit.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from mergebroker.errors import InvalidRequest
 from mergebroker.providers.simulator.content import message_text

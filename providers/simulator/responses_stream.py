@@ -16,7 +16,8 @@ A mid-stream fault (`stream_error_rate`, drawn like the chat route's) ends the s
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 

@@ -17,25 +17,39 @@ import base64
 import time
 import uuid
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import structlog
 from aiohttp import web
 
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import BrokerError, InvalidRequest
-from mergebroker.providers.simulator.injection import INJECTION_MARKER
-from mergebroker.providers.simulator.billing import Biller
-from mergebroker.providers.simulator.bodies import json_object
-from mergebroker.providers.simulator.chat_agent import agent_reply
-from mergebroker.providers.simulator.content import (answer_for, block_answers, compose_reply,
-                                         count_tokens, embedding_vector, parse_request_blocks, prompt_tokens,
-                                         question_text)
 from mergebroker.providers.simulator.anthropic import anthropic_routes
 from mergebroker.providers.simulator.azure import azure_routes
 from mergebroker.providers.simulator.batches import add_batch_routes
-from mergebroker.providers.simulator.faults import MAX_EMBEDDING_DIM, FaultInjector, SimulatorConfig, error_response, is_int
+from mergebroker.providers.simulator.billing import Biller
+from mergebroker.providers.simulator.bodies import json_object
+from mergebroker.providers.simulator.chat_agent import agent_reply
+from mergebroker.providers.simulator.content import (
+    answer_for,
+    block_answers,
+    compose_reply,
+    count_tokens,
+    embedding_vector,
+    parse_request_blocks,
+    prompt_tokens,
+    question_text,
+)
+from mergebroker.providers.simulator.faults import (
+    MAX_EMBEDDING_DIM,
+    FaultInjector,
+    SimulatorConfig,
+    error_response,
+    is_int,
+)
+from mergebroker.providers.simulator.injection import INJECTION_MARKER
 from mergebroker.providers.simulator.responses import responses_routes
 from mergebroker.providers.simulator.running import RunningSimulator
 from mergebroker.providers.simulator.streaming import plan_stream, refuse_stream_fields, send_stream

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 from aiohttp import web
 

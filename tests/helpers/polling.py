@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import inspect
 import time
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 Message = str | Callable[[], str]

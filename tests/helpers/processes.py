@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tests.helpers.polling import wait_until, wait_until_blocking
 

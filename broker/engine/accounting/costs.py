@@ -14,8 +14,9 @@ A model with no price gets no dollars (None) and is counted as unpriced.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.tokens import prompt_token_ids

@@ -30,9 +30,10 @@ import re
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Iterable, TextIO
+from datetime import UTC, datetime
+from typing import TextIO
 
 from mergebroker.broker.engine.accounting.ledger import LedgerRecord
 from mergebroker.broker.engine.accounting.store import open_store
@@ -244,7 +245,7 @@ def _usd(amount: float) -> str:
 
 
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _duration_arg(text: str) -> float:

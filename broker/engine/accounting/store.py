@@ -12,7 +12,8 @@ import dataclasses
 import importlib.util
 import sqlite3
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mergebroker.broker.engine.accounting.ledger import LedgerRecord, LedgerStore
 
@@ -206,7 +207,7 @@ class PostgresLedgerStore:
             pool = await self._ensure_pool()
             async with pool.acquire() as conn:
                 return await getattr(conn, method)(sql, *args)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise LedgerStoreError(f"postgres ledger: {type(exc).__name__}") from exc
         except Exception as exc:
             import asyncpg

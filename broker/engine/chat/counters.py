@@ -6,7 +6,8 @@ Labelled children are looked up once per label value: `labels()` costs more than
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from mergebroker.broker.engine.metrics import Metrics
 

@@ -13,32 +13,53 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
+from mergebroker.broker.engine.chat.counters import DispatchCounters
+from mergebroker.broker.engine.chat.early_release import (
+    CountedUsage,
+    StreamCall,
+    StreamedReply,
+    settle_usage,
+    stream_blocks,
+)
+from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, answer_all, clear_to_send
+from mergebroker.broker.engine.chat.member_stream import MemberStream
+from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
+from mergebroker.broker.engine.chat.planning import BatchPlanner, MergeOptions, TierMergePolicy
+from mergebroker.broker.engine.chat.stream_usage import (
+    MeteredStream,
+    caller_wants_usage,
+    counted_usage,
+    with_usage_requested,
+)
+from mergebroker.broker.engine.chat.stream_usage import settle as settle_future
+from mergebroker.broker.engine.chat.streamed_members import StreamedMembers
+from mergebroker.broker.engine.merge_economy import MergeEconomy
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, UpstreamError
-from mergebroker.broker.engine.chat.counters import DispatchCounters
-from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, answer_all, clear_to_send
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
-from mergebroker.broker.engine.merge_economy import MergeEconomy
-from mergebroker.broker.engine.chat.planning import BatchPlanner, MergeOptions, TierMergePolicy
-from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
-from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.completion import member_completion
+from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.merged_call import CallMember, CallRules, merged_call
 from mergebroker.merge.quality_guard import QualityGuard
-from mergebroker.broker.engine.chat.early_release import (CountedUsage, StreamCall, StreamedReply, settle_usage,
-                                                          stream_blocks)
-from mergebroker.broker.engine.chat.member_stream import MemberStream
-from mergebroker.broker.engine.chat.stream_usage import (MeteredStream, caller_wants_usage, counted_usage, settle as
-                                                         settle_future, with_usage_requested)
-from mergebroker.broker.engine.chat.streamed_members import StreamedMembers
-from mergebroker.merge.settle import (BAD_REPLY, MERGED_CALL_FAILED, BlockVerdict, SettleMember, SettleOptions,
-                                      Settlement, apportion_reported, every_member, settle, settle_call_error)
+from mergebroker.merge.settle import (
+    BAD_REPLY,
+    MERGED_CALL_FAILED,
+    BlockVerdict,
+    SettleMember,
+    Settlement,
+    SettleOptions,
+    apportion_reported,
+    every_member,
+    settle,
+    settle_call_error,
+)
 from mergebroker.providers.base import Pool
 
 log = structlog.get_logger(__name__)

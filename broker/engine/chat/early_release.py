@@ -18,8 +18,9 @@ estimated tokens and the counted tokens of its own answer.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import structlog
 
@@ -27,8 +28,7 @@ from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.clock import Clock
 from mergebroker.errors import BrokerError
 from mergebroker.merge.member_budget import BudgetWatch
-from mergebroker.merge.settle import (MERGED_CALL_FAILED, BlockVerdict, SettleMember, SettleOptions,
-                                      settle_block)
+from mergebroker.merge.settle import MERGED_CALL_FAILED, BlockVerdict, SettleMember, SettleOptions, settle_block
 from mergebroker.merge.split import BlockFailure
 from mergebroker.merge.stream_split import BlockClosed, StreamEvent, StreamSplitter
 from mergebroker.merge.usage import apportion_usage

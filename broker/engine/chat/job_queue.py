@@ -9,7 +9,8 @@ answer them by hand.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
 from mergebroker.errors import BrokerError, Overloaded

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import structlog
 
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import BrokerError, Overloaded
-from mergebroker.token_usage import TokenUsage
 from mergebroker.merge.shape import MergeShape
+from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
 

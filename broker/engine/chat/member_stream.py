@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from mergebroker import jsonio
 from mergebroker.errors import BrokerError

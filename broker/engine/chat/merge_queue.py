@@ -21,14 +21,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import structlog
 
+from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.clock import Clock, Timer, monotonic
 from mergebroker.errors import Overloaded
-from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.merge.window_policy import DEFAULT_MIN_PARTNERS, WindowEstimator
 
 log = structlog.get_logger(__name__)

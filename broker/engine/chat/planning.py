@@ -14,8 +14,9 @@ wrongly merged.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
@@ -24,10 +25,10 @@ from mergebroker.broker.engine.chat.jobs import ChatJob
 from mergebroker.broker.engine.merge_economy import Candidate, MergeEconomy
 from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.clock import Clock
-from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS, DEFAULT_HEADER
 from mergebroker.merge.budget import context_shares
 from mergebroker.merge.embedder import Backlogged, Embedder
 from mergebroker.merge.grouping import group_by_similarity, needs_embedding
+from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS, DEFAULT_HEADER
 from mergebroker.merge.quality_guard import QualityGuard
 
 log = structlog.get_logger(__name__)

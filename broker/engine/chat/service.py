@@ -11,24 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import structlog
 
-from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import BrokerError, DeadlineExceeded, UpstreamUnavailable
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
-from mergebroker.broker.engine.chat.units import unit_rules
 from mergebroker.broker.engine.chat.stream_usage import MeteredStream, caller_wants_usage, with_usage_requested
+from mergebroker.broker.engine.chat.units import unit_rules
+from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.limits.limiter import Limiter
-from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec, Reservation
+from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import Settings, TierSettings
 from mergebroker.broker.engine.tokens import estimate_prompt_tokens
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import BrokerError, DeadlineExceeded, UpstreamUnavailable
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.coalesce import Lead, SingleFlight
 from mergebroker.providers.base import Pool
@@ -63,7 +64,7 @@ class CacheControl:
     write: bool = True
 
     @classmethod
-    def from_header(cls, value: str | None) -> "CacheControl":
+    def from_header(cls, value: str | None) -> CacheControl:
         if not value:
             return _READ_WRITE
         directives = {d.strip().lower() for d in value.split(",")}

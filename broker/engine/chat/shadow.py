@@ -17,12 +17,13 @@ import asyncio
 import random
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
-from mergebroker.broker.engine.chat.jobs import ChatJob
 from mergebroker.broker.engine.accounting.ledger import LedgerRecord
+from mergebroker.broker.engine.chat.jobs import ChatJob
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError

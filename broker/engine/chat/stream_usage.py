@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 from mergebroker import jsonio
 from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.providers.sse import chat_event
 from mergebroker.token_usage import TokenUsage
-
 
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')  # a chunk that carries usage (every chunk may carry `"usage": null`)
 

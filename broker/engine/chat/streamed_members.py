@@ -15,7 +15,8 @@ Each member's `usage` future settles for the ledger: with its share of the merge
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from mergebroker.broker.engine.chat.member_stream import MemberStream
 from mergebroker.broker.engine.chat.stream_usage import settle

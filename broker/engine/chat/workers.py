@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import structlog
 
-from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import BrokerError, Overloaded
 from mergebroker.broker.engine.chat.dispatch import Dispatcher
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
-from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.chat.merge_queue import MergeQueue
+from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.clock import Clock, monotonic
+from mergebroker.errors import BrokerError, Overloaded
 
 log = structlog.get_logger(__name__)
 

@@ -24,23 +24,29 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import structlog
 
 from mergebroker.background import spawn
-from mergebroker.errors import (BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamTimeout)
 from mergebroker.broker.engine.embeddings.stats import CoalescerStats
-from mergebroker.broker.engine.embeddings.window_rules import (CallLater, TimerHandle, caller_fault, share_tokens,
-                                                                window_decision)
+from mergebroker.broker.engine.embeddings.window_rules import (
+    CallLater,
+    TimerHandle,
+    caller_fault,
+    share_tokens,
+    window_decision,
+)
 from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.errors import BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamTimeout
 from mergebroker.merge.cache import TwoLevelCache
-from mergebroker.providers.base import EmbedResult, still_wanted
 from mergebroker.merge.fingerprint import embedding_fingerprint
 from mergebroker.merge.vector_codec import VectorDtype, decode_vector, encode_vector
+from mergebroker.providers.base import EmbedResult, still_wanted
 
 log = structlog.get_logger(__name__)
 

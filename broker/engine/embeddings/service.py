@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from mergebroker.token_usage import TokenUsage
 from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
 from mergebroker.broker.engine.embeddings.stats import CoalescerStats
 from mergebroker.broker.engine.embeddings.window_rules import cache_metrics_hook
@@ -35,6 +34,7 @@ from mergebroker.providers.base import EmbedResult
 from mergebroker.providers.local_embeddings import LocalEmbeddingBackend
 from mergebroker.providers.local_model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
+from mergebroker.token_usage import TokenUsage
 
 
 def check_input_size(inputs: Any, tokens: int, limits: EmbeddingSettings) -> None:

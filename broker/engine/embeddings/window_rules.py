@@ -3,7 +3,8 @@ which upstream errors blame a text, and the timer and metrics hooks it is given 
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.errors import BrokerError, UpstreamHTTPError

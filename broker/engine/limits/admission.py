@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from mergebroker.errors import Forbidden, Unauthorized
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec
 from mergebroker.broker.engine.settings import ApiKeySettings, AuthSettings
+from mergebroker.errors import Forbidden, Unauthorized
 
 TENANT_HEADER = "X-Broker-Tenant"
 TIER_HEADER = "X-Broker-Tier"

@@ -6,7 +6,8 @@ Real implementations: `broker.engine.limits.ratelimit.RateLimiter` (in-process b
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec, Reservation
 from mergebroker.errors import RateLimited

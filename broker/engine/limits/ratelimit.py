@@ -11,12 +11,13 @@ Redis-backed limiter in `broker.engine.limits.redis_limiter`, which keeps the sa
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Literal, Mapping, Sequence
+from typing import Literal
 
 from mergebroker.clock import Clock
-from mergebroker.providers.token_bucket import EPSILON, TokenBucket
 from mergebroker.errors import RateLimited
+from mergebroker.providers.token_bucket import EPSILON, TokenBucket
 
 Kind = Literal["requests", "tokens"]
 _KIND_WORDS = {"requests": "requests per minute", "tokens": "tokens per minute"}

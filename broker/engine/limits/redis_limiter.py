@@ -14,16 +14,24 @@ All keys of one request go to one script call, so this needs a single Redis (or 
 from __future__ import annotations
 
 import time
-from typing import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from mergebroker.broker.engine.limits.ratelimit import (
+    BucketLevel,
+    BucketRequest,
+    LimitSpec,
+    RateLimiter,
+    Reservation,
+    bucket_requests,
+    ratelimit_headers,
+    refusal,
+)
 from mergebroker.clock import Clock
 from mergebroker.errors import RateLimited
-from mergebroker.broker.engine.limits.ratelimit import (BucketLevel, BucketRequest, LimitSpec, RateLimiter, Reservation,
-                              bucket_requests, ratelimit_headers, refusal)
 
 log = structlog.get_logger(__name__)
 

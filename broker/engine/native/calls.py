@@ -9,16 +9,17 @@ retries, failover and breakers apply. The reservation is settled with the usage 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, note_usage
 from mergebroker.broker.engine.chat.jobs import aged_rank
 from mergebroker.broker.engine.chat.service import ChatService
-from mergebroker.broker.engine.streams import HandledStream, Relay
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.limits.ratelimit import Reservation
 from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.streams import HandledStream, Relay
 from mergebroker.clock import Clock
 from mergebroker.errors import DeadlineExceeded
 from mergebroker.providers.pool import ProviderPools

@@ -9,7 +9,8 @@ calls, reasoning, compaction...), and a type it does not define is refused, nami
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from mergebroker.errors import InvalidRequest
 

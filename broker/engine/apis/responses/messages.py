@@ -10,7 +10,8 @@ both are dropped, each kind named once in `dropped`.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from mergebroker.broker.engine.apis.responses.items import TEXT_PARTS, item_type
 from mergebroker.broker.engine.apis.responses.tools import flat_name

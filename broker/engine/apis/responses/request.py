@@ -7,8 +7,9 @@ stays in `body`, which the native path forwards as it came.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from mergebroker.broker.engine.apis.responses.items import TEXT_PARTS, check_input, item_type
 from mergebroker.broker.engine.apis.responses.tools import NAME, check_tool_choice, check_tools

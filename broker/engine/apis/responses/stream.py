@@ -16,8 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from mergebroker.broker.engine.apis.responses.items import item_id
-from mergebroker.broker.engine.apis.responses.reply import (ID_PREFIX, call_item, reasoning_text, response_object,
-                                                         text_item, text_part)
+from mergebroker.broker.engine.apis.responses.reply import (
+    ID_PREFIX,
+    call_item,
+    reasoning_text,
+    response_object,
+    text_item,
+    text_part,
+)
 from mergebroker.broker.engine.apis.responses.request import ResponsesRequest
 from mergebroker.broker.engine.apis.responses.translate import ChatTranslation
 from mergebroker.jsonio import dumps

@@ -11,8 +11,9 @@ in `dropped` when leaving it out changes what the caller gets (a hosted tool, `t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from mergebroker.broker.engine.apis.responses.messages import chat_messages
 from mergebroker.broker.engine.apis.responses.request import ResponsesRequest
