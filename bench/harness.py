@@ -14,6 +14,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,12 @@ def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def median_of_measured(values: Sequence[float]) -> float:
+    """The median of `values` without the NaNs of runs that measured nothing (NaN when none did)."""
+    clean = [v for v in values if v == v]
+    return statistics.median(clean) if clean else float("nan")
 
 
 @dataclass

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 import uuid
@@ -40,6 +39,7 @@ from bench.harness import (
     closed_loop,
     cpu_probe_ms,
     format_table,
+    median_of_measured,
     processes_together,
     publish,
     results_path,
@@ -110,10 +110,6 @@ async def closed_run(broker: Process, sim: Process, route: str, concurrency: int
             "cpu_ms_per_req": own.ms_per(len(samples)), "sim_cpu_ms_per_req": upstream.ms_per(len(samples))}
 
 
-def _median(values: Sequence[float]) -> float:
-    clean = [v for v in values if v == v]
-    return statistics.median(clean) if clean else float("nan")
-
 
 def summarize_level(rows: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
     """Medians per route and paired figures against `chat` for one concurrency level."""
@@ -124,11 +120,11 @@ def summarize_level(rows: list[dict[str, Any]], concurrency: int) -> dict[str, A
     rounds = [t for t in by_round.values() if set(ROUTES) <= set(t)]
     out: dict[str, Any] = {"concurrency": concurrency, "rounds": len(rounds)}
     for route in ROUTES:
-        out[route] = {k: _median([t[route][k] for t in rounds]) for k in ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req")}
+        out[route] = {k: median_of_measured([t[route][k] for t in rounds]) for k in ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req")}
         out[route]["errors"] = sum(t[route]["requests"] - t[route]["ok"] for t in rounds)
-        out[route]["cpu_vs_chat"] = _median([t[route]["cpu_ms_per_req"] / t["chat"]["cpu_ms_per_req"]
+        out[route]["cpu_vs_chat"] = median_of_measured([t[route]["cpu_ms_per_req"] / t["chat"]["cpu_ms_per_req"]
                                              for t in rounds if t["chat"]["cpu_ms_per_req"]])
-        out[route]["added_p50_ms"] = _median([t[route]["p50_ms"] - t["chat"]["p50_ms"] for t in rounds])
+        out[route]["added_p50_ms"] = median_of_measured([t[route]["p50_ms"] - t["chat"]["p50_ms"] for t in rounds])
     return out
 
 

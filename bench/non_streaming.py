@@ -29,6 +29,7 @@ from bench.harness import (
     cpu_probe_ms,
     format_table,
     get_json,
+    median_of_measured,  # the one NaN-skipping median of the paired benchmarks
     post_json,
     processes_together,
     publish,
@@ -41,7 +42,6 @@ from bench.harness import (
     summarize,
     warm_up,
 )
-from bench.passthrough import _median  # the one NaN-skipping median of the paired benchmarks
 
 QUIRKS = {"streams": {}, "ignore_stream": {"ignore_stream": True},
           "reject_stream_options": {"reject_stream_options": True}, "reject_stream": {"reject_stream": True}}
@@ -99,12 +99,12 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     base = {r["round"]: r for r in rows if r["quirk"] == "streams"}
     for quirk in QUIRKS:
         runs = [r for r in rows if r["quirk"] == quirk]
-        out[quirk] = {k: _median([r[k] for r in runs]) for k in ("mean_batch_size", "members_per_call",
+        out[quirk] = {k: median_of_measured([r[k] for r in runs]) for k in ("mean_batch_size", "members_per_call",
                                                                  "upstream_calls", "p50_ms", "p99_ms")}
         out[quirk]["errors"] = sum(r["requests"] - r["ok"] for r in runs)
         out[quirk]["breaker"] = ",".join(sorted({r["breaker"] for r in runs}))
         for key in ("members_per_call", "p50_ms"):
-            out[quirk][f"{key}_vs_streams"] = _median([r[key] / base[r["round"]][key] for r in runs
+            out[quirk][f"{key}_vs_streams"] = median_of_measured([r[key] / base[r["round"]][key] for r in runs
                                                        if base[r["round"]][key]])
     return out
 

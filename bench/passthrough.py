@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 import uuid
@@ -33,6 +32,7 @@ from bench.harness import (
     cpu_probe_ms,
     format_table,
     latency_summary,
+    median_of_measured,
     open_loop_for,
     passthrough_config,
     processes_together,
@@ -105,10 +105,6 @@ def rotated(items: Sequence[Target], by: int) -> list[Target]:
     return [*items[k:], *items[:k]]
 
 
-def _median(values: Sequence[float]) -> float:
-    clean = [v for v in values if v == v]
-    return statistics.median(clean) if clean else float("nan")
-
 
 def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
     """Medians per target and paired ratios/differences for one concurrency level."""
@@ -119,10 +115,10 @@ def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int) -> dict[
     rounds = [t for t in by_round.values() if set(TARGETS) <= set(t)]
 
     def med(target: str, key: str) -> float:
-        return _median([t[target][key] for t in rounds])
+        return median_of_measured([t[target][key] for t in rounds])
 
     def paired(fn: Callable[[dict[str, dict[str, Any]]], float]) -> float:
-        return _median([fn(t) for t in rounds])
+        return median_of_measured([fn(t) for t in rounds])
 
     out: dict[str, Any] = {"concurrency": concurrency, "rounds": len(rounds)}
     for name in TARGETS:

@@ -31,6 +31,7 @@ from bench.harness import (
     closed_loop,
     cpu_probe_ms,
     format_table,
+    median_of_measured,  # the one NaN-skipping median of the paired benchmarks
     processes_together,
     publish,
     results_path,
@@ -40,7 +41,6 @@ from bench.harness import (
     start_simulator,
     summarize,
 )
-from bench.passthrough import _median  # the one NaN-skipping median of the paired benchmarks
 
 KINDS = ("openai", "anthropic", "azure")
 MODES = ("plain", "stream")
@@ -113,13 +113,13 @@ def summarize_mode(rows: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     rounds = [t for t in by_round.values() if set(KINDS) <= set(t)]
     out: dict[str, Any] = {"mode": mode, "rounds": len(rounds)}
     for kind in KINDS:
-        out[kind] = {k: _median([t[kind][k] for t in rounds]) for k in ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req")}
+        out[kind] = {k: median_of_measured([t[kind][k] for t in rounds]) for k in ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req")}
         out[kind]["errors"] = sum(t[kind]["requests"] - t[kind]["ok"] for t in rounds)
         if kind != "openai":
-            out[f"{kind}_vs_openai_rps"] = _median([t[kind]["rps"] / t["openai"]["rps"] for t in rounds])
-            out[f"{kind}_vs_openai_cpu"] = _median([t[kind]["cpu_ms_per_req"] / t["openai"]["cpu_ms_per_req"]
+            out[f"{kind}_vs_openai_rps"] = median_of_measured([t[kind]["rps"] / t["openai"]["rps"] for t in rounds])
+            out[f"{kind}_vs_openai_cpu"] = median_of_measured([t[kind]["cpu_ms_per_req"] / t["openai"]["cpu_ms_per_req"]
                                                     for t in rounds if t["openai"]["cpu_ms_per_req"]])
-            out[f"{kind}_added_p50_ms"] = _median([t[kind]["p50_ms"] - t["openai"]["p50_ms"] for t in rounds])
+            out[f"{kind}_added_p50_ms"] = median_of_measured([t[kind]["p50_ms"] - t["openai"]["p50_ms"] for t in rounds])
     return out
 
 
