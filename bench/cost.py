@@ -9,11 +9,15 @@ bill. Each arm starts on a cold provider cache (`POST /_sim/bill/reset`):
 - direct: the requests go straight to the simulator (the bill a client pays without the broker);
 - broker: the same requests, at the same times, through a broker priced like the simulator.
 
-Reported per workload and price point: both bills and their ratio, upstream calls, wrong answers (an
+The upstream's tokenizer is not the broker's: each workload runs on upstreams that count 30% more and 30%
+fewer tokens than o200k_base (`--token-scale`), as Anthropic's, Gemini's and open models' tokenizers do,
+and on one that counts like it. The broker learns the scale from the calls it sends, merged or alone.
+
+Reported per workload, token scale and price point: both bills and their ratio, upstream calls, wrong answers (an
 answer that differs from the direct arm's answer to the same question), and the broker's own account:
 `actual_usd` against the broker arm's bill, and `alone_usd` against the direct arm's bill.
 
-`python -m bench.cost [--quick]` writes `bench/results/cost.json`.
+`python -m bench.cost [--quick] [--scales 0.7,1.3]` writes `bench/results/cost.json`.
 """
 
 from __future__ import annotations
@@ -103,11 +107,11 @@ async def _bill(sim: Process) -> dict[str, Any]:
     return await get_json(sim.url + "/_sim/bill")
 
 
-async def run_point(sim: Process, workload: Workload, point: str, n: int) -> dict[str, Any]:
-    """Both arms of one workload at one price point."""
+async def run_point(sim: Process, workload: Workload, point: str, n: int, scale: float = 1.0) -> dict[str, Any]:
+    """Both arms of one workload at one price point, on an upstream counting `scale` times o200k_base."""
     price_in, price_cached, price_out = PRICE_POINTS[point]
     await post_json(sim.url + "/control/faults", {"price_input": price_in, "price_cached_input": price_cached,
-                                                  "price_output": price_out})
+                                                  "price_output": price_out, "token_scale": scale})
     bodies = workload.bodies(n)
     await post_json(sim.url + "/_sim/bill/reset", {})
     direct_texts = await _send_all(sim.url, bodies, {"Authorization": "Bearer direct"})
@@ -125,7 +129,8 @@ async def run_point(sim: Process, workload: Workload, point: str, n: int) -> dic
     through = await _bill(sim)
     wrong = sum(1 for d, b in zip(direct_texts, broker_texts) if b is None or b != d)
     cost = stats.get("cost", {})
-    return {"workload": workload.name, "prices": point, "direct_usd": direct["usd"], "broker_usd": through["usd"],
+    return {"workload": workload.name, "token_scale": scale, "prices": point,
+            "calibrated": cost.get("calibrated"), "direct_usd": direct["usd"], "broker_usd": through["usd"],
             "ratio": through["usd"] / direct["usd"] if direct["usd"] else float("nan"),
             "direct_calls": direct["requests"], "broker_calls": through["requests"],
             "direct_bill": direct, "broker_bill": through,
@@ -134,11 +139,15 @@ async def run_point(sim: Process, workload: Workload, point: str, n: int) -> dic
             "alone_vs_direct": _off(cost.get("alone_usd"), direct["usd"])}
 
 
+def _percent(off: float | None) -> str:
+    return "n/a" if off is None else f"{off:+.1%}"
+
+
 def _off(estimate: float | None, truth: float) -> float | None:
     return None if estimate is None or not truth else estimate / truth - 1
 
 
-async def main_async(quick: bool) -> dict[str, Any]:
+async def main_async(quick: bool, scales: tuple[float, ...] = (0.7, 1.0, 1.3)) -> dict[str, Any]:
     started = time.perf_counter()
     n = 80 if quick else 240
     sim = await start_simulator("--billing", "openai", "--models", MODEL, "--answer-words", str(ANSWER_WORDS),
@@ -146,16 +155,20 @@ async def main_async(quick: bool) -> dict[str, Any]:
     rows = []
     try:
         for workload in WORKLOADS:
-            for point in PRICE_POINTS:
-                rows.append(await run_point(sim, workload, point, n))
-                print(f"{workload.name} at {point}: {rows[-1]['ratio']:.2f}x", flush=True)
+            for scale in scales:
+                for point in PRICE_POINTS:
+                    row = await run_point(sim, workload, point, n, scale)
+                    rows.append(row)
+                    print(f"{workload.name}, token scale {scale}, {point}: {row['ratio']:.2f}x; alone_usd "
+                          f"{_percent(row['alone_vs_direct'])} of the direct bill, actual_usd "
+                          f"{_percent(row['actual_vs_bill'])} of its own", flush=True)
     finally:
         sim.stop()
     return {"meta": run_meta(started), "requests_per_run": n, "rate": RATE, "rows": rows}
 
 
 def render(result: dict[str, Any]) -> str:
-    columns = ["workload", "prices", "direct_usd", "broker_usd", "ratio", "direct_calls", "broker_calls", "wrong",
+    columns = ["workload", "token_scale", "prices", "direct_usd", "broker_usd", "ratio", "direct_calls", "broker_calls", "wrong",
                "actual_vs_bill", "alone_vs_direct"]
     return format_table(result["rows"], columns)
 
@@ -163,8 +176,10 @@ def render(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="80 requests per run instead of 240")
+    parser.add_argument("--scales", default="0.7,1.0,1.3",
+                        help="upstream token counts as multiples of o200k_base's (default: %(default)s)")
     args = parser.parse_args(argv)
-    result = asyncio.run(main_async(args.quick))
+    result = asyncio.run(main_async(args.quick, tuple(float(s) for s in args.scales.split(","))))
     publish(result, render(result), results_path("cost.json"))
     return 0
 

@@ -19,8 +19,7 @@ at most `max_entries` digests. The key (provider, model, scope) seeds the chain,
 one key never match another's; `scope` is whatever the provider shares its cache across (the upstream
 account or organisation, or the tenant where each has its own key).
 
-`Calibration` learns, per provider and model, the ratio of the provider's prompt-token count to the
-broker's own (o200k_base) count, to scale these estimates into the provider's tokens.
+Its counts are the broker's own (o200k_base); `merge.calibration` scales them into the provider's.
 """
 
 from __future__ import annotations
@@ -173,42 +172,3 @@ def _prefix_digests(key: CacheKey, tokens: Sequence[int], offsets: Sequence[int]
 def _chunk_digest(chain: bytes, tokens: Sequence[int], person: bytes) -> bytes:
     # Token ids fit in 32 bits (o200k_base has about 200,000), "I" is 4 bytes on every supported platform.
     return hashlib.blake2b(chain + array("I", tokens).tobytes(), digest_size=_DIGEST, person=person).digest()
-
-
-class Calibration:
-    """Per (provider, model), the running ratio of the provider's prompt tokens to the broker's own count.
-
-    Starts at 1.0; each report moves it by `alpha` towards the report's ratio, itself clamped to
-    [`low`, `high`] so that one odd call (images, tools the broker did not count) cannot swing it. Reports
-    where either count is zero carry no information and are ignored.
-    """
-
-    def __init__(self, *, alpha: float = 0.1, low: float = 0.5, high: float = 2.0) -> None:
-        if not 0 < alpha <= 1 or not 0 < low <= 1 <= high:
-            raise ValueError("need 0 < alpha <= 1 and 0 < low <= 1 <= high")
-        self._alpha, self._low, self._high = alpha, low, high
-        self._ratios: dict[tuple[str, str], float] = {}
-
-    def update(self, provider: str, model: str, reported: int, counted: int) -> float:
-        """Fold in one call: the provider reported `reported` prompt tokens where the broker counted `counted`."""
-        current = self.ratio(provider, model)
-        if reported <= 0 or counted <= 0:
-            return current
-        sample = min(self._high, max(self._low, reported / counted))
-        updated = current + self._alpha * (sample - current)
-        self._ratios[(provider, model)] = updated
-        return updated
-
-    def ratio(self, provider: str, model: str) -> float:
-        """The current ratio (1.0 until the first report)."""
-        return self._ratios.get((provider, model), 1.0)
-
-    def scale(self, provider: str, model: str, tokens: int) -> int:
-        """`tokens` of the broker's count, in the provider's tokens."""
-        return round(tokens * self.ratio(provider, model))
-
-    def learnt(self, model: str) -> float | None:
-        """The mean ratio over the providers that reported on `model`, or None before any did (a count
-        made for no provider in particular, such as `count_tokens`)."""
-        ratios = [ratio for (_, name), ratio in self._ratios.items() if name == model]
-        return sum(ratios) / len(ratios) if ratios else None

@@ -6,7 +6,7 @@ import pytest
 
 from mergebroker.clock import FakeClock
 from mergebroker.merge.pricing import CacheStyle
-from mergebroker.merge.prompt_cache import CacheKey, Calibration, PrefixCache, ProviderCacheModel
+from mergebroker.merge.prompt_cache import CacheKey, PrefixCache, ProviderCacheModel
 
 KEY = CacheKey("openai", "gpt-4o", "acct-1")
 SYSTEM = list(range(100_000, 102_400))  # a 2,400-token shared system prompt
@@ -133,22 +133,3 @@ def test_none_style_never_caches():
     cache.observe(KEY, _prompt(1))
     assert cache.observe(KEY, _prompt(1)) == 0
     assert len(cache) == 0
-
-
-def test_calibration_starts_at_one_and_moves_towards_reports():
-    """The ratio begins at 1.0 and approaches the reported/counted ratio as reports arrive."""
-    calibration = Calibration(alpha=0.5)
-    assert calibration.ratio("azure", "gpt-4o") == 1.0
-    assert calibration.update("azure", "gpt-4o", reported=110, counted=100) == pytest.approx(1.05)
-    assert calibration.update("azure", "gpt-4o", reported=110, counted=100) == pytest.approx(1.075)
-    assert calibration.scale("azure", "gpt-4o", 1000) == 1075
-    assert calibration.ratio("openai", "gpt-4o") == 1.0
-
-
-def test_calibration_clamps_outliers_and_ignores_zero_counts():
-    """One wild report moves the ratio at most to 2.0 (or 0.5), and a zero count moves it not at all."""
-    calibration = Calibration(alpha=1.0)
-    assert calibration.update("p", "m", reported=1000, counted=10) == 2.0
-    assert calibration.update("p", "m", reported=1, counted=1000) == 0.5
-    assert calibration.update("q", "m", reported=0, counted=100) == 1.0
-    assert calibration.update("q", "m", reported=100, counted=0) == 1.0

@@ -106,7 +106,7 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
                           metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
     costs = CostBook(settings.price_table(), metrics=metrics, clock=clock)
     economy = economy_for(settings, costs, clock)
-    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow, economy)
+    dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow, economy, costs)
     tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap,
                         adaptive=t.window_policy == "adaptive", min_partners=t.window_min_partners)
              for t in settings.tiers]
@@ -176,7 +176,7 @@ def _guard(settings: Settings, clock: Clock, metrics: Metrics) -> QualityGuard:
 
 def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbedder | None,
                 policy: DegradationPolicy, metrics: Metrics, clock: Clock, guard: QualityGuard,
-                shadow: ShadowRunner, economy: MergeEconomy) -> Dispatcher:
+                shadow: ShadowRunner, economy: MergeEconomy, costs: CostBook) -> Dispatcher:
     tiers = {t.name: TierMergePolicy(t.merge, t.similarity_threshold, t.max_batch, t.system_prompts == "tagged",
                                      t.similarity_budget_ms / 1000)
              for t in settings.tiers}
@@ -186,7 +186,7 @@ def _dispatcher(settings: Settings, pools: ProviderPools, embedder: CachingEmbed
         options=MergeOptions(m.header, m.leak_min_words, m.context_tokens, m.default_context_tokens),
         embedder=embedder,
         guard=guard, merging_allowed=policy.merging_allowed, metrics=metrics, clock=clock,
-        on_merged_answer=shadow.offer if shadow.enabled else None, economy=economy)
+        on_merged_answer=shadow.offer if shadow.enabled else None, economy=economy, on_call_tokens=costs.observe_call)
 
 
 def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache | None:

@@ -87,7 +87,7 @@ class Broker:
         stats = {"tiers": tiers, "providers": providers, "chat_cache": self._chat_cache_stats(),
                  "embeddings": self.embeddings.stats().as_dict()}
         if self.costs is not None:
-            stats["cost"] = self.costs.totals.as_dict()
+            stats["cost"] = self.costs.stats()
         return stats
 
     def _chat_cache_stats(self) -> dict[str, Any]:

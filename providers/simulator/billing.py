@@ -6,11 +6,14 @@ With `billing: "openai"` the simulator keeps OpenAI's automatic prompt cache
 plain counts and nothing is cached. Either way a running `Bill` counts the answered chat calls of the
 OpenAI and Azure paths (batch lines included, at live prices) and their dollars at the configured
 prices (USD per million tokens: fresh input, cached input, output), each call at the prices of its
-time. Tokens are the simulator's own count (`providers.simulator.content`), not the broker's.
+time. Tokens are the simulator's own count (`providers.simulator.content`), not the broker's, and with
+`token_scale` another tokenizer's (`rescaled`): 1.3 reports and bills 30% more tokens than o200k_base.
 """
 
 from __future__ import annotations
 
+import math
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -67,6 +70,23 @@ class Bill:
         self.usd += cost_usd(prompt_tokens, cached_tokens, completion_tokens, config)
 
 
+def rescaled(ids: array, scale: float) -> array:
+    """`ids` as a tokenizer that counts `scale` times as many tokens would cut them: the first n tokens
+    become floor(n * scale), each repeated or dropped by its position, so a prompt's prefix stays the
+    prefix of its rescaled prompt (the prompt cache still sees shared prefixes)."""
+    if scale == 1:
+        return ids
+    out = array("I")
+    for position, token in enumerate(ids):
+        out.extend([token] * (math.floor((position + 1) * scale) - math.floor(position * scale)))
+    return out
+
+
+def rescaled_count(tokens: int, scale: float) -> int:
+    """A count of o200k_base tokens in a tokenizer that counts `scale` times as many (as `rescaled`)."""
+    return math.floor(tokens * scale)
+
+
 class Biller:
     """One simulator's prompt cache and running bill."""
 
@@ -77,12 +97,13 @@ class Biller:
     def charge(self, messages: Sequence[Mapping[str, Any]], completion_tokens: int, headers: Mapping[str, str],
                config: SimulatorConfig) -> dict[str, Any]:
         """Bill an answered chat call (reading and writing the prompt cache in "openai" mode); its `usage`."""
-        caching = config.billing == "openai"
+        caching, scale = config.billing == "openai", config.token_scale
+        completion_tokens = rescaled_count(completion_tokens, scale)
         if caching:
-            ids = prompt_token_ids(messages)
+            ids = rescaled(prompt_token_ids(messages), scale)
             prompt, cached = len(ids), self._cache.use(cache_scope(headers, config), ids, config.cache_ttl_s)
         else:
-            prompt, cached = prompt_tokens(messages), 0
+            prompt, cached = rescaled_count(prompt_tokens(messages), scale), 0
         self._bill.add(prompt, cached, completion_tokens, config)
         return usage_body(prompt, cached, completion_tokens, details=caching)
 

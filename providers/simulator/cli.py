@@ -52,6 +52,7 @@ _CLI_OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("price_input", float, "bill: USD per million uncached prompt tokens"),
     ("price_cached_input", float, "bill: USD per million cached prompt tokens"),
     ("price_output", float, "bill: USD per million completion tokens"),
+    ("token_scale", float, "count tokens this many times o200k_base's (1.3: 30%% more) in usage and the bill"),
     ("ignore_stream", bool, "answer streamed requests with a plain chat.completion JSON body"),
     ("reject_stream_options", bool, "answer 400 invalid_request_error to a request with stream_options"),
     ("reject_stream", bool, "answer 400 invalid_request_error to a request with stream: true"),

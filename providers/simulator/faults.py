@@ -47,7 +47,7 @@ RUNTIME_FIELDS = (*RATE_FIELDS, "latency_base_ms", "latency_per_token_ms", "retr
                   "reorder_blocks", "chatter", "down", "status_override", "fail_first_n", "quiz", "answer_words",
                   "billing", "cache_scope", "cache_ttl_s", "price_input", "price_cached_input", "price_output",
                   "ignore_stream", "reject_stream_options", "reject_stream", "stream_error_after",
-                  "stream_error_status", "responses")
+                  "stream_error_status", "responses", "token_scale")
 CHATTER_BEFORE = "Sure! Here are the answers:"
 CHATTER_AFTER = "Let me know if you need anything else."
 MALFORMED_BODY = '{"id": "chatcmpl-sim-broken", "object": "chat.completion", "choices": [{"index"'
@@ -101,6 +101,9 @@ class SimulatorConfig:
     price_input: float = 2.50  # USD per million tokens, gpt-4o's list prices
     price_cached_input: float = 1.25
     price_output: float = 10.0
+    # How this provider's tokenizer counts against o200k_base (1.3: 30% more tokens), in every usage it
+    # reports and bills: real providers (Anthropic, Gemini, open models) count with tokenizers of their own.
+    token_scale: float = 1.0
     # Streaming quirks and errors mid-stream (providers.simulator.streaming).
     ignore_stream: bool = False
     reject_stream_options: bool = False
@@ -120,6 +123,8 @@ class SimulatorConfig:
         problems += [f"{n} must be true or false" for n in _BOOL_FIELDS if not isinstance(getattr(self, n), bool)]
         problems += [f"{n} must be one of {', '.join(map(str, choices))}" for n, choices in _CHOICE_FIELDS.items()
                      if isinstance(getattr(self, n), bool) or getattr(self, n) not in choices]
+        if not (_is_number(self.token_scale) and 0.25 <= self.token_scale <= 4):
+            problems.append("token_scale must be a number in [0.25, 4]")
         if not (_is_number(self.cache_ttl_s) and self.cache_ttl_s > 0):
             problems.append("cache_ttl_s must be a number > 0")
         if not (is_int(self.stream_error_after) and self.stream_error_after >= 0):

@@ -244,7 +244,7 @@ class Simulator:
             completion_tokens = count_tokens(plan.sent_text)  # a provider bills what it generated
         usage = self.biller.charge(messages, completion_tokens, request.headers, config)
         self.stats.prompt_tokens += usage["prompt_tokens"]
-        self.stats.completion_tokens += completion_tokens
+        self.stats.completion_tokens += usage["completion_tokens"]
         meta = {"id": f"chatcmpl-sim-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": body.get("model") or config.models[0]}
         if plan is not None:

@@ -5,8 +5,10 @@ merged member's share as apportioned). The counterfactual ("alone") prices the r
 sent by itself, in arrival order, to a provider that caches prompt prefixes: `observe_alone` runs each
 request's prompt through a model of that cache (`merge.prompt_cache.PrefixCache`, one per cache style and
 provider) when it arrives, and `account` scales the broker's own token counts into the provider's with
-a per provider-and-model `Calibration` learnt from the calls that went out alone (where both counts
-describe the same prompt and the same answer). A request sent alone costs the same both ways.
+a per provider-and-model `Calibration` (`merge.calibration`) learnt from every call: a lone call's
+record, and each merged call as dispatch reports it (`observe_call`: what the broker sent against what
+the provider counted). A request sent alone costs the same both ways. Alone bills priced before the
+calibration had a sample for their provider and model are counted as uncalibrated, and the stats say so.
 
 A model with no price gets no dollars (None) and is counted as unpriced.
 """
@@ -21,11 +23,9 @@ from typing import Any, Protocol
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.tokens import prompt_token_ids
 from mergebroker.clock import Clock, monotonic
+from mergebroker.merge.calibration import Calibration, CallTokens
 from mergebroker.merge.pricing import CacheStyle, ModelPrice, PriceTable, cost_usd
-from mergebroker.merge.prompt_cache import CacheKey, Calibration, PrefixCache, ProviderCacheModel
-
-_COMPLETION = "completion:"
-"""Prefix of the calibration key for completion tokens (answers are counted apart from prompts)."""
+from mergebroker.merge.prompt_cache import CacheKey, PrefixCache, ProviderCacheModel
 
 
 class PricedRequest(Protocol):
@@ -52,6 +52,7 @@ class CostTotals:
     actual_usd: float = 0.0
     alone_usd: float = 0.0
     unpriced_requests: int = 0
+    uncalibrated_requests: int = 0  # alone bills priced before the provider's token counts were learnt
     by_tier: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0.0, 0.0]))
     by_model: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0.0, 0.0]))
 
@@ -68,6 +69,7 @@ class CostTotals:
             return {"actual_usd": round(actual, 6), "alone_usd": round(alone, 6), "saved_usd": round(alone - actual, 6)}
 
         return {**money(self.actual_usd, self.alone_usd), "unpriced_requests": self.unpriced_requests,
+                "uncalibrated_requests": self.uncalibrated_requests, "calibrated": not self.uncalibrated_requests,
                 "tiers": {t: money(*v) for t, v in sorted(self.by_tier.items())},
                 "models": {m: money(*v) for m, v in sorted(self.by_model.items())}}
 
@@ -100,6 +102,15 @@ class CostBook:
             breakpoints = (len(prompt_token_ids(system)),) if system else ()
         return self._caches[price.cache].observe(CacheKey(provider, model), tokens, breakpoints)
 
+    def observe_call(self, provider: str, model: str, tokens: CallTokens) -> None:
+        """A call the broker sent (merged, typically: lone calls are learnt from their records) answered
+        with the provider's counts: learn how they compare with the broker's."""
+        self.calibration.observe_call(provider, model, tokens)
+
+    def stats(self) -> dict[str, Any]:
+        """The `cost` object of `/v1/broker/stats`: the totals and the token calibration behind them."""
+        return {**self.totals.as_dict(), "calibration": self.calibration.as_dict()}
+
     def account(self, info: PricedRequest, status: int) -> tuple[float | None, float | None]:
         """(actual, alone) dollars of an answered request, counted in the totals and metrics."""
         price = self.price(info.model)
@@ -124,14 +135,17 @@ class CostBook:
     def _alone(self, price: ModelPrice, info: PricedRequest, actual: float) -> float:
         provider, model = info.provider or "", info.model or ""
         reused = info.cache in ("hit", "coalesced")
+        calibration = self.calibration
         if not reused and (info.batch_size or 1) <= 1:  # it was sent alone: that is its alone bill
-            self.calibration.update(provider, model, info.prompt_tokens, info.alone_prompt_tokens)
-            self.calibration.update(_COMPLETION + provider, model, info.completion_tokens, info.answer_tokens)
+            calibration.update(provider, model, info.prompt_tokens, info.alone_prompt_tokens, "prompt")
+            calibration.update(provider, model, info.completion_tokens, info.answer_tokens, "completion")
             return actual
-        prompt = self.calibration.scale(provider, model, info.alone_prompt_tokens)
-        cached = min(prompt, self.calibration.scale(provider, model, info.alone_cached_tokens))
+        if not calibration.samples(provider, model, "prompt"):
+            self.totals.uncalibrated_requests += 1
+        prompt = calibration.scale(provider, model, info.alone_prompt_tokens, "prompt")
+        cached = min(prompt, calibration.scale(provider, model, info.alone_cached_tokens, "prompt"))
         if info.answer_tokens:
-            completion = self.calibration.scale(_COMPLETION + provider, model, info.answer_tokens)
+            completion = calibration.scale(provider, model, info.answer_tokens, "completion")
         else:
             completion = info.completion_tokens
         return cost_usd(price, prompt, cached, 0, completion)

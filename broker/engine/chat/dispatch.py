@@ -44,6 +44,7 @@ from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, UpstreamError
+from mergebroker.merge.calibration import CallTokens
 from mergebroker.merge.completion import member_completion
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.merged_call import CallMember, CallRules, merged_call
@@ -57,10 +58,12 @@ from mergebroker.merge.settle import (
     SettleOptions,
     apportion_reported,
     every_member,
+    reply_text,
     settle,
     settle_call_error,
 )
 from mergebroker.providers.base import Pool
+from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +75,8 @@ class Dispatcher:
                  embedder: Embedder | None, guard: QualityGuard, merging_allowed: Callable[[str], bool],
                  metrics: Metrics | None = None, clock: Clock = monotonic,
                  on_merged_answer: Callable[[ChatJob, str, int], None] | None = None,
-                 economy: MergeEconomy | None = None) -> None:
+                 economy: MergeEconomy | None = None,
+                 on_call_tokens: Callable[[str, str, CallTokens], None] | None = None) -> None:
         self._pools = pools
         self._tiers = tiers
         self._options = options
@@ -84,6 +88,9 @@ class Dispatcher:
                                      rpm_pressure=pools.rpm_pressure)
         self._economy = economy
         self._on_merged_answer = on_merged_answer  # (job, answer, batch size): the shadow comparison's sampler
+        # (provider, model, tokens) of each merged call the provider reported usage for: the cost book
+        # learns from it how the provider counts tokens (`merge.calibration`).
+        self._on_call_tokens = on_call_tokens
         self._settling = SettleOptions(options.leak_min_words, count_text_tokens)
 
     def prefetch(self, tier: str, jobs: list[ChatJob]) -> None:
@@ -183,6 +190,9 @@ class Dispatcher:
                 log.warning("merged_call_failed", batch_id=batch_id, size=len(jobs), error=type(exc).__name__)
             reply, provider = {}, ""
         else:
+            read = reply_text(reply)
+            self._observe_call(provider, first.model, prompt_estimate, TokenUsage.from_body(reply),
+                               read[0] if read is not None else None)
             try:
                 settlement = settle(reply, members, self._settling)
             except Exception:  # noqa: BLE001 - a reply we cannot read must not cost the members their answers
@@ -249,6 +259,14 @@ class Dispatcher:
             retry_alone += streams.resent
         await asyncio.gather(*retry_alone)
 
+    def _observe_call(self, provider: str, model: str, counted_prompt: int, reported: TokenUsage | None,
+                      text: str | None) -> None:
+        """Hand a merged call's counts both ways to the cost book's calibration (where it reported usage)."""
+        if self._on_call_tokens is None or reported is None or reported.counted or text is None:
+            return
+        self._on_call_tokens(provider, model, CallTokens(counted_prompt, reported.prompt_tokens,
+                                                         count_text_tokens(text), reported.completion_tokens))
+
     def _close_streamed(self, streams: StreamedMembers, member_id: str, verdict: BlockVerdict,
                         counted: CountedUsage, answers: dict[str, str]) -> None:
         """Merged streams: a member's verdict ends its stream (or sends it alone, counted as a fallback)."""
@@ -272,6 +290,9 @@ class Dispatcher:
         if streams is not None:
             streams.settle_answered(usage if reply.usage else {
                 i: counted.token_usage(i, text) for i, text in answers.items()})
+        if reply.usage:
+            self._observe_call(reply.provider, next(iter(by_id.values())).model, counted.prompt_tokens,
+                               TokenUsage.from_body(reply.usage), "".join(reply.text))
         sent = (reply.usage or {}).get("prompt_tokens")
         self._count.merged(tier, answered=len(answers), batch_size=len(by_id), tokens_saved=(
             sum(m.alone_prompt_tokens for m in members) - sent if isinstance(sent, int) else 0))

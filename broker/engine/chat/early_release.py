@@ -47,6 +47,7 @@ class StreamedReply:
     meta: dict[str, Any] = field(default_factory=dict)  # id, created, model, system_fingerprint
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None  # as reported at the end (stream_options.include_usage)
+    text: list[str] = field(default_factory=list)  # every piece of content, blocks and tags (the calibration's)
     failed: bool = False  # ended by an error or the deadline: open members got `merged_call_failed`
 
 
@@ -88,6 +89,7 @@ async def stream_blocks(pools: Pool, call: StreamCall, members: Sequence[SettleM
                 event = chat_event(chunk)
                 reply.meta.update(event.meta or {})
                 if event.text:
+                    reply.text.append(event.text)
                     judge(splitter.feed(event.text))
                 reply.finish_reason = event.finish_reason or reply.finish_reason
                 reply.usage = event.usage or reply.usage
@@ -148,6 +150,7 @@ class CountedUsage:
     """Members' usage from counted tokens: a share of the combined prompt's estimate, their answer's tokens."""
 
     def __init__(self, prompt_estimate: int, members: Sequence[SettleMember]) -> None:
+        self.prompt_tokens = prompt_estimate  # the broker's count of the whole merged prompt
         own = {m.id: m.own_prompt_tokens for m in members}
         self._prompt = apportion_usage({"prompt_tokens": prompt_estimate},
                                        shared_prompt_tokens=max(0, prompt_estimate - sum(own.values())),
