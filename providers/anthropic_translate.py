@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mergebroker.merge.prompt import split_combined_header
 from mergebroker.output_budget import token_budget
 from mergebroker.providers.anthropic_refuse import refuse
 from mergebroker.providers.anthropic_structured import NATIVE_STRUCTURED_OUTPUT, ReplyShape, to_output
@@ -143,9 +144,10 @@ def with_system_breakpoint(body: dict[str, Any]) -> dict[str, Any]:
     cache; unchanged when there is no system prompt, when tools and system prompt cannot reach the model's
     minimum cacheable length, or when the body already holds `MAX_BREAKPOINTS` breakpoints.
 
-    Every call gets it, not only merged ones: a merged call carries no mark a provider could read, and the
-    broker's cost model (`engine.accounting.costs`) already assumes this breakpoint for calls sent alone.
-    The merged call's constant header, in the user turn, is not covered: nothing tells where it ends.
+    Every call gets it, not only merged ones: the broker's cost model (`engine.accounting.costs`) assumes
+    this breakpoint for calls sent alone. A merged call gets a second one after its header, at the start of
+    its user turn (`merge.prompt.split_combined_header`): the header is the same in every merged call, so
+    system prompt and header are read from cache together, as the merge's cost model counts them.
     """
     system = body.get("system")
     if not isinstance(system, str) or not system or _breakpoints(body) >= MAX_BREAKPOINTS:
@@ -153,7 +155,27 @@ def with_system_breakpoint(body: dict[str, Any]) -> dict[str, Any]:
     prefix_chars = len(system) + sum(len(json.dumps(t)) for t in body.get("tools") or [])
     if prefix_chars < min_cacheable_tokens(str(body.get("model") or "")) * CHARS_PER_TOKEN:
         return body
-    return {**body, "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]}
+    marked = {**body, "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}]}
+    return _with_header_breakpoint(marked)
+
+
+def _with_header_breakpoint(body: dict[str, Any]) -> dict[str, Any]:
+    """A merged call's first user turn as two text blocks, the header's marked `cache_control`."""
+    turns = body.get("messages") or []
+    first = turns[0] if turns else None
+    if not isinstance(first, dict) or first.get("role") != "user" or _breakpoints(body) >= MAX_BREAKPOINTS:
+        return body
+    content = first.get("content")
+    text = content if isinstance(content, str) else (
+        content[0].get("text") if isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict)
+        and content[0].get("type") == "text" and "cache_control" not in content[0] else None)
+    split = split_combined_header(text) if isinstance(text, str) else None
+    if split is None:
+        return body
+    header, blocks = split
+    marked = {**first, "content": [{"type": "text", "text": header, "cache_control": {"type": "ephemeral"}},
+                                   {"type": "text", "text": blocks}]}
+    return {**body, "messages": [marked, *turns[1:]]}
 
 
 def _breakpoints(value: Any) -> int:

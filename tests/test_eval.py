@@ -1,13 +1,15 @@
 """`mergebroker eval` runs a request set alone and merged against a real (simulated) upstream, reproducibly, and
-recommends the largest batch size that keeps accuracy within the tolerance of alone."""
+recommends the largest batch size whose merged answers keep accuracy within the tolerance of alone and whose
+calls, tokens and dollars, re-sends included, are below alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from mergebroker.broker.cli import build_parser
 from mergebroker.broker.eval.cli import eval_command
-from mergebroker.broker.eval.report import recommend
+from mergebroker.broker.eval.report import SizeSummary, recommend
 from mergebroker.broker.eval.run import builtin_requests, load_requests, plan_batches
 from mergebroker.providers.simulator.server import SimulatorConfig, start_simulator
 
@@ -79,7 +81,43 @@ def test_a_request_file_names_its_bad_line():
         raise AssertionError("a bad line was accepted")
 
 
-def test_the_recommendation_stops_at_the_first_batch_size_outside_the_tolerance():
-    assert recommend(0.9, {2: 0.89, 4: 0.87, 8: 0.89}, 2.0) == 2
-    assert recommend(0.9, {2: 0.9, 4: 0.885, 8: 0.88}, 2.0) == 8
-    assert recommend(1.0, {2: 0.95}, 2.0) == 1
+def _passing(batch_size: int) -> SizeSummary:
+    return SizeSummary(batch_size=batch_size, merged_calls=1, fallbacks=0, split_failure_rate=0.0, failure_reasons={},
+                       accuracy=1.0, merged_accuracy=1.0, agreement=1.0, calls=1, calls_saved=1, tokens=1,
+                       tokens_saved=1, usd=None, usd_saved=None, latency_p50_s=0.0, latency_p95_s=0.0)
+
+
+def test_the_recommendation_stops_at_the_first_batch_size_that_fails_a_check():
+    two, four, eight = _passing(2), _passing(4), _passing(8)
+    assert recommend([two, four, eight])[0] == 8
+    best, reason = recommend([two, dataclasses.replace(four, rejected_because="it costs more"), eight])
+    assert best == 2 and "a batch of 4 is not: it costs more" in reason
+    best, reason = recommend([dataclasses.replace(two, rejected_because="85% failed to split"), four])
+    assert best == 1 and reason.startswith("do not merge")
+
+
+async def test_a_model_that_cannot_split_gets_max_batch_1_and_the_reason(tmp_path, capsys):
+    """Its re-sent members score as well as alone, but the merged calls it wastes cost more than alone."""
+    async with await start_simulator(SimulatorConfig(quiz=True, split_failure_rate=0.85, seed=1)) as sim:
+        assert await eval_command(_args(sim, tmp_path, "--builtin", "40", "--price", "2.5,1.25,10")) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["recommended_max_batch"] == 1
+    assert all(s["accuracy"] == 1.0 for s in report["sizes"])  # as served: the re-sent answers are right
+    assert all(s["split_failure_rate"] > 0.5 and s["usd_saved"] < 0 for s in report["sizes"])
+    assert "failed to split" in report["reason"] and "failed to split" in capsys.readouterr().err
+    assert "failed to split" in (tmp_path / "eval.md").read_text()
+
+
+async def test_merges_that_cost_more_tokens_than_they_save_are_not_recommended(tmp_path):
+    """Short questions without a shared system prompt: the merged format's header and tags cost more
+    than the calls save, so merging is a loss in tokens even where every block splits."""
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"What is {n} plus {n}?"}],
+                         "expected": str(2 * n), "temperature": 0}) for n in range(16)]
+    (tmp_path / "set.jsonl").write_text("\n".join(lines))
+    async with await start_simulator(SimulatorConfig(quiz=True)) as sim:
+        assert await eval_command(_args(sim, tmp_path, "--requests", str(tmp_path / "set.jsonl"),
+                                        "--batch-sizes", "2")) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    (size,) = report["sizes"]
+    assert size["split_failure_rate"] == 0 and size["tokens_saved"] < 0
+    assert report["recommended_max_batch"] == 1 and "tokens" in size["rejected_because"]

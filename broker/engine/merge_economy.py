@@ -101,10 +101,10 @@ class MergeEconomy:
         warm = self._warm(model, system_prompt, price.cache, shared)
         rules = ProviderCacheModel.for_style(price.cache)
         cacheable = rules.cacheable(shared + FRAMING_TOKENS) if shared else 0
-        # OpenAI caches on past the system prompt into the header, which never changes; Anthropic stops at the
-        # broker's breakpoint after the system prompt.
-        merged_cached = rules.cacheable(shared + FRAMING_TOKENS + self._header) if (
-            shared and price.cache is CacheStyle.OPENAI) else cacheable
+        # The header never changes, so the cache holds it with the system prompt: OpenAI's caches on past the
+        # system prompt, and Anthropic's reads up to the broker's second breakpoint, after the header
+        # (`providers.anthropic_translate.with_system_breakpoint`).
+        merged_cached = rules.cacheable(shared + FRAMING_TOKENS + self._header) if shared else 0
         layout = MergeLayout(shared=shared, header=self._header, framing=FRAMING_TOKENS,
                              cached=merged_cached if warm else 0)
         # Alone, the first member of a cold prefix pays it in full and warms it for the others.

@@ -28,7 +28,7 @@ from mergebroker.broker.eval.report import (
 )
 from mergebroker.broker.eval.run import Evaluator, Observation, builtin_requests, load_requests
 from mergebroker.merge.fidelity import compare, needs_cosine
-from mergebroker.merge.pricing import PriceTable
+from mergebroker.merge.pricing import ModelPrice, PriceTable
 from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
 
 DEFAULT_KEY_ENV = "MERGEBROKER_UPSTREAM_API_KEY"
@@ -42,6 +42,14 @@ def _sizes(text: str) -> list[int]:
     if not sizes or sizes[0] < 2:
         raise argparse.ArgumentTypeError("batch sizes must be integers of at least 2")
     return sizes
+
+
+def _price(text: str) -> ModelPrice:
+    try:
+        fresh, cached, output = (float(part) for part in text.split(","))
+        return ModelPrice(fresh, cached, output)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected three non-negative numbers INPUT,CACHED,OUTPUT: {exc}") from None
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +68,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="same seed, same set and same batches (default: 0)")
     parser.add_argument("--tolerance", type=float, default=2.0, metavar="POINTS",
                         help="accuracy/agreement points below alone still accepted (default: 2)")
+    parser.add_argument("--price", type=_price, metavar="INPUT,CACHED,OUTPUT",
+                        help="USD per million tokens (fresh input, cached input, output) to price each size's "
+                             "calls; default: the shipped price table's, where it has the model")
     parser.add_argument("--concurrency", type=int, default=8, help="calls in flight at once (default: 8)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per call (default: 120)")
     parser.add_argument("--out", default="eval-report", metavar="DIR",
@@ -91,7 +102,7 @@ async def eval_command(ns: argparse.Namespace, *, environ: Mapping[str, str] = o
     (out / "eval.json").write_text(render_json(summary) + "\n", encoding="utf-8")
     (out / "eval.md").write_text(render_markdown(summary, chart="eval.png" if chart else None), encoding="utf-8")
     print(f"{out / 'eval.md'}: recommended max_batch {summary.recommended_max_batch} for {summary.model} "
-          f"({summary.metric} within {summary.tolerance_points:g} points of alone)"
+          f"({summary.reason})"
           + ("" if chart else "; no chart (matplotlib is in the 'bench' extra)"), file=sys.stderr)
     return 0
 
@@ -113,8 +124,9 @@ async def evaluate(ns: argparse.Namespace, requests: list[Any], *, api_key: str 
     finally:
         await provider.close()
     scorer = await prose_scorer(observation, ns)
+    price = ns.price if ns.price is not None else _shipped_prices().get(ns.model)
     return summarise(observation, model=ns.model, upstream=ns.upstream, seed=ns.seed,
-                     tolerance_points=ns.tolerance, scorer=scorer)
+                     tolerance_points=ns.tolerance, scorer=scorer, price=price)
 
 
 def shipped_output_limit(model: str) -> int | None:

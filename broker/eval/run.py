@@ -27,6 +27,7 @@ from mergebroker.merge.settle import BAD_REPLY, MERGED_CALL_FAILED, SettleOption
 from mergebroker.merge.shape import MergeShape, compatibility_key, merge_shape
 from mergebroker.output_budget import token_budget
 from mergebroker.providers.simulator.quiz_set import builtin_set
+from mergebroker.token_usage import TokenUsage
 
 Chat = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 """One upstream chat call: body -> the parsed completion (raises `BrokerError` on failure)."""
@@ -35,6 +36,18 @@ OutputLimit = Callable[[str], int | None]
 
 DEFAULT_MAX_TOKENS = 256
 BUILTIN_MAX_TOKENS = 32
+BUILTIN_SYSTEM = (
+    "You are the answer engine of a quiz service. Each question has exactly one correct short answer: a "
+    "number, a word, a city or a weekday. Reply with that answer only, with no explanation, no punctuation "
+    "around it and no restating of the question. Numbers are written with digits, without thousands "
+    "separators; units are those the question asks for. Words are written in lower case unless they are "
+    "names. A question about letters counts every letter exactly as written. A question about days counts "
+    "forward from the day it names, and the week starts on Monday. A reversed word keeps its letters' case. "
+    "Never refuse: if a question seems ambiguous, give the most common reading's answer. Keep the answer on "
+    "one line. The service compares your answer with the expected one after normalising case and spaces, so "
+    "any extra word costs the point.")
+"""The built-in set's shared system prompt: production traffic mostly carries one, and it is what a merge
+shares (without it, merging short questions costs more tokens than it saves, and eval says so)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,7 @@ class CallResult:
     latency_s: float
     error: str | None = None
     reply: dict[str, Any] | None = None
+    cached_tokens: int = 0  # of prompt_tokens: read from the provider's prompt cache, as it reported
 
 
 @dataclass(frozen=True)
@@ -92,12 +106,14 @@ class Observation:
 
 
 def builtin_requests(model: str, n: int = 200, *, seed: int = 0) -> list[EvalRequest]:
-    """The built-in question set (`providers.simulator.quiz_set`) as requests at temperature 0."""
+    """The built-in question set (`providers.simulator.quiz_set`) as requests at temperature 0, each with the
+    shared system prompt `BUILTIN_SYSTEM`."""
     out = []
     for item in builtin_set(n, seed=seed):
-        body = {"model": model, "messages": [{"role": "user", "content": item.question}], "temperature": 0,
-                "max_tokens": BUILTIN_MAX_TOKENS}
-        out.append(EvalRequest(body, MergeShape(None, item.question), item.expected, item.kind))
+        body = {"model": model, "messages": [{"role": "system", "content": BUILTIN_SYSTEM},
+                                             {"role": "user", "content": item.question}],
+                "temperature": 0, "max_tokens": BUILTIN_MAX_TOKENS}
+        out.append(EvalRequest(body, MergeShape(BUILTIN_SYSTEM, item.question), item.expected, item.kind))
     return out
 
 
@@ -146,11 +162,12 @@ async def call(chat: Chat, body: dict[str, Any], clock: Callable[[], float] = ti
     except BrokerError as exc:
         return CallResult(None, 0, 0, clock() - started, error=type(exc).__name__)
     read = reply_text(reply)
-    usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+    usage = TokenUsage.from_body(reply) or TokenUsage(0, 0)
     if read is None:
-        return CallResult(None, 0, 0, clock() - started, error=BAD_REPLY)
-    return CallResult(read[0], _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")),
-                      clock() - started, reply=reply)
+        return CallResult(None, usage.prompt_tokens, usage.completion_tokens, clock() - started, error=BAD_REPLY,
+                          cached_tokens=usage.cached_tokens)
+    return CallResult(read[0], usage.prompt_tokens, usage.completion_tokens, clock() - started, reply=reply,
+                      cached_tokens=usage.cached_tokens)
 
 
 def eval_merged_call(requests: Sequence[EvalRequest], rules: CallRules, *, output_limit: int | None,
@@ -217,6 +234,3 @@ class Evaluator:
                 members.append(MemberResult(index, *settled[member_id], result.latency_s))
         return MergedRun(batch_size, tuple(sorted(members, key=lambda m: m.index)), tuple(calls))
 
-
-def _count(value: Any) -> int:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0

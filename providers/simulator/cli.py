@@ -38,6 +38,7 @@ _CLI_OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("drop_block_rate", float, "merged calls: probability that one response block is omitted"),
     ("duplicate_block_rate", float, "merged calls: probability that one response block is repeated"),
     ("garble_block_rate", float, "merged calls: probability that one block's tags are broken"),
+    ("split_failure_rate", float, "merged calls: probability the model ignores the tags and answers in plain prose"),
     ("reorder_blocks", bool, "merged calls: answer the blocks in reverse order"),
     ("chatter", bool, "merged calls: add chatter before and after the blocks"),
     ("down", bool, "answer every call with 503"),

@@ -36,7 +36,8 @@ BILLING_MODES = ("none", "openai")
 CACHE_SCOPES = ("key", "global")
 STREAM_ERROR_STATUSES = (429, 529)
 RATE_FIELDS = ("error_rate", "rate_429", "timeout_rate", "truncate_rate", "malformed_rate",
-               "drop_block_rate", "duplicate_block_rate", "garble_block_rate", "merge_degrade", "stream_error_rate")
+               "drop_block_rate", "duplicate_block_rate", "garble_block_rate", "merge_degrade", "stream_error_rate",
+               "split_failure_rate")
 _NON_NEGATIVE_FIELDS = ("latency_base_ms", "latency_per_token_ms", "retry_after_s", "hang_s",
                         "price_input", "price_cached_input", "price_output")
 _BOOL_FIELDS = ("reorder_blocks", "chatter", "down", "quiz", "ignore_stream", "reject_stream_options",
@@ -87,6 +88,9 @@ class SimulatorConfig:
     drop_block_rate: float = 0.0
     duplicate_block_rate: float = 0.0
     garble_block_rate: float = 0.0
+    # Merged calls: probability that the model ignores the tagged format and answers in plain prose, as a
+    # small model that cannot follow it does (every member's split fails).
+    split_failure_rate: float = 0.0
     reorder_blocks: bool = False
     chatter: bool = False
     down: bool = False
@@ -222,11 +226,13 @@ def render_blocks(answers: Sequence[tuple[str, str]], faults: SimulatorConfig,
     """The reply to a merged call: one block per (id, answer), joined by newlines, with block faults.
 
     Returns the reply text and the names of the faults applied, in the order they were applied:
-    drop (one block omitted), duplicate (one block repeated right after itself), reorder (blocks
+    split failure (no tags at all: the answers as one paragraph), drop (one block omitted), duplicate (one block repeated right after itself), reorder (blocks
     reversed), garble (one block's tags broken), chatter (text before and after the blocks).
     """
     items = list(answers)
     applied: list[str] = []
+    if items and _fires(faults.split_failure_rate, rng):
+        return " ".join(answer for _, answer in items), ["split_failure"]
     if items and _fires(faults.drop_block_rate, rng):
         del items[rng.randrange(len(items))]
         applied.append("drop_block")
