@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -182,7 +182,7 @@ class ChatService:
         self._count_cache(cache)
         if shared:
             self._metrics.upstream_calls_saved.inc()
-        if cacheable and cache_control.write and _complete(outcome.body):
+        if cacheable and cache_control.write and cacheable_reply(outcome.body, body):
             await self._cache.set(key, json.dumps(outcome.body).encode())  # type: ignore[union-attr]
         return ChatResult(outcome, cache, reservation.headers(), prompt_tokens)
 
@@ -240,7 +240,7 @@ class ChatService:
         return self._units[tier.name].scope_of(tenant=caller.tenant, tier=tier.name, user=caller.user)
 
     def _cacheable(self, body: dict[str, Any]) -> bool:
-        return body.get("temperature") == 0 or self._settings.cache.cache_nondeterministic
+        return deterministic(body) or self._settings.cache.cache_nondeterministic
 
     async def stream(self, caller: Caller, body: dict[str, Any], *, timeout_s: float | None,
                      request_id: str = "", merge_opt_out: bool = False) -> StreamStart:
@@ -298,7 +298,15 @@ def prompt_estimate_needed(settings: Settings) -> bool:
     return bool(ledger or merging or tpm)
 
 
-def _complete(body: dict[str, Any]) -> bool:
-    """Only whole answers are cached: no truncated (`length`) or filtered choices."""
-    choices = body.get("choices") or []
-    return bool(choices) and all(c.get("finish_reason") == "stop" for c in choices)
+def deterministic(request: Mapping[str, Any]) -> bool:
+    """Whether a chat request asks for a repeatable answer: `temperature` 0, or a `seed`."""
+    return request.get("temperature") == 0 or request.get("seed") is not None
+
+
+def cacheable_reply(reply: Mapping[str, Any], request: Mapping[str, Any]) -> bool:
+    """Whether `reply` may answer `request` again from the cache: only whole answers, never a truncated
+    (`length`) or filtered choice; tool calls only for a `deterministic` request, because an agent that
+    re-sends a turn at a temperature expects a fresh sample. (The key holds `tools` and `tool_choice`.)"""
+    ends = {c.get("finish_reason") for c in reply.get("choices") or []}
+    whole = {"stop", "tool_calls"} if deterministic(request) else {"stop"}
+    return bool(ends) and ends <= whole
