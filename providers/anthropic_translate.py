@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mergebroker.merge.prompt import split_combined_header
+from mergebroker.combined_header import split_combined_header
 from mergebroker.output_budget import token_budget
 from mergebroker.providers.anthropic_refuse import refuse
 from mergebroker.providers.anthropic_structured import NATIVE_STRUCTURED_OUTPUT, ReplyShape, to_output
@@ -146,7 +146,7 @@ def with_system_breakpoint(body: dict[str, Any]) -> dict[str, Any]:
 
     Every call gets it, not only merged ones: the broker's cost model (`engine.accounting.costs`) assumes
     this breakpoint for calls sent alone. A merged call gets a second one after its header, at the start of
-    its user turn (`merge.prompt.split_combined_header`): the header is the same in every merged call, so
+    its user turn (`mergebroker.combined_header.split_combined_header`): the header is the same in every merged call, so
     system prompt and header are read from cache together, as the merge's cost model counts them.
     """
     system = body.get("system")

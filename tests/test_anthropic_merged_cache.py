@@ -8,7 +8,8 @@ import asyncio
 
 import aiohttp
 
-from mergebroker.merge.prompt import DEFAULT_HEADER, split_combined_header
+from mergebroker.combined_header import split_combined_header
+from mergebroker.merge.prompt import DEFAULT_HEADER
 from mergebroker.providers.anthropic_translate import to_messages
 from mergebroker.providers.simulator.server import count_tokens, start_simulator
 

@@ -87,7 +87,7 @@ class Sink:
     def __init__(self) -> None:
         self.results: dict[str, tuple[int, dict]] = {}
 
-    async def record(self, job, results) -> None:
+    async def record(self, job, results, call=None) -> None:
         for custom_id, status, body in results:
             self.results.setdefault(custom_id, (status, body))
 

@@ -35,6 +35,7 @@ from mergebroker.broker.bulk.files import BATCH_PURPOSE, FileService
 from mergebroker.broker.bulk.finalize import Written, write_files
 from mergebroker.broker.bulk.lines import BatchLine, LineLimits
 from mergebroker.broker.bulk.runner import BulkJob, BulkRunner, Limits, Result
+from mergebroker.broker.bulk.settling import CallShare
 from mergebroker.broker.bulk.store import BatchRow, BatchStore, FileRecord
 from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.limits.admission import Caller
@@ -50,8 +51,9 @@ from mergebroker.providers.pool import ProviderPools
 
 log = structlog.get_logger(__name__)
 
-LineHook = Callable[[BulkJob, str, int, dict[str, Any]], None]
-"""`hook(job, custom_id, status, response body)`: called once per answered line."""
+LineHook = Callable[[BulkJob, str, int, dict[str, Any], CallShare | None], None]
+"""`hook(job, custom_id, status, response body, call)`: called once per answered line; `call` is the upstream call
+that answered it (None: refused before any call)."""
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -176,8 +178,9 @@ class BatchService:
                     return dict(row.data)
                 await self._changed.wait()
 
-    async def record(self, job: BulkJob, results: list[Result]) -> None:
-        """The runner's results: persisted at once, counted once per line."""
+    async def record(self, job: BulkJob, results: list[Result], call: CallShare | None = None) -> None:
+        """The runner's results (`call`: the upstream call that answered them): persisted at once, counted once
+        per line."""
         if not results:
             return
         await self._store.add_results(job.batch_id, results)
@@ -186,7 +189,7 @@ class BatchService:
             if custom_id in progress.answered:
                 continue
             if self._on_line is not None:
-                self._on_line(job, custom_id, status, body)
+                self._on_line(job, custom_id, status, body, call)
             ok = status < 300
             progress.answered[custom_id] = ok
             progress.completed += ok

@@ -19,6 +19,7 @@ loop.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,7 +29,7 @@ import structlog
 from mergebroker.broker.bulk.fair import FairSlots
 from mergebroker.broker.bulk.items import ItemContext, bulk_items
 from mergebroker.broker.bulk.lines import BatchLine
-from mergebroker.broker.bulk.settling import Outcome, Result, failed, judge
+from mergebroker.broker.bulk.settling import CallShare, Outcome, Result, call_share, failed, judge
 from mergebroker.broker.bulk.store import BatchStore
 from mergebroker.broker.bulk.upstream_rounds import RoundHooks, UpstreamRounds
 from mergebroker.broker.engine.accounting.costs import CostBook
@@ -85,8 +86,9 @@ class Limits:
 class JobSink(Protocol):
     """Where a job's results go (the batch service persists them and updates `request_counts`)."""
 
-    async def record(self, job: BulkJob, results: list[Result]) -> None:
-        """Keep these lines' results; a line already answered keeps its first result."""
+    async def record(self, job: BulkJob, results: list[Result], call: CallShare | None = None) -> None:
+        """Keep these lines' results; a line already answered keeps its first result. `call`: the upstream call
+        that answered them all; None for lines refused before any call."""
 
 
 class BulkRunner:
@@ -310,7 +312,9 @@ class _Run:
                                                                  code="upstream_bad_response")), {}
         for reason in retry.values():
             self.r.metrics.split_fallback.labels(reason).inc()
-        await self.sink.record(self.job, results)
+        # A restarted run plans its pool calls under the same names again: the suffix keeps each call's own.
+        share = call_share(call, f"{self.job.batch_id}:{call.call_id}:{secrets.token_hex(4)}")
+        await self.sink.record(self.job, results, share)
         return [c for m in call.members if m.tag in retry for c in m.custom_ids]
 
     def _count(self, mode: str, call: PlannedCall) -> None:

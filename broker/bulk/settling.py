@@ -5,11 +5,14 @@ merged call is settled with `merge.settle`: each member's answer ends at its own
 the broker's tokenizer, `finish_reason: "length"`, usage to match), a block the merged call's limit cut
 short is an answer once it reached its member's budget, and the members whose block failed (missing,
 truncated, leaked, unreadable) are named with the reason, to be re-run alone. An error outcome is every line's error, except in a merged
-call, whose members all go again alone (`settle_call_error` decides which errors allow that).
+call, whose members all go again alone (`settle_call_error` decides which errors allow that). `call_share`
+names the call for the usage ledger, so its lines count as one upstream call however many it answered.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -28,6 +31,22 @@ Result = tuple[str, int, dict[str, Any]]
 """One line's result: custom_id, HTTP status, body."""
 Outcome = dict[str, Any] | BrokerError
 """What one upstream call gave: the reply body, or the error."""
+
+
+@dataclass(frozen=True)
+class CallShare:
+    """One upstream call as the usage ledger counts it: its lines share one call and split its usage."""
+
+    batch_id: str  # unique per upstream call: every line it answered carries it
+    lines: int  # the lines it answered (1: a line sent alone); the ledger's `batch_size`
+    alone_prompt_tokens: Mapping[str, int]  # custom_id -> its prompt had it been sent alone (the broker's count)
+
+
+def call_share(call: PlannedCall, batch_id: str) -> CallShare:
+    """`call` as the ledger counts it, under `batch_id`: each of its lines, identical copies included, would
+    have sent its member's whole prompt alone."""
+    alone = {c: m.prompt_tokens for m in call.members for c in m.custom_ids}
+    return CallShare(batch_id, len(alone), alone)
 
 
 def judge(call: PlannedCall, outcome: Outcome, *, stop: Any, leak_min_words: int) -> tuple[list[Result], dict[str, str]]:

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from mergebroker.broker.bulk.batches import BatchService, build_batch_service
 from mergebroker.broker.bulk.runner import BulkJob, Limits
+from mergebroker.broker.bulk.settling import CallShare
 from mergebroker.broker.cluster.frontend import front_end_queue
 from mergebroker.broker.engine.accounting.request_record import record_bulk_line
 from mergebroker.broker.engine.assemble import assemble, freeze_startup_objects, stop_engine
@@ -70,9 +71,11 @@ def batch_service(broker: Broker) -> BatchService | None:
     """The Batch API over the engine's pools, limits and similarity model (None when disabled)."""
     limiter = broker.limiter
     assert limiter is not None, "assemble() sets the limiter"
-    def ledger_line(job: BulkJob, custom_id: str, status: int, body: dict[str, Any]) -> None:
+    def ledger_line(job: BulkJob, custom_id: str, status: int, body: dict[str, Any], call: CallShare | None) -> None:
         record_bulk_line(broker.metrics, broker.ledger, broker.costs, line_id=f"{job.batch_id}:{custom_id}",
-                         tenant=job.tenant, tier=job.tier, status=status, body=body)
+                         tenant=job.tenant, tier=job.tier, status=status, body=body,
+                         batch_id=call.batch_id if call else None, batch_size=call.lines if call else 0,
+                         alone_prompt_tokens=call.alone_prompt_tokens.get(custom_id) if call else None)
 
     return build_batch_service(broker.settings, pools=broker.pools, providers=list(broker.providers),
                                limits=Limits(limiter, broker.chat.limit_specs), embedder=broker.embedder,

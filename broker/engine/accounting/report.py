@@ -7,7 +7,9 @@ Definitions (all over the records in the window and tenant filter):
 - merge rate: requests answered by a merged call (cache miss, `batch_size > 1`) / all requests;
   cache hit rate and coalesce rate likewise for `cache == "hit"` / `"coalesced"`.
 - upstream calls: members of one batch share one call; a miss without a batch id is its own call;
-  hits, coalesced followers and requests refused before any call (`batch_size == 0`) make none.
+  hits, coalesced followers and requests refused before any call (`batch_size == 0`) make none. A Batch
+  API line carries the batch id of the compacted call that answered it, and every line that call answered
+  (identical lines sent once included) is one of its members, so it counts once and its lines as merged.
 - upstream calls saved: requests served (by a call or a reused answer) minus upstream calls.
 - cost: the dollars the broker recorded for each request (`actual_usd`: its reported usage, cached part
   included, at the model's price) and `alone_usd` (what it would have cost sent alone with the provider's

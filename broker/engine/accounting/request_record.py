@@ -120,13 +120,19 @@ def ledger_record(info: RequestInfo, endpoint: str, status: int, elapsed: float,
 
 
 def record_bulk_line(metrics: Metrics | None, ledger: Ledger | None, costs: CostBook | None, *, line_id: str,
-                     tenant: str, tier: str, status: int, body: Mapping[str, Any]) -> None:
+                     tenant: str, tier: str, status: int, body: Mapping[str, Any], batch_id: str | None = None,
+                     batch_size: int = 1, alone_prompt_tokens: int | None = None) -> None:
     """Account one answered Batch API line like a request (`endpoint=batch`, keyed by its job and custom_id,
-    so a line answered again after a restart is ledgered once), with its apportioned usage."""
+    so a line answered again after a restart is ledgered once), with its apportioned usage.
+
+    `batch_id` names the upstream call that answered it and `batch_size` counts the lines that call answered,
+    so the report counts the call once (0: refused before any call); `alone_prompt_tokens` is the broker's
+    count of its prompt sent alone (default: its share, for a line sent alone)."""
     model = body.get("model") if isinstance(body.get("model"), str) else ""
-    info = RequestInfo(line_id, line_id, tenant=tenant, tier=tier, model=model, cache="miss", batch_size=1)
+    info = RequestInfo(line_id, line_id, tenant=tenant, tier=tier, model=model, cache="miss", batch_size=batch_size,
+                       batch_id=batch_id)
     note_usage(info, TokenUsage.from_body(dict(body)))
-    info.alone_prompt_tokens = info.prompt_tokens
+    info.alone_prompt_tokens = info.prompt_tokens if alone_prompt_tokens is None else alone_prompt_tokens
     if costs is not None and costs.price(model) is not None:
         info.costs = costs
     if ledger is not None or info.costs is not None:
