@@ -25,7 +25,7 @@ COPY configs ./configs
 RUN pip install . \
     && useradd --create-home --uid 10001 broker \
     && mkdir -p /var/lib/mergebroker && chown broker /var/lib/mergebroker \
-    && python -m mergebroker.providers.onnx_export --cache-dir /opt/mergebroker/onnx
+    && python -m mergebroker.providers.local.onnx_export --cache-dir /opt/mergebroker/onnx
 ENV MERGEBROKER_EMBEDDINGS__ONNX_CACHE_DIR=/opt/mergebroker/onnx
 
 USER broker

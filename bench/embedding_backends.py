@@ -111,9 +111,9 @@ def local_encoders(workdir: Path) -> dict[str, Encode]:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from mergebroker.providers import onnx_export
-    from mergebroker.providers.local_model import default_model_path
-    from mergebroker.providers.onnx_encoder import OnnxEncoder, load_checked
+    from mergebroker.providers.local import onnx_export
+    from mergebroker.providers.local.model import default_model_path
+    from mergebroker.providers.local.onnx_encoder import OnnxEncoder, load_checked
 
     path = default_model_path()
     model = SentenceTransformer(path, device="cpu", local_files_only=True)

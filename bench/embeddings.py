@@ -272,7 +272,7 @@ async def model_cost(plan: EmbeddingPlan) -> list[dict[str, Any]]:
     The model runs on `SentenceModelHost`'s worker thread with one torch thread, as in the broker; its CPU
     is the run time of this process's threads other than the main one, whose event loop only waits.
     """
-    from mergebroker.providers.local_model import SentenceModelHost
+    from mergebroker.providers.local.model import SentenceModelHost
 
     host = SentenceModelHost(threads=1, int8_copy=True)
     texts = iter(distinct_texts(10_000, namespace="[model cost] "))

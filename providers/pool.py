@@ -35,7 +35,7 @@ from mergebroker.errors import (
 )
 from mergebroker.output_budget import token_budget
 from mergebroker.providers.held_stream import HeldStream
-from mergebroker.providers.openai_compat import read_timeout_for
+from mergebroker.providers.openai.compat import read_timeout_for
 from mergebroker.providers.opened_stream import first_chunk_opener
 from mergebroker.providers.retry import RetryPolicy, call_with_retries, remaining, retry_reason
 from mergebroker.providers.upstream import NullObserver, PoolObserver, Strategy, Upstream, order_upstreams

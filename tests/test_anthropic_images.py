@@ -9,8 +9,8 @@ import struct
 import pytest
 
 from mergebroker.errors import UpstreamUnsupported
-from mergebroker.providers.anthropic_images import sniff
-from mergebroker.providers.anthropic_translate import to_messages
+from mergebroker.providers.anthropic.images import sniff
+from mergebroker.providers.anthropic.translate import to_messages
 
 
 def png(width: int = 1, height: int = 1, padding: int = 0) -> bytes:

@@ -10,7 +10,7 @@ import aiohttp
 
 from mergebroker.combined_header import split_combined_header
 from mergebroker.merge.prompt import DEFAULT_HEADER
-from mergebroker.providers.anthropic_translate import to_messages
+from mergebroker.providers.anthropic.translate import to_messages
 from mergebroker.providers.simulator.server import count_tokens, start_simulator
 
 SYSTEM = " ".join(["Answer questions about the manual of the Nimbus product, plainly and briefly."] * 150)

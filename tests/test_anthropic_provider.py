@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 
 from mergebroker.errors import UpstreamBadResponse, UpstreamHTTPError, UpstreamUnsupported
-from mergebroker.providers.anthropic import AnthropicProvider
-from mergebroker.providers.openai_compat import HttpProviderSettings
+from mergebroker.providers.anthropic.provider import AnthropicProvider
+from mergebroker.providers.openai.compat import HttpProviderSettings
 from tests.helpers.sse import event
 
 MESSAGE = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "stop_reason": "end_turn",

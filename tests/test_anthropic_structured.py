@@ -9,10 +9,10 @@ import json
 import pytest
 
 from mergebroker.errors import UpstreamUnsupported
-from mergebroker.providers.anthropic_reply import REFUSED, to_completion
-from mergebroker.providers.anthropic_stream import StreamTranslator
-from mergebroker.providers.anthropic_structured import JSON_TOOL, ReplyShape
-from mergebroker.providers.anthropic_translate import to_messages
+from mergebroker.providers.anthropic.reply import REFUSED, to_completion
+from mergebroker.providers.anthropic.stream import StreamTranslator
+from mergebroker.providers.anthropic.structured import JSON_TOOL, ReplyShape
+from mergebroker.providers.anthropic.translate import to_messages
 from tests.helpers.sse import event
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

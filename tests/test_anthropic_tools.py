@@ -9,9 +9,9 @@ import json
 import pytest
 
 from mergebroker.errors import UpstreamUnsupported
-from mergebroker.providers.anthropic_reply import to_completion
-from mergebroker.providers.anthropic_stream import DONE, StreamTranslator
-from mergebroker.providers.anthropic_translate import to_messages
+from mergebroker.providers.anthropic.reply import to_completion
+from mergebroker.providers.anthropic.stream import DONE, StreamTranslator
+from mergebroker.providers.anthropic.translate import to_messages
 from tests.helpers.sse import event
 
 WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather in a city", "strict": True,

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from mergebroker.errors import UpstreamBadResponse, UpstreamHTTPError, UpstreamUnsupported
-from mergebroker.providers.anthropic_errors import OVERLOADED_RETRY_AFTER_S, to_error
-from mergebroker.providers.anthropic_reply import to_completion
-from mergebroker.providers.anthropic_stream import DONE, StreamTranslator
-from mergebroker.providers.anthropic_translate import to_messages
+from mergebroker.providers.anthropic.errors import OVERLOADED_RETRY_AFTER_S, to_error
+from mergebroker.providers.anthropic.reply import to_completion
+from mergebroker.providers.anthropic.stream import DONE, StreamTranslator
+from mergebroker.providers.anthropic.translate import to_messages
 from tests.helpers.sse import event
 
 USER = [{"role": "user", "content": "hello"}]
@@ -241,7 +241,7 @@ def test_no_breakpoint_below_the_models_minimum_or_without_a_system_prompt():
 
 
 def test_no_breakpoint_is_added_to_a_body_that_holds_four_already():
-    from mergebroker.providers.anthropic_translate import with_system_breakpoint
+    from mergebroker.providers.anthropic.translate import with_system_breakpoint
 
     mark = {"type": "ephemeral"}
     body = {"model": "m", "system": LONG_SYSTEM, "tools": [{"name": f"t{i}", "cache_control": mark} for i in range(4)]}

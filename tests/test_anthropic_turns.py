@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mergebroker.errors import UpstreamUnsupported
-from mergebroker.providers.anthropic_turns import OPENING_USER_TURN, split_messages
+from mergebroker.providers.anthropic.turns import OPENING_USER_TURN, split_messages
 
 CALLS = [{"id": "call_a", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
          {"id": "call_b", "type": "function", "function": {"name": "time", "arguments": ""}}]

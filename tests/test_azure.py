@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 
 from mergebroker.errors import UpstreamHTTPError
-from mergebroker.providers.azure import AzureOpenAIProvider
-from mergebroker.providers.openai_compat import HttpProviderSettings
+from mergebroker.providers.openai.azure import AzureOpenAIProvider
+from mergebroker.providers.openai.compat import HttpProviderSettings
 from mergebroker.providers.simulator.server import answer_for
 
 API_VERSION = "2024-10-21"

@@ -14,7 +14,7 @@ from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.limits.ratelimit import RateLimiter
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.clock import FakeClock, monotonic
-from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.upstream import Upstream
 

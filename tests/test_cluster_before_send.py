@@ -19,7 +19,7 @@ from mergebroker.broker.engine.chat.dispatch import (
 from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
 from mergebroker.clock import FakeClock
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
-from mergebroker.providers.openai_compat import (
+from mergebroker.providers.openai.compat import (
     HttpProviderSettings,
     OpenAICompatProvider,
 )

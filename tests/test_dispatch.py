@@ -13,7 +13,7 @@ from mergebroker.clock import Clock, FakeClock, monotonic
 from mergebroker.merge.embedder import FakeEmbedder
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.shape import merge_shape
-from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.simulator.server import answer_for
 from mergebroker.providers.upstream import Upstream

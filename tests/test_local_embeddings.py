@@ -10,8 +10,8 @@ import pytest
 
 from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
 from mergebroker.errors import InvalidRequest, NotFound
-from mergebroker.providers.local_embeddings import LocalEmbeddingBackend
-from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
+from mergebroker.providers.local.embeddings import LocalEmbeddingBackend
+from mergebroker.providers.local.model import LocalEmbedder, SentenceModelHost
 from mergebroker.vectors import normalize_rows
 
 pytestmark = pytest.mark.model

@@ -15,7 +15,7 @@ from mergebroker.clock import FakeClock
 from mergebroker.merge.compaction import BulkItem, CompactionRules, plan_compaction
 from mergebroker.merge.merged_call import CallMember, CallRules, merged_call, own_budget
 from mergebroker.merge.shape import merge_shape
-from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider
 from tests.conftest import provider_for
 from tests.test_tiers_api import SubmitSpy
 

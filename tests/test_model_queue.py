@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 
-from mergebroker.providers.local_model import ModelQueue
+from mergebroker.providers.local.model import ModelQueue
 from tests.conftest import NO_MERGE_MODEL, provider_for
 
 

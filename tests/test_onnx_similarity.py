@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from mergebroker.providers import onnx_export
-from mergebroker.providers.local_model import (
+from mergebroker.providers.local import onnx_export
+from mergebroker.providers.local.model import (
     LocalEmbedder,
     SentenceModelHost,
     default_model_path,
 )
-from mergebroker.providers.onnx_encoder import OnnxEncoder, plan_calls
+from mergebroker.providers.local.onnx_encoder import OnnxEncoder, plan_calls
 
 PARAPHRASES = [
     ("How do I reset my password?", "Hi, how can I reset my password? Thanks."),

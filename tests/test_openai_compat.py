@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestServer
 from structlog.testing import capture_logs
 
 from mergebroker.errors import UpstreamBadResponse, UpstreamConnectionError, UpstreamHTTPError, UpstreamTimeout
-from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider, read_timeout_for
+from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider, read_timeout_for
 from tests.conftest import free_port
 
 API_KEY = "sk-test-secret-123"

@@ -13,7 +13,7 @@ from mergebroker.broker.engine.metrics import Metrics, PoolMetrics
 from mergebroker.clock import FakeClock
 from mergebroker.errors import DeadlineExceeded, UpstreamError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
 from mergebroker.providers.fake import FakeProvider
-from mergebroker.providers.openai_compat import read_timeout_for
+from mergebroker.providers.openai.compat import read_timeout_for
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.retry import RetryPolicy

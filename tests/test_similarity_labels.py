@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
+from mergebroker.providers.local.model import LocalEmbedder, SentenceModelHost
 
 PARAPHRASES = [
     ("How do I reset my password?", "How can I reset my password?"),

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
 from mergebroker.clock import FakeClock
 from mergebroker.errors import UpstreamHTTPError
-from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.retry import RetryPolicy
 from mergebroker.providers.sse import chat_event

@@ -45,8 +45,8 @@ from mergebroker.clock import Clock, Sleep
 from mergebroker.errors import BrokerError, InvalidRequest, NotFound
 from mergebroker.gc_policy import PROCESS, GcPolicy, Hold, let_go
 from mergebroker.merge.embedder import Embedder
-from mergebroker.providers.openai_batches import OpenAIBatchClient
-from mergebroker.providers.openai_compat import HttpProviderSettings
+from mergebroker.providers.openai.batches import OpenAIBatchClient
+from mergebroker.providers.openai.compat import HttpProviderSettings
 from mergebroker.providers.pool import ProviderPools
 
 log = structlog.get_logger(__name__)

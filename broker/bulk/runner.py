@@ -46,7 +46,7 @@ from mergebroker.merge.compaction import BulkItem, CompactionRules, PlannedCall,
 from mergebroker.merge.embedder import Embedder
 from mergebroker.merge.grouping import needs_embedding
 from mergebroker.merge.prompt import BLOCK_OVERHEAD_TOKENS
-from mergebroker.providers.openai_batches import BatchApi
+from mergebroker.providers.openai.batches import BatchApi
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.token_usage import TokenUsage
 

@@ -22,7 +22,7 @@ from mergebroker.broker.bulk.store import BatchStore, UpstreamRound
 from mergebroker.clock import Sleep, sleep_or_event
 from mergebroker.errors import UpstreamError, UpstreamHTTPError
 from mergebroker.merge.compaction import PlannedCall
-from mergebroker.providers.openai_batches import BatchApi
+from mergebroker.providers.openai.batches import BatchApi
 
 log = structlog.get_logger(__name__)
 

@@ -53,7 +53,7 @@ from mergebroker.merge.embedder import BatchingEmbedder, CachingEmbedder
 from mergebroker.merge.lru import LruCache
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.redis_cache import RedisCache, make_redis_client
-from mergebroker.providers.local_model import LocalEmbedder, SentenceModelHost
+from mergebroker.providers.local.model import LocalEmbedder, SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.retry import RetryPolicy
 

@@ -25,7 +25,7 @@ from mergebroker.broker.engine.response_store import ResponseStore, SqliteRespon
 from mergebroker.broker.engine.settings import ProviderSettings, Settings
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.merge.embedder import CachingEmbedder
-from mergebroker.providers.local_model import SentenceModelHost
+from mergebroker.providers.local.model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
 from mergebroker.broker.engine.settings import HTTP_PROVIDER_KINDS, ProviderSettings
 from mergebroker.clock import Clock
-from mergebroker.providers.anthropic import AnthropicProvider
-from mergebroker.providers.anthropic_structured import NATIVE_STRUCTURED_OUTPUT
-from mergebroker.providers.azure import AzureOpenAIProvider
-from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from mergebroker.providers.anthropic.provider import AnthropicProvider
+from mergebroker.providers.anthropic.structured import NATIVE_STRUCTURED_OUTPUT
+from mergebroker.providers.openai.azure import AzureOpenAIProvider
+from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pacing import UpstreamLimiter
 from mergebroker.providers.upstream import Upstream
 

@@ -29,7 +29,7 @@ from mergebroker.broker.eval.report import (
 from mergebroker.broker.eval.run import Evaluator, Observation, builtin_requests, load_requests
 from mergebroker.merge.fidelity import compare, needs_cosine
 from mergebroker.merge.pricing import ModelPrice, PriceTable
-from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider
 
 DEFAULT_KEY_ENV = "MERGEBROKER_UPSTREAM_API_KEY"
 
@@ -153,7 +153,7 @@ async def prose_scorer(observation: Observation, ns: argparse.Namespace) -> Scor
     summarise(observation, model=ns.model, upstream=ns.upstream, seed=ns.seed, scorer=record)
     if not pairs:
         return default_scorer
-    from mergebroker.providers.local_model import SentenceModelHost
+    from mergebroker.providers.local.model import SentenceModelHost
 
     host = SentenceModelHost()
     texts = sorted({t for pair in pairs for t in pair})

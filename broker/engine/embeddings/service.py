@@ -31,8 +31,8 @@ from mergebroker.merge.lru import LruCache
 from mergebroker.merge.redis_cache import RedisCache
 from mergebroker.merge.vector_codec import to_base64
 from mergebroker.providers.base import EmbedResult
-from mergebroker.providers.local_embeddings import LocalEmbeddingBackend
-from mergebroker.providers.local_model import SentenceModelHost
+from mergebroker.providers.local.embeddings import LocalEmbeddingBackend
+from mergebroker.providers.local.model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.token_usage import TokenUsage
 

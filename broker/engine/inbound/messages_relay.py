@@ -9,7 +9,7 @@ from typing import Any
 from mergebroker import jsonio
 from mergebroker.broker.engine.apis.messages import StreamUsageReader, error_event
 from mergebroker.errors import BrokerError
-from mergebroker.providers.anthropic_errors import stream_error
+from mergebroker.providers.anthropic.errors import stream_error
 from mergebroker.token_usage import TokenUsage
 
 

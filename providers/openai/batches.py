@@ -13,7 +13,8 @@ from typing import Any, Protocol
 import aiohttp
 
 from mergebroker.errors import UpstreamBadResponse
-from mergebroker.providers.openai_compat import HttpProviderSettings, _decode_json, _http_error, _translated
+from mergebroker.providers.openai.compat import HttpProviderSettings
+from mergebroker.providers.openai.wire import decode_json, http_error, translated_errors
 
 CALL_TIMEOUT_S = 60.0
 
@@ -61,15 +62,15 @@ class OpenAIBatchClient:
         return self._session
 
     async def _call(self, method: str, endpoint: str, **kwargs: Any) -> bytes:
-        with _translated(self.name, endpoint):
+        with translated_errors(self.name, endpoint):
             async with self._client().request(method, self._base + endpoint, **kwargs) as resp:
                 raw = await resp.read()
                 if not 200 <= resp.status < 300:
-                    raise _http_error(resp.status, resp.headers, raw)
+                    raise http_error(resp.status, resp.headers, raw)
                 return raw
 
     async def _json(self, method: str, endpoint: str, **kwargs: Any) -> dict[str, Any]:
-        data = _decode_json(await self._call(method, endpoint, **kwargs))
+        data = decode_json(await self._call(method, endpoint, **kwargs))
         if not isinstance(data, dict) or not isinstance(data.get("id"), str):
             raise UpstreamBadResponse(f"upstream {endpoint} answered without an object id")
         return data

@@ -7,8 +7,7 @@ above this module sees aiohttp. Each call is exactly one attempt; retries live i
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,13 +18,11 @@ from yarl import URL
 from mergebroker import jsonio
 from mergebroker.errors import (
     UpstreamBadResponse,
-    UpstreamConnectionError,
     UpstreamError,
     UpstreamHTTPError,
-    UpstreamTimeout,
 )
 from mergebroker.providers.native_api import ENDPOINTS, NativeMode, lacks_route, not_native
-from mergebroker.providers.retry import parse_retry_after
+from mergebroker.providers.openai.wire import decode_json, http_error, translated_errors
 from mergebroker.providers.whole_reply import (
     ProviderStream,
     StreamSupport,
@@ -76,49 +73,6 @@ def read_timeout_for(max_tokens: int | None, *, token_rate: float = DEFAULT_TOKE
         raise ValueError("token_rate must be positive")
     tokens = max_tokens if max_tokens is not None and max_tokens > 0 else default_tokens
     return tokens / token_rate + base_s
-
-
-@contextlib.contextmanager
-def _translated(provider: str, endpoint: str) -> Iterator[None]:
-    """Map aiohttp's exceptions onto ours; `UpstreamError`s and cancellation pass through untouched."""
-    try:
-        yield
-    except UpstreamError:
-        raise
-    except TimeoutError as exc:  # before ClientConnectionError: ServerTimeoutError is both
-        log.debug("provider_call_failed", provider=provider, endpoint=endpoint, error="timeout")
-        raise UpstreamTimeout(f"upstream {endpoint} timed out") from exc
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.InvalidURL) as exc:
-        # A truncated body means the connection dropped mid-answer; a bad URL can never connect.
-        log.debug("provider_call_failed", provider=provider, endpoint=endpoint, error=type(exc).__name__)
-        raise UpstreamConnectionError(f"upstream {endpoint} connection failed: {type(exc).__name__}") from exc
-    except aiohttp.ClientError as exc:
-        log.debug("provider_call_failed", provider=provider, endpoint=endpoint, error=type(exc).__name__)
-        raise UpstreamBadResponse(f"upstream {endpoint} sent a malformed HTTP answer") from exc
-
-
-def _decode_json(raw: bytes) -> Any:
-    try:
-        return jsonio.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-
-
-def _http_error(status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
-    """The error for a non-2xx answer, with the upstream's envelope message and Retry-After when present."""
-    body = _decode_json(raw)
-    body = body if isinstance(body, dict) else None
-    error = body.get("error") if body else None
-    message = f"upstream answered HTTP {status}"
-    if isinstance(error, dict) and isinstance(error.get("message"), str):
-        message = error["message"]
-    elif isinstance(error, str):
-        message = error
-    retry_after = parse_retry_after(headers.get("Retry-After"))
-    retry_after_ms = parse_retry_after(headers.get("retry-after-ms"))  # OpenAI's finer-grained variant
-    if retry_after_ms is not None:
-        retry_after = retry_after_ms / 1000.0
-    return UpstreamHTTPError(status, message, retry_after=retry_after, body=body)
 
 
 def _chat_reply(data: Any) -> dict[str, Any]:
@@ -177,7 +131,7 @@ class OpenAICompatProvider:
         if url is None:
             try:
                 url = self._urls[endpoint] = URL(self._base_url + endpoint)
-            except ValueError:  # let aiohttp reject it as before, inside `_translated`
+            except ValueError:  # let aiohttp reject it as before, inside `translated_errors`
                 return self._base_url + endpoint
         return url
 
@@ -187,7 +141,7 @@ class OpenAICompatProvider:
 
     def _upstream_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
         """The error for a non-2xx answer; a provider with another error envelope overrides this."""
-        return _http_error(status, headers, raw)
+        return http_error(status, headers, raw)
 
     def _call_timeout(self, timeout: float) -> aiohttp.ClientTimeout:
         # Most calls' timeout is their read timeout, one of a few values (it follows `max_tokens`), and an
@@ -211,7 +165,7 @@ class OpenAICompatProvider:
     async def _request_json(self, method: str, endpoint: str, body: dict[str, Any] | None,
                             timeout: float, extra_headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         """One request; the parsed JSON object of a 2xx answer, or an `UpstreamError`."""
-        with _translated(self.name, endpoint):
+        with translated_errors(self.name, endpoint):
             data, headers = (None, None) if body is None else (jsonio.dumps(body), _JSON_CONTENT)
             if extra_headers:
                 headers = {**(headers or {}), **extra_headers}
@@ -221,7 +175,7 @@ class OpenAICompatProvider:
                 if not 200 <= resp.status < 300:
                     log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=resp.status)
                     raise self._upstream_error(resp.status, resp.headers, raw)
-        data = _decode_json(raw)
+        data = decode_json(raw)
         if not isinstance(data, dict):
             raise UpstreamBadResponse(f"upstream {endpoint} answered 2xx without a JSON object")
         return data
@@ -355,7 +309,7 @@ class OpenAICompatProvider:
         """
         client_timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout,
                                                connect=min(timeout, self._settings.connect_timeout_s))
-        with _translated(self.name, endpoint):
+        with translated_errors(self.name, endpoint):
             async with self._client().post(self._endpoint_url(endpoint, body), data=jsonio.dumps(body),
                                            headers={**_SSE_REQUEST, **extra_headers} if extra_headers
                                            else _SSE_REQUEST,
@@ -365,7 +319,7 @@ class OpenAICompatProvider:
                 if resp.content_type == "application/json" or resp.content_type.endswith("+json"):
                     if on_json is None:
                         raise UpstreamBadResponse("upstream answered JSON to a streaming request")
-                    for event in on_json(_decode_json(await resp.read())):
+                    for event in on_json(decode_json(await resp.read())):
                         yield event
                     return
                 buffer = b""

@@ -16,12 +16,13 @@ from dataclasses import replace
 from typing import Any
 
 from mergebroker.errors import UpstreamBadResponse, UpstreamHTTPError, UpstreamUnsupported
-from mergebroker.providers.anthropic_errors import to_error
-from mergebroker.providers.anthropic_reply import to_completion
-from mergebroker.providers.anthropic_stream import StreamTranslator
-from mergebroker.providers.anthropic_structured import NATIVE_STRUCTURED_OUTPUT
-from mergebroker.providers.anthropic_translate import ANTHROPIC_VERSION, MessagesCall, to_messages
-from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider, _decode_json
+from mergebroker.providers.anthropic.errors import to_error
+from mergebroker.providers.anthropic.reply import to_completion
+from mergebroker.providers.anthropic.stream import StreamTranslator
+from mergebroker.providers.anthropic.structured import NATIVE_STRUCTURED_OUTPUT
+from mergebroker.providers.anthropic.translate import ANTHROPIC_VERSION, MessagesCall, to_messages
+from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider
+from mergebroker.providers.openai.wire import decode_json
 from mergebroker.providers.retry import parse_retry_after
 
 
@@ -59,7 +60,7 @@ class AnthropicProvider(OpenAICompatProvider):
                            native_structured_output=self._native)
 
     def _upstream_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
-        return to_error(status, _decode_json(raw), retry_after=parse_retry_after(headers.get("Retry-After")))
+        return to_error(status, decode_json(raw), retry_after=parse_retry_after(headers.get("Retry-After")))
 
     async def chat(self, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
         """POST /v1/messages; the answer as a `chat.completion`."""

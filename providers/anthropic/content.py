@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mergebroker.providers.anthropic_images import image_block
-from mergebroker.providers.anthropic_refuse import refuse
+from mergebroker.providers.anthropic.images import image_block
+from mergebroker.providers.anthropic.refuse import refuse
 
 Blocks = list[dict[str, Any]]
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mergebroker.providers.anthropic_content import Blocks, compact, content_blocks, plain_text
-from mergebroker.providers.anthropic_images import count_images
-from mergebroker.providers.anthropic_refuse import refuse
-from mergebroker.providers.anthropic_tools import tool_use_blocks
+from mergebroker.providers.anthropic.content import Blocks, compact, content_blocks, plain_text
+from mergebroker.providers.anthropic.images import count_images
+from mergebroker.providers.anthropic.refuse import refuse
+from mergebroker.providers.anthropic.tools import tool_use_blocks
 
 OPENING_USER_TURN = "(conversation start)"
 """The user turn placed before a conversation that opens with an assistant turn (the API needs a user first)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from yarl import URL
 
-from mergebroker.providers.openai_compat import HttpProviderSettings, OpenAICompatProvider
+from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider
 
 AZURE_API_VERSION = "2024-10-21"
 """The data-plane inference GA version used when none is configured."""

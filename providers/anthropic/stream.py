@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mergebroker.errors import UpstreamBadResponse
-from mergebroker.providers.anthropic_errors import stream_error
-from mergebroker.providers.anthropic_reply import finish_reason, to_usage
-from mergebroker.providers.anthropic_structured import ReplyShape
-from mergebroker.providers.anthropic_tools import arguments_json
+from mergebroker.providers.anthropic.errors import stream_error
+from mergebroker.providers.anthropic.reply import finish_reason, to_usage
+from mergebroker.providers.anthropic.structured import ReplyShape
+from mergebroker.providers.anthropic.tools import arguments_json
 
 DONE = b"data: [DONE]\n\n"
 _SLOT = "\x00text\x00"  # stands for a chunk's text while its frame is rendered; JSON escapes it, no text holds it

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mergebroker.providers.anthropic_refuse import refuse
+from mergebroker.providers.anthropic.refuse import refuse
 
 NATIVE_STRUCTURED_OUTPUT: tuple[str, ...] = (
     "claude-opus-4-1*", "claude-opus-4-5*", "claude-opus-4-6*", "claude-opus-4-7*", "claude-opus-4-8*",

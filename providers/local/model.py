@@ -231,8 +231,8 @@ class SentenceModelHost:
     def _onnx_copy(self, model: Any, path: str) -> Any:
         """The onnxruntime int8 copy, or None (logged: the one warning of a host) where it cannot be had."""
         try:
-            from mergebroker.providers.onnx_encoder import load_checked
-            from mergebroker.providers.onnx_export import default_cache_dir
+            from mergebroker.providers.local.onnx_encoder import load_checked
+            from mergebroker.providers.local.onnx_export import default_cache_dir
 
             return load_checked(model, path, self._onnx_cache_dir or default_cache_dir(), threads=self._threads or 0)
         except Exception as exc:  # noqa: BLE001 - any failure (missing package, export, check) means torch

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from mergebroker.errors import UpstreamBadResponse
-from mergebroker.providers.anthropic_structured import ReplyShape
-from mergebroker.providers.anthropic_tools import to_tool_calls
+from mergebroker.providers.anthropic.structured import ReplyShape
+from mergebroker.providers.anthropic.tools import to_tool_calls
 from mergebroker.token_usage import NO_USAGE, TokenUsage
 
 FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",

@@ -17,10 +17,10 @@ from typing import Any
 
 from mergebroker.combined_header import split_combined_header
 from mergebroker.output_budget import token_budget
-from mergebroker.providers.anthropic_refuse import refuse
-from mergebroker.providers.anthropic_structured import NATIVE_STRUCTURED_OUTPUT, ReplyShape, to_output
-from mergebroker.providers.anthropic_tools import to_tool_choice, to_tools
-from mergebroker.providers.anthropic_turns import split_messages
+from mergebroker.providers.anthropic.refuse import refuse
+from mergebroker.providers.anthropic.structured import NATIVE_STRUCTURED_OUTPUT, ReplyShape, to_output
+from mergebroker.providers.anthropic.tools import to_tool_choice, to_tools
+from mergebroker.providers.anthropic.turns import split_messages
 
 ANTHROPIC_VERSION = "2023-06-01"
 

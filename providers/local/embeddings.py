@@ -14,7 +14,7 @@ import numpy as np
 
 from mergebroker.errors import InvalidRequest, NotFound
 from mergebroker.providers.base import EmbedResult
-from mergebroker.providers.local_model import SentenceModelHost
+from mergebroker.providers.local.model import SentenceModelHost
 from mergebroker.vectors import normalize_rows
 
 DEFAULT_MODEL_NAMES = ("all-MiniLM-L6-v2", "local-minilm")

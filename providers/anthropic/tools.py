@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mergebroker.providers.anthropic_refuse import refuse
+from mergebroker.providers.anthropic.refuse import refuse
 
 _OPEN_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}
 _CHOICES = {"auto": "auto", "none": "none", "required": "any"}

@@ -110,7 +110,7 @@ def load_checked(model: Any, model_path: str | Path, cache_dir: str | Path, *, t
     """An `OnnxEncoder` over the quantised export of `model` (a loaded SentenceTransformer), exported into
     `cache_dir` if needed and checked against `model` itself. A cached file that fails to load or to pass
     the check is deleted and exported afresh once; what still fails raises (the caller falls back to torch)."""
-    from mergebroker.providers.onnx_export import export_name, quantised_model
+    from mergebroker.providers.local.onnx_export import export_name, quantised_model
 
     expected = model.encode(list(PROBE_TEXTS), normalize_embeddings=True, convert_to_numpy=True,
                             show_progress_bar=False)
