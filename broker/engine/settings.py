@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from mergebroker.merge.pricing import PriceTable
@@ -30,7 +30,10 @@ class ServerSettings(_Strict):
     aging_per_s: float = Field(10.0, ge=0, description="Priority points a released group gains per second waited.")
     header_timeout_s: float = Field(10.0, gt=0, description="Longest a client may take to send a request's headers.")
     body_timeout_s: float = Field(30.0, gt=0, description="Longest a client may take to send a request's body (408).")
-    idle_timeout_s: float = Field(30.0, gt=0, description="Keep-alive: an idle client connection closes after this.")
+    idle_timeout_s: float = Field(
+        75.0, gt=0, description="Keep-alive: an idle client connection closes after this. Longer than clients' "
+        "and load balancers' own idle timeouts (AWS ALB 60 s), so that they close first and never reuse a "
+        "connection the broker is closing.")
     max_connections: int | None = Field(
         None, gt=0, description="Client connections per process; past it, stalled ones are closed first "
                                 "(default: the open-file limit minus reserved_fds and providers' connections).")
@@ -41,7 +44,10 @@ class ServerSettings(_Strict):
     accept_error_log_interval_s: float = Field(10.0, gt=0, description="Out-of-descriptor accept errors log once per this.")
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto", description="The serving event loop: uvloop when installed (auto), or the standard asyncio loop.")
-    drain_timeout_s: float = Field(15.0, ge=0, description="At shutdown, requests in flight get this long, then 503.")
+    drain_timeout_s: float = Field(
+        600.0, ge=0, validation_alias=AliasChoices("drain_timeout_s", "drain_s"),
+        description="At shutdown, requests and streams in flight get this long to finish (agent streams run for "
+        "minutes), then a clean error; the drain ends as soon as nothing is in flight. Alias: drain_s.")
     metrics_token_env: str | None = Field(
         None, description="Environment variable holding a bearer token that /metrics and /v1/broker/stats require.")
     metrics_token: SecretStr | None = Field(None, exclude=True)
@@ -83,7 +89,7 @@ class ProviderSettings(_Strict):
     structured_output_models: list[str] | None = Field(
         None, description="kind anthropic: the Anthropic models (glob patterns) given response_format json_schema "
                           "as native structured output; others get the forced-tool technique. Default: the built-in "
-                          "list (providers/anthropic_structured.py).")
+                          "list (providers/anthropic/structured.py).")
     model_map: dict[str, str] = Field(default_factory=dict,
                                       description="kinds anthropic and openai: callers' model name -> upstream's.")
     responses: Literal["auto", "native", "translate"] = Field(
@@ -272,7 +278,7 @@ class EmbeddingSettings(_Strict):
                              "under load); 1 keeps it to one core.")
     onnx_cache_dir: str | None = Field(None, description="Where the similarity model's ONNX export is kept (default: "
                                                          "~/.cache/mergebroker/onnx); `python -m "
-                                                         "mergebroker.providers.onnx_export` makes it ahead of time.")
+                                                         "mergebroker.providers.local.onnx_export` makes it ahead of time.")
     window_ms: float = Field(5.0, ge=0)
     max_batch_size: int = Field(64, gt=0)
     max_batch_tokens: int = Field(16_384, gt=0)
