@@ -36,8 +36,8 @@ def _conn(**state: Any) -> Conn:
 
 
 def test_expired_names_the_limit_each_stage_passed():
-    assert expired(_conn(waiting_since=0, partial=True), 6, LIMITS) == "header_timeout"
-    assert expired(_conn(waiting_since=0, partial=True), 4, LIMITS) is None
+    assert expired(_conn(waiting_since=0, headers_since=0), 6, LIMITS) == "header_timeout"
+    assert expired(_conn(waiting_since=0, headers_since=0), 4, LIMITS) is None
     assert expired(_conn(waiting_since=0), 6, LIMITS) is None  # idle, not past the idle limit
     assert expired(_conn(waiting_since=0), 21, LIMITS) == "idle_timeout"
     slow_body = _conn(waiting_since=0, request_since=1, body_done=lambda: False)
@@ -48,7 +48,7 @@ def test_expired_names_the_limit_each_stage_passed():
 
 def test_eviction_closes_incomplete_headers_first_then_bodies_then_idle_and_never_busy():
     idle = _conn(waiting_since=1)
-    headers_new, headers_old = _conn(waiting_since=5, partial=True), _conn(waiting_since=2, partial=True)
+    headers_new, headers_old = _conn(waiting_since=5, headers_since=5), _conn(waiting_since=2, headers_since=2)
     body = _conn(waiting_since=0, request_since=3, body_done=lambda: False)
     busy = _conn(waiting_since=0, request_since=0, body_done=lambda: True)
     assert eviction_order([idle, busy, headers_new, body, headers_old]) == [headers_old, headers_new, body, idle]
@@ -115,6 +115,46 @@ async def test_slow_headers_and_idle_connections_are_closed_at_their_limits(guar
     clock.advance(15)
     assert app[CONNECTIONS].sweep() == 1
     assert await asyncio.wait_for(idle_reader.read(), 5) == b""
+
+
+def test_header_time_counts_from_the_requests_first_byte_not_from_the_last_response():
+    reused = _conn(waiting_since=0, headers_since=12)  # idled 12 s on keep-alive, then began a request
+    assert expired(reused, 13, LIMITS) is None
+    assert expired(reused, 18, LIMITS) == "header_timeout"
+
+
+MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def _response(reader: asyncio.StreamReader) -> bytes:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    await reader.readexactly(length)
+    return head
+
+
+async def test_a_keep_alive_connection_reused_after_idling_past_the_header_limit_is_served(guarded):
+    """The keep-alive race a client saw as ServerDisconnectedError: its connection idled longer than
+    header_timeout_s (below idle_timeout_s), its next request's first bytes arrived, and the sweep ran before
+    the handler started; the header time was counted from the end of the last response, so it closed."""
+    url, app, clock = await guarded({"header_timeout_s": 5, "idle_timeout_s": 20})
+    reader, writer = await _open(url, MODELS)
+    assert (await _response(reader)).startswith(b"HTTP/1.1 200")
+    clock.advance(12)  # idle on keep-alive: past the header limit, within the idle one
+    writer.write(MODELS[:20])  # the next request's first bytes, as a loaded loop would see them before the rest
+    await writer.drain()
+    await wait_until(lambda: app[CONNECTIONS].stages()["headers"] == 1, 5, lambda: f"{app[CONNECTIONS].stages()}")
+    assert app[CONNECTIONS].sweep() == 0
+    writer.write(MODELS[20:])
+    await writer.drain()
+    assert (await _response(reader)).startswith(b"HTTP/1.1 200")
+    writer.write(MODELS[:20])  # headers that never complete still close at the header limit, from their first byte
+    await writer.drain()
+    await wait_until(lambda: app[CONNECTIONS].stages()["headers"] == 1, 5, lambda: f"{app[CONNECTIONS].stages()}")
+    clock.advance(6)
+    assert app[CONNECTIONS].sweep() == 1
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
 
 
 async def test_a_slow_body_gets_408_in_the_envelope(guarded):

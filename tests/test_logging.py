@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from datetime import datetime
 
 from structlog.testing import capture_logs
 
@@ -42,3 +45,17 @@ def test_provider_settings_never_show_the_key():
                              overrides={"providers": [{"name": "p", "base_url": "http://x/v1", "api_key_env": "K"}]})
     assert settings.providers[0].api_key.get_secret_value() == API_KEY
     assert API_KEY not in repr(settings) and API_KEY not in settings.model_dump_json()
+
+
+def test_json_lines_are_one_parseable_object_per_event_with_a_utc_timestamp():
+    """What `configure_logging` writes in a serving process: orjson-rendered lines, each with level and an
+    ISO-8601 UTC timestamp to the microsecond, secrets redacted (run in a child: configuring is process-wide)."""
+    code = ("from mergebroker.broker.engine.logging import configure_logging; import structlog;"
+            "configure_logging('info'); log = structlog.get_logger('t');"
+            "[log.info('request', n=i, api_key='sk-x', ratio=0.5) for i in range(3)]; log.debug('hidden')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, check=True)
+    lines = [json.loads(line) for line in done.stderr.decode().splitlines()]
+    assert [line["n"] for line in lines] == [0, 1, 2]
+    assert all(line["level"] == "info" and line["api_key"] == "[redacted]" and line["ratio"] == 0.5 for line in lines)
+    stamps = [datetime.strptime(line["timestamp"], "%Y-%m-%dT%H:%M:%S.%fZ") for line in lines]
+    assert stamps == sorted(stamps)

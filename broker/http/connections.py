@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,21 +58,24 @@ class Conn:
     key: Any  # aiohttp's protocol for this connection
     transport: asyncio.BaseTransport
     waiting_since: float  # when it last began waiting for a request (accept, or the end of a response)
-    partial: bool = False  # bytes of a next request arrived while waiting: its headers are incomplete
+    headers_since: float | None = None  # when the first bytes of its next request arrived (headers incomplete)
     request_since: float | None = None  # when its current request began being handled
     body_done: Callable[[], bool] = field(default=lambda: True)
 
     def stage(self) -> str:
         """"headers" (incomplete), "body" (still arriving), "idle" (keep-alive) or "busy" (being served)."""
         if self.request_since is None:
-            return "headers" if self.partial else "idle"
+            return "idle" if self.headers_since is None else "headers"
         return "busy" if self.body_done() else "body"
 
 
 def expired(conn: Conn, now: float, limits: ConnectionLimits) -> str | None:
     """Why `conn` must close now, or None."""
     stage = conn.stage()
-    if stage == "headers" and now - conn.waiting_since > limits.header_timeout_s:
+    # The header time counts from the request's first byte, not from the end of the last response: a keep-alive
+    # connection that idled past header_timeout_s and then sent a request was closed under it when the sweep ran
+    # before the handler started, a loss the client sees as a server disconnect.
+    if stage == "headers" and conn.headers_since is not None and now - conn.headers_since > limits.header_timeout_s:
         return "header_timeout"
     if stage == "idle" and now - conn.waiting_since > limits.idle_timeout_s:
         return "idle_timeout"
@@ -86,7 +90,7 @@ _EVICT_FIRST = {"headers": 0, "body": 1, "idle": 2}
 def eviction_order(conns: Iterable[Conn]) -> list[Conn]:
     """The connections that may be closed to make room, the first to close first."""
     candidates = [c for c in conns if c.stage() in _EVICT_FIRST]
-    return sorted(candidates, key=lambda c: (_EVICT_FIRST[c.stage()], c.request_since or c.waiting_since))
+    return sorted(candidates, key=lambda c: (_EVICT_FIRST[c.stage()], c.request_since or c.headers_since or c.waiting_since))
 
 
 class ConnectionGuard:
@@ -105,6 +109,10 @@ class ConnectionGuard:
 
     def __len__(self) -> int:
         return len(self._conns)
+
+    def stages(self) -> Counter[str]:
+        """How many connections are at each stage ("headers", "body", "idle", "busy") now."""
+        return Counter(conn.stage() for conn in self._conns.values())
 
     def protocol_factory(self, inner: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         """Wrap a server's protocol factory so that its connections are tracked and bounded."""
@@ -128,8 +136,8 @@ class ConnectionGuard:
     def received(self, protocol: Any) -> None:
         """Bytes arrived: while waiting for a request, they are the start of its headers."""
         conn = self._conns.get(protocol)
-        if conn is not None and conn.request_since is None:
-            conn.partial = True
+        if conn is not None and conn.request_since is None and conn.headers_since is None:
+            conn.headers_since = self._clock()
 
     def request_started(self, protocol: Any, body_done: Callable[[], bool]) -> None:
         """A request's headers are complete and it is being handled; `body_done()` says if its body is in."""
@@ -141,7 +149,7 @@ class ConnectionGuard:
         """A response was produced: the connection waits for its next request (keep-alive)."""
         conn = self._conns.get(protocol)
         if conn is not None:
-            conn.request_since, conn.partial, conn.waiting_since = None, False, self._clock()
+            conn.request_since, conn.headers_since, conn.waiting_since = None, None, self._clock()
 
     def sweep(self) -> int:
         """Close every connection past its limit; the number closed."""
