@@ -67,17 +67,23 @@ class QueueChoice(Protocol):
 
 
 async def assemble(settings: Settings, *, queue: QueueChoice | None = None, clock: Clock = monotonic,
-                   sleep: Sleep | None = None) -> Broker:
+                   sleep: Sleep | None = None, keep: Broker | None = None) -> Broker:
     """Build and start every component; `clock` drives all time-based parts (tests inject a fake).
 
     `sleep` (default `clock.sleep`) is what retry backoffs and background loops wait with, for tests that
-    let those waits pass at once.
+    let those waits pass at once. `keep` is the running engine a config reload replaces: the new one shares
+    its process-wide parts (`KEPT_ON_RELOAD`: metrics, Redis, the similarity model, the ledger, stored
+    responses, the rate limiter's counts, the cost book's totals and calibration), the breakers of providers
+    whose breaker settings did not change, and the chat cache while its settings are the same.
     """
     sleep = sleep or clock.sleep
-    metrics = Metrics()
+    metrics = keep.metrics if keep is not None else Metrics()
     simulated = None
     providers = list(settings.providers)
-    if not providers:
+    if not providers and keep is not None and keep.simulated_upstream is not None:
+        simulated = keep.simulated_upstream
+        providers = list(keep.providers)
+    elif not providers:
         from mergebroker.providers.simulator.server import start_simulator
 
         simulated = await start_simulator()
@@ -85,10 +91,11 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
         log.warning("simulated_upstream", url=simulated.url,
                     message="No provider configured: serving from the built-in simulated upstream "
                             "(answers are synthetic). Configure providers or pass --upstream URL.")
-    redis = make_redis_client(settings.redis.url) if settings.redis.url else None
-    breakers = {p.name: CircuitBreaker(p.name, breaker_settings(p), clock=clock,
-                                       on_transition=breaker_listener(metrics, p.name))
-                for p in providers if p.kind in HTTP_PROVIDER_KINDS}
+    if keep is not None:
+        redis = keep.redis
+    else:
+        redis = make_redis_client(settings.redis.url) if settings.redis.url else None
+    breakers = {p.name: _breaker(p, keep, metrics, clock) for p in providers if p.kind in HTTP_PROVIDER_KINDS}
     upstreams = build_upstreams(providers, breakers, clock, settings.merge.default_max_tokens)
     preinitialise(metrics, tiers=[t.name for t in settings.tiers], providers=list(breakers),
                   models=sorted({m for p in providers for m in p.models if "*" not in m}))
@@ -99,12 +106,14 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
         for model in p.models:
             routes.setdefault(model, []).append(p.name)
     policy = DegradationPolicy(routes, breakers, merging_listener(metrics))
-    host, embedder = _similarity_model(settings, providers)
-    ledger = _ledger(settings, clock)
+    host, embedder = (keep.model_host, keep.embedder) if keep is not None else _similarity_model(settings, providers)
+    ledger = keep.ledger if keep is not None else _ledger(settings, clock)
     guard = _guard(settings, clock, metrics)
     shadow = ShadowRunner(pools, rate=settings.merge.shadow_rate, tpm=settings.merge.shadow_tpm, guard=guard,
                           metrics=metrics, embedder=embedder, record=ledger.record if ledger else None, clock=clock)
     costs = CostBook(settings.price_table(), metrics=metrics, clock=clock)
+    if keep is not None and keep.costs is not None:  # new prices; what was spent and learnt stays
+        costs.totals, costs.calibration = keep.costs.totals, keep.costs.calibration
     economy = economy_for(settings, costs, clock)
     dispatcher = _dispatcher(settings, pools, embedder, policy, metrics, clock, guard, shadow, economy, costs)
     tiers = [TierWindow(t.name, t.priority, t.window_ms / 1000, t.max_batch, t.max_queue, t.queue_hard_cap,
@@ -116,27 +125,45 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
     if queue is not None:  # e.g. cluster mode: jobs go to the workers, the local queue is the fallback
         jobs = queue(jobs, metrics=metrics, clock=clock, sleep=sleep)
     limiter: Limiter = RateLimiter(clock)
-    if redis is not None and settings.redis.share_limits:
+    if keep is not None and keep.limiter is not None:  # the counts carry over; the new limits apply to them
+        limiter = keep.limiter
+    elif redis is not None and settings.redis.share_limits:
         limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
-    chat = ChatService(settings, queue=jobs, pools=pools, limiter=limiter, cache=_chat_cache(settings, redis, clock),
-                       metrics=metrics, clock=clock)
+    same_cache = keep is not None and (keep.settings.cache, keep.settings.merge.cache_version) == (
+        settings.cache, settings.merge.cache_version)
+    cache = keep.chat_cache if same_cache and keep is not None else _chat_cache(settings, redis, clock)
+    chat = ChatService(settings, queue=jobs, pools=pools, limiter=limiter, cache=cache, metrics=metrics, clock=clock)
     embeddings = build_embedding_service(settings, pools=pools, host=host, redis=redis, limiter=limiter,
                                          metrics=metrics, providers=providers, clock=clock)
     auth = Authenticator(settings.auth, tiers=tuple(t.name for t in settings.tiers), default_tier=settings.default_tier)
-    shared = None
-    if redis is not None and settings.redis.share_breakers:
+    shared = keep.shared_breakers if keep is not None else None
+    if shared is not None:
+        for b in breakers.values():
+            if b not in keep.breakers.values():  # type: ignore[union-attr]
+                shared.attach(b)
+    elif keep is None and redis is not None and settings.redis.share_breakers:
         shared = SharedBreakerState(redis, clock=clock, sleep=clock.sleep)
         for b in breakers.values():
             shared.attach(b)
     broker = Broker(settings, metrics, auth, pools, jobs, chat, embeddings, policy, breakers, host,
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger,
                     shadow=shadow, embedder=embedder, limiter=limiter, providers=tuple(providers), clock=clock,
-                    sleep=sleep, costs=costs, native=NativeCalls(settings, chat, pools, clock),
-                    responses=open_response_store(settings.responses.backend, path=settings.responses.store_path,
-                                                  retention_s=settings.responses.retention_s, redis=redis,
-                                                  cluster=settings.cluster.enabled))
-    await _start(broker, providers)
+                    sleep=sleep, costs=costs, native=NativeCalls(settings, chat, pools, clock), chat_cache=cache,
+                    responses=keep.responses if keep is not None else open_response_store(
+                        settings.responses.backend, path=settings.responses.store_path,
+                        retention_s=settings.responses.retention_s, redis=redis, cluster=settings.cluster.enabled))
+    await _start(broker, providers, fresh=keep is None)
     return broker
+
+
+def _breaker(p: ProviderSettings, keep: Broker | None, metrics: Metrics, clock: Clock) -> CircuitBreaker:
+    """`p`'s circuit breaker: the running one where a reload left its settings alone (an open breaker stays
+    open), else a new one."""
+    old = keep.breakers.get(p.name) if keep is not None else None
+    kept = next((q for q in keep.providers if q.name == p.name), None) if keep is not None else None
+    if old is not None and kept is not None and breaker_settings(kept) == breaker_settings(p):
+        return old
+    return CircuitBreaker(p.name, breaker_settings(p), clock=clock, on_transition=breaker_listener(metrics, p.name))
 
 
 def _similarity_model(settings: Settings, providers: list[ProviderSettings]
@@ -200,14 +227,15 @@ def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache |
                                   ttl_s=settings.cache.ttl_s, clock=clock), l2)
 
 
-async def _start(broker: Broker, providers: list[ProviderSettings]) -> None:
+async def _start(broker: Broker, providers: list[ProviderSettings], *, fresh: bool = True) -> None:
+    """Start what `assemble` built; `fresh` is False for a reload, whose kept parts already run."""
     await asyncio.to_thread(count_text_tokens, "load the tokenizer before the first request")
     broker.queue.start()
-    if broker.ledger is not None:
+    if fresh and broker.ledger is not None:
         await broker.ledger.start()
-    if broker.shared_breakers is not None:
+    if fresh and broker.shared_breakers is not None:
         await broker.shared_breakers.start()
-    if broker.model_host is not None:
+    if fresh and broker.model_host is not None:
         _background(broker, _load_model(broker.model_host), "model_load")
     for p, u in zip([p for p in providers if p.kind in HTTP_PROVIDER_KINDS], broker.pools.upstreams):
         if p.warmup_connections:
@@ -242,9 +270,19 @@ def _background(broker: Broker, coro: Any, name: str) -> None:
     spawn(broker.background, coro, name)
 
 
-async def stop_engine(broker: Broker) -> None:
-    """Stop every part `assemble` started, in the order that lets each finish its work."""
+async def stop_engine(broker: Broker, *, successor: Broker | None = None) -> None:
+    """Stop every part `assemble` started, in the order that lets each finish its work; the parts a reload's
+    `successor` took over (`assemble(keep=broker)`) keep running."""
     await broker.queue.stop()
+    if successor is not None:
+        if broker.shadow is not None:
+            await broker.shadow.close()
+        await broker.embeddings.stop()
+        await broker.pools.close()
+        for task in list(broker.background):
+            task.cancel()
+        await asyncio.gather(*broker.background, return_exceptions=True)
+        return
     if broker.shared_breakers is not None:
         await broker.shared_breakers.stop()
     for task in list(broker.background):

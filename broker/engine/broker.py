@@ -24,6 +24,7 @@ from mergebroker.broker.engine.native.calls import NativeCalls
 from mergebroker.broker.engine.response_store import ResponseStore, SqliteResponseStore
 from mergebroker.broker.engine.settings import ProviderSettings, Settings
 from mergebroker.clock import Clock, Sleep, monotonic
+from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.embedder import CachingEmbedder
 from mergebroker.providers.local.model import SentenceModelHost
 from mergebroker.providers.pool import ProviderPools
@@ -57,6 +58,7 @@ class Broker:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     native: NativeCalls | None = None  # requests sent to upstreams that speak their API (Responses, Messages)
     responses: ResponseStore = field(default_factory=SqliteResponseStore)  # stored Responses API responses
+    chat_cache: TwoLevelCache | None = None  # the chat answers' cache (kept by a reload that leaves its settings)
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """Ready to serve: providers configured, workers running, the embedding model loaded (if used)."""
