@@ -7,7 +7,10 @@ Part 2, equal load: the same Poisson rate offered to each target, which shows th
 when it is not saturated (in part 1 each target runs at its own saturation, so by Little's law its latency
 mostly mirrors its throughput).
 
-    python -m bench.passthrough [--quick] [--out FILE]
+    python -m bench.passthrough [--quick] [--tracing] [--out FILE]
+
+`--tracing` adds a fourth target: a second broker with telemetry on (traces and GenAI metrics over OTLP to an
+in-process sink that only counts what it receives), reported beside the broker with telemetry off.
 
 Targets, reported and not enforced: broker throughput >= 0.7x the proxy's, and broker p99 minus direct p99
 <= 5 ms, both at concurrency 16.
@@ -23,6 +26,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from aiohttp import web
 
 from bench.harness import (
     CpuWindow,
@@ -47,6 +52,8 @@ from bench.harness import (
 )
 
 TARGETS = ("direct", "proxy", "broker")
+TRACED = "broker_traced"
+"""The broker with telemetry on (`--tracing`), compared with "broker" (off)."""
 THROUGHPUT_RATIO_TARGET = 0.7
 ADDED_P99_TARGET_MS = 5.0
 TARGET_CONCURRENCY = 16
@@ -106,13 +113,14 @@ def rotated(items: Sequence[Target], by: int) -> list[Target]:
 
 
 
-def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int,
+                          names: Sequence[str] = TARGETS) -> dict[str, Any]:
     """Medians per target and paired ratios/differences for one concurrency level."""
     by_round: dict[int, dict[str, dict[str, Any]]] = {}
     for r in rows:
         if r["concurrency"] == concurrency:
             by_round.setdefault(r["round"], {})[r["target"]] = r
-    rounds = [t for t in by_round.values() if set(TARGETS) <= set(t)]
+    rounds = [t for t in by_round.values() if set(names) <= set(t)]
 
     def med(target: str, key: str) -> float:
         return median_of_measured([t[target][key] for t in rounds])
@@ -121,7 +129,7 @@ def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int) -> dict[
         return median_of_measured([fn(t) for t in rounds])
 
     out: dict[str, Any] = {"concurrency": concurrency, "rounds": len(rounds)}
-    for name in TARGETS:
+    for name in names:
         out[name] = {k: med(name, k) for k in ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req", "sim_cpu_ms_per_req")}
         out[name]["errors"] = sum(t[name]["requests"] - t[name]["ok"] for t in rounds)
     out["broker_vs_proxy_rps"] = paired(lambda t: t["broker"]["rps"] / t["proxy"]["rps"])
@@ -132,6 +140,11 @@ def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int) -> dict[
     out["proxy_added_p99_ms"] = paired(lambda t: t["proxy"]["p99_ms"] - t["direct"]["p99_ms"])
     out["broker_vs_proxy_cpu"] = paired(lambda t: t["broker"]["cpu_ms_per_req"] / t["proxy"]["cpu_ms_per_req"]
                                         if t["proxy"]["cpu_ms_per_req"] else float("nan"))
+    if TRACED in names:
+        out["traced_vs_broker_rps"] = paired(lambda t: t[TRACED]["rps"] / t["broker"]["rps"])
+        out["traced_added_p50_ms"] = paired(lambda t: t[TRACED]["p50_ms"] - t["broker"]["p50_ms"])
+        out["traced_added_p99_ms"] = paired(lambda t: t[TRACED]["p99_ms"] - t["broker"]["p99_ms"])
+        out["traced_added_cpu_ms"] = paired(lambda t: t[TRACED]["cpu_ms_per_req"] - t["broker"]["cpu_ms_per_req"])
     return out
 
 
@@ -146,7 +159,7 @@ async def equal_load(targets: list[Target], rate: float, duration_s: float) -> d
         result[target.name] = {"requests": sent, "ok": sum(1 for s in samples if s.status == 200),
                                "achieved_rps": sent / wall if wall else 0.0, **lat,
                                "cpu_ms_per_req": own.ms_per(len(samples))}
-    for name in ("proxy", "broker"):
+    for name in [t.name for t in targets if t.name != "direct"]:
         result[f"{name}_added_p50_ms"] = result[name]["p50_ms"] - result["direct"]["p50_ms"]
         result[f"{name}_added_p99_ms"] = result[name]["p99_ms"] - result["direct"]["p99_ms"]
     return result
@@ -163,39 +176,82 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
             "added_p99_ok": s["broker_added_p99_ms"] <= ADDED_P99_TARGET_MS}
 
 
-async def run(plan: Plan) -> dict[str, Any]:
-    """Start the simulator, the proxy and the broker; run both parts; return the results."""
+class OtlpSink:
+    """An OTLP/HTTP receiver in this process that accepts every export and only counts it (`--tracing`)."""
+
+    def __init__(self) -> None:
+        self.exports = {"traces": 0, "metrics": 0}
+        self.bytes = 0
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> OtlpSink:
+        app = web.Application()
+        for kind in self.exports:
+            app.router.add_post(f"/v1/{kind}", self._counter(kind))
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _counter(self, kind: str) -> Callable[[web.Request], Any]:
+        async def receive(request: web.Request) -> web.Response:
+            self.bytes += len(await request.read())
+            self.exports[kind] += 1
+            return web.Response(content_type="application/x-protobuf")
+        return receive
+
+
+def traced_config(upstream: str, sink_url: str) -> dict[str, Any]:
+    """The passthrough broker with telemetry on, exporting to `sink_url` (metrics every 5 s)."""
+    return {**passthrough_config(upstream),
+            "telemetry": {"enabled": True, "endpoint": sink_url, "metrics_interval_s": 5.0}}
+
+
+async def run(plan: Plan, *, tracing: bool = False) -> dict[str, Any]:
+    """Start the simulator, the proxy and the broker (and a traced broker); run both parts; return the results."""
     started, probe = time.perf_counter(), cpu_probe_ms()
-    async with processes_together(start_simulator("--latency-base-ms", "0")) as (sim,):
+    names = (*TARGETS, TRACED) if tracing else TARGETS
+    async with OtlpSink() as sink, processes_together(start_simulator("--latency-base-ms", "0")) as (sim,):
         upstream = sim_base_url(sim)
-        async with processes_together(start_proxy(upstream), start_broker(passthrough_config(upstream))) as (
-                proxy, broker):
+        brokers = [start_broker(passthrough_config(upstream))]
+        if tracing:
+            brokers.append(start_broker(traced_config(upstream, sink.url)))
+        async with processes_together(start_proxy(upstream), *brokers) as (proxy, broker, *traced):
             targets = [Target("direct", upstream.removesuffix("/v1"), sim), Target("proxy", proxy.url, proxy),
-                       Target("broker", broker.url, broker)]
+                       Target("broker", broker.url, broker), *(Target(TRACED, t.url, t) for t in traced)]
             rows = []
             for round_no in range(plan.rounds):
                 for level, (concurrency, requests) in enumerate(zip(plan.concurrencies, plan.requests)):
                     for target in rotated(targets, round_no + level):
                         rows.append(await closed_run(target, sim, concurrency, requests, plan.warmup, round_no))
-            summary = {str(c): summarize_concurrency(rows, c) for c in plan.concurrencies}
+            summary = {str(c): summarize_concurrency(rows, c, names) for c in plan.concurrencies}
             loaded = await equal_load(rotated(targets, plan.rounds), plan.open_rate, plan.open_s)
-    return {"plan": asdict(plan), "runs": rows, "summary": summary, "equal_load": loaded,
+    return {"plan": asdict(plan), "names": list(names), "runs": rows, "summary": summary, "equal_load": loaded,
             "targets": {**verdict(summary), "equal_load_added_p99_ms": loaded["broker_added_p99_ms"]},
+            "otlp_sink": {"exports": sink.exports, "bytes": sink.bytes} if tracing else None,
             "meta": run_meta(started, probe)}
 
 
 def report(result: dict[str, Any]) -> str:
     """The printed tables."""
+    names = result.get("names", TARGETS)
     per_target = [{"conc": s["concurrency"], "target": name, **{k: s[name][k] for k in
                    ("rps", "p50_ms", "p99_ms", "cpu_ms_per_req", "errors")}}
-                  for s in result["summary"].values() for name in TARGETS]
+                  for s in result["summary"].values() for name in names]
     ratios = [{"conc": s["concurrency"], **{k: s[k] for k in
                ("broker_vs_proxy_rps", "broker_vs_direct_rps", "proxy_vs_direct_rps", "broker_added_p50_ms",
                 "broker_added_p99_ms", "proxy_added_p99_ms", "broker_vs_proxy_cpu")}}
               for s in result["summary"].values()]
     eq = result["equal_load"]
     equal = [{"target": name, **{k: eq[name][k] for k in ("achieved_rps", "p50_ms", "p99_ms", "cpu_ms_per_req")},
-              "added_p99_ms": eq.get(f"{name}_added_p99_ms")} for name in TARGETS]
+              "added_p99_ms": eq.get(f"{name}_added_p99_ms")} for name in names]
     t = result["targets"]
     lines = ["Closed loop, medians over rounds (cpu = the target's own process; direct: the simulator's)",
              format_table(per_target, ["conc", "target", "rps", "p50_ms", "p99_ms", "cpu_ms_per_req", "errors"]),
@@ -208,6 +264,13 @@ def report(result: dict[str, Any]) -> str:
                  f"added p99 {t['added_p99_ms']:.2f} ms (<= {t['added_p99_target_ms']:g} ms: "
                  f"{'PASS' if t['added_p99_ok'] else 'FAIL'}); added p99 at equal load "
                  f"{t['equal_load_added_p99_ms']:.2f} ms"]
+    if TRACED in names:
+        traced = [{"conc": s["concurrency"], **{k: s[k] for k in ("traced_vs_broker_rps", "traced_added_p50_ms",
+                                                                   "traced_added_p99_ms", "traced_added_cpu_ms")}}
+                  for s in result["summary"].values()]
+        lines += ["", "Telemetry on vs off (broker_traced against broker; paired medians)",
+                  format_table(traced, list(traced[0])),
+                  f"OTLP sink received {result['otlp_sink']['exports']} ({result['otlp_sink']['bytes']} bytes)"]
     return "\n".join(lines)
 
 
@@ -217,14 +280,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny run (seconds), for the smoke test")
     parser.add_argument("--rounds", type=int, help="override the number of interleaved rounds")
     parser.add_argument("--open-rate", type=float, help="req/s offered to each target in the equal-load part")
-    parser.add_argument("--out", default=str(results_path("passthrough.json")), help="JSON output file")
+    parser.add_argument("--tracing", action="store_true",
+                        help="also run a broker with telemetry on (OTLP to an in-process sink), beside off")
+    parser.add_argument("--out", default=None, help="JSON output file")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.rounds or args.open_rate:
         plan = Plan(plan.concurrencies, plan.requests, plan.warmup, args.rounds or plan.rounds,
                     args.open_rate or plan.open_rate, plan.open_s)
-    result = asyncio.run(run(plan))
-    publish(result, report(result), args.out)
+    result = asyncio.run(run(plan, tracing=args.tracing))
+    default_out = "passthrough_tracing.json" if args.tracing else "passthrough.json"
+    publish(result, report(result), args.out or str(results_path(default_out)))
     return 0
 
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from mergebroker import tracing
 from mergebroker.breaker.circuit import PROBE_BUSY_RETRY_S, BreakerOpenError
 from mergebroker.breaker.policy import all_open_retry_after
 from mergebroker.clock import Clock, Sleep, monotonic
@@ -34,6 +35,7 @@ from mergebroker.errors import (
     UpstreamUnsupported,
 )
 from mergebroker.output_budget import token_budget
+from mergebroker.providers import attempt_trace
 from mergebroker.providers.held_stream import HeldStream
 from mergebroker.providers.openai.compat import read_timeout_for
 from mergebroker.providers.opened_stream import first_chunk_opener
@@ -62,6 +64,8 @@ class _CallSpec:
     read_timeout: Callable[[Upstream], float]
     holds_slot: bool = False  # streams keep their upstream slot until the last chunk
     tenant: str | None = None  # whom the call is for: the breaker's blame rule (breaker.blame)
+    operation: str = "chat"  # gen_ai.operation.name of its attempts' spans
+    body: dict[str, Any] | None = None  # the request, read by tracing only (recorded when content may be)
 
 
 class ProviderPools:
@@ -143,7 +147,8 @@ class ProviderPools:
             return await u.provider.chat(body, timeout=timeout)
 
         return await self._call(model, attempt, _CallSpec(deadline, priority, tokens,
-                                                          lambda u: _read_timeout(body, u.token_rate), tenant=tenant))
+                                                          lambda u: _read_timeout(body, u.token_rate), tenant=tenant,
+                                                          body=body))
 
     async def embeddings(self, model: str, body: dict[str, Any], *, deadline: float,
                          tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
@@ -152,7 +157,7 @@ class ProviderPools:
             return await u.provider.embeddings(body, timeout=timeout)
 
         return await self._call(model, attempt, _CallSpec(deadline, 0, tokens, lambda u: EMBEDDINGS_TIMEOUT_S,
-                                                          tenant=tenant))
+                                                          tenant=tenant, operation="embeddings"))
 
     async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
                           tokens: int = 0, tenant: str | None = None) -> tuple[AsyncIterator[bytes], str]:
@@ -165,7 +170,7 @@ class ProviderPools:
 
         return await self._call(model, first_chunk_opener(open_stream),
                                 _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
-                                          holds_slot=True, tenant=tenant))
+                                          holds_slot=True, tenant=tenant, body=body))
 
     def speaks(self, model: str, api: str) -> bool:
         """Whether some upstream of `model` takes the inbound `api` natively (`providers.native_api`)."""
@@ -181,7 +186,8 @@ class ProviderPools:
             return await u.provider.native(api, body, headers=headers, timeout=timeout)  # type: ignore[attr-defined]
 
         return await self._call(model, attempt, _CallSpec(deadline, priority, tokens,
-                                                          lambda u: _read_timeout(body, u.token_rate), tenant=tenant))
+                                                          lambda u: _read_timeout(body, u.token_rate), tenant=tenant,
+                                                          body=body))
 
     async def stream_native(self, model: str, api: str, body: dict[str, Any], *, headers: Mapping[str, str],
                             deadline: float, priority: float = 0, tokens: int = 0,
@@ -192,7 +198,7 @@ class ProviderPools:
 
         return await self._call(model, first_chunk_opener(open_stream),
                                 _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
-                                          holds_slot=True, tenant=tenant))
+                                          holds_slot=True, tenant=tenant, body=body))
 
     async def close(self) -> None:
         """Close every provider's connections."""
@@ -231,7 +237,7 @@ class ProviderPools:
         refusals: list[float] = []
         for u in order_upstreams([u for u in upstreams if not u.is_open()], self._strategy):
             try:
-                return await self._try(u, attempt, spec), u.name
+                return await self._try(model, u, attempt, spec), u.name
             except BreakerOpenError as exc:
                 refusals.append(exc.retry_after or PROBE_BUSY_RETRY_S)
             except UpstreamUnsupported as exc:  # another kind of upstream may carry what this one cannot
@@ -246,23 +252,36 @@ class ProviderPools:
         retry_after = self.fast_fail_after(model)
         raise UpstreamUnavailable(retry_after if retry_after is not None else max(0.1, min(refusals, default=1.0)))
 
-    async def _try(self, u: Upstream, attempt: Attempt[T], spec: _CallSpec) -> T:
-        """One attempt on one upstream: breaker check, rate and concurrency slot, the call, the settlement."""
+    async def _try(self, model: str, u: Upstream, attempt: Attempt[T], spec: _CallSpec) -> T:
+        """One attempt on one upstream: breaker check, rate and concurrency slot, the call, the settlement.
+
+        While tracing is on, the call has its own CLIENT span (current while it goes out: its `traceparent`),
+        ended with the reply, the failure, or (a stream) the stream's end."""
         if remaining(spec.deadline, self._clock) <= 0:
             raise DeadlineExceeded("The request's deadline passed before an upstream answered.")
         if u.breaker is not None:
             u.breaker.before_call(spec.tenant)  # refuse before queueing for a slot or spending rate budget
         taken = await self._acquire(u, spec)
         sent = False
+        span: tracing.AttemptSpan | None = None
         try:
             left, read_timeout = remaining(spec.deadline, self._clock), spec.read_timeout(u)
             if left <= 0:
                 raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.")
             sent = True
-            result = await self._guarded(u, attempt, min(left, read_timeout),
-                                         deadline=spec.deadline if left < read_timeout else None, tenant=spec.tenant,
-                                         request_deadline=spec.deadline)
+            if tracing.enabled():
+                span = tracing.start_attempt(spec.operation, model, attempt_trace.peer_of(u), self._clock(),
+                                             attempt_trace.input_text(spec.body) if spec.body else None)
+            try:
+                result = await self._guarded(u, attempt, min(left, read_timeout),
+                                             deadline=spec.deadline if left < read_timeout else None,
+                                             tenant=spec.tenant, request_deadline=spec.deadline)
+            finally:
+                if span is not None:
+                    span.detach()
         except BaseException as exc:
+            if span is not None:
+                span.failed(self._clock(), exc)
             self._release(u)
             self._give_back_unspent(u, exc, sent, taken)
             raise
@@ -270,6 +289,11 @@ class ProviderPools:
             used = TokenUsage.from_body(_reply_of(result))
             if used is not None:
                 u.limiter.give_back(taken - used.total_tokens)
+        if span is not None:
+            if spec.holds_slot:
+                result = attempt_trace.TracedStream(result, span, self._clock)  # type: ignore[arg-type, assignment]
+            else:
+                attempt_trace.reply_seen(span, result, self._clock())
         if spec.holds_slot:
             return HeldStream(result, lambda: self._release(u),  # type: ignore[arg-type, return-value]
                                on_broken=lambda exc: self._stream_broke(u, exc, spec.tenant))

@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError
 
+from mergebroker import tracing
 from mergebroker.background import spawn
 from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.cluster.inflight import InFlight
@@ -225,7 +226,8 @@ class ClusterQueue:
                        flight_key=flight_key(job.caller.tenant, job.tier, job.merge_key is not None, job.body),
                        prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
                        deadline_ms=self._server_clock.to_server_ms(deadline),
-                       enqueued_ms=self._server_clock.to_server_ms(job.enqueued_at))
+                       enqueued_ms=self._server_clock.to_server_ms(job.enqueued_at),
+                       traceparent=tracing.traceparent(job.trace_context))
 
     async def _reply_loop(self) -> None:
         last_id, since_trim = "0-0", 0

@@ -36,6 +36,7 @@ class WireJob:
     max_tokens: int
     deadline_ms: int  # Redis server time
     enqueued_ms: int = 0  # when the front-end queued it, Redis server time (0: unknown, count from the read)
+    traceparent: str | None = None  # W3C traceparent of its request's span (tracing on), for the worker's call
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ def encode_job(job: WireJob) -> dict[bytes, bytes]:
            "caller": [c.tenant, c.tier, c.key_id, c.user], "body": job.body, "mk": job.merge_key,
            "fk": job.flight_key, "pt": job.prompt_tokens, "mt": job.max_tokens, "dl": job.deadline_ms,
            "at": job.enqueued_ms}
+    if job.traceparent:
+        doc["tp"] = job.traceparent
     return {FIELD: json.dumps(doc, separators=(",", ":")).encode()}
 
 
@@ -72,7 +75,8 @@ def decode_job(fields: dict[bytes, bytes]) -> WireJob:
                        caller=Caller(tenant=tenant, tier=tier, key_id=key_id, user=user), body=doc["body"],
                        merge_key=doc["mk"], flight_key=str(doc["fk"]), prompt_tokens=int(doc["pt"]),
                        max_tokens=int(doc["mt"]), deadline_ms=int(doc["dl"]),
-                       enqueued_ms=int(doc.get("at", 0)))
+                       enqueued_ms=int(doc.get("at", 0)),
+                       traceparent=doc["tp"] if isinstance(doc.get("tp"), str) else None)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"unreadable job entry: {type(exc).__name__}") from exc
 

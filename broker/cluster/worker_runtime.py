@@ -8,6 +8,7 @@ partitions it holds instead of by HTTP handlers. Workers scale independently of 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import uuid
@@ -16,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from mergebroker import tracing
 from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.cluster.consumer import StreamConsumer
 from mergebroker.broker.cluster.leases import PartitionLeases
@@ -40,6 +42,7 @@ class Worker:
     cluster: ClusterWorker
     redis: Any
     worker_id: str
+    traced: bool = False  # this worker installed the process's telemetry (`stop_worker` removes it)
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         ok, checks = self.broker.ready()
@@ -54,6 +57,7 @@ async def start_worker(settings: Settings, *, clock: Clock = monotonic, sleep: S
         raise ValueError("a worker needs redis.url")
     local = settings.model_copy(update={"cluster": settings.cluster.model_copy(update={"enabled": False})})
     sleep = sleep or clock.sleep
+
     broker = await assemble(local, clock=clock, sleep=sleep)
     preinitialise_cluster(broker.metrics)
     c = settings.cluster
@@ -70,9 +74,12 @@ async def start_worker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     presence = Presence(make_presence_client(settings.redis.url, worker_id), keys, worker_id)
     cluster = ClusterWorker(redis, consumer, leases, keys=keys, settings=c, metrics=broker.metrics, sleep=sleep,
                             clock=clock, presence=presence, worker_id=worker_id)
+    traced = bool(settings.telemetry.enabled)
+    if traced:  # the worker's upstream calls, linked to the front-ends' request spans (`WireJob.traceparent`)
+        tracing.install(settings.telemetry.config())
     cluster.start()
     log.info("worker_started", worker_id=worker_id, partitions=c.partitions)
-    return Worker(broker, cluster, redis, worker_id)
+    return Worker(broker, cluster, redis, worker_id, traced)
 
 
 async def stop_worker(worker: Worker) -> None:
@@ -80,3 +87,5 @@ async def stop_worker(worker: Worker) -> None:
     await worker.cluster.stop()
     await worker.redis.aclose()
     await stop_engine(worker.broker)
+    if worker.traced:
+        await asyncio.to_thread(tracing.uninstall)  # the last export goes out over HTTP: off the loop

@@ -48,6 +48,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, *, environ: dict[s
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from exc
     _resolve_secrets(settings, env)
+    settings.telemetry = settings.telemetry.resolved(env)  # OTEL_* switch telemetry on where the file leaves it open
     return settings
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from mergebroker.broker.engine.telemetry_settings import TelemetrySettings
 from mergebroker.merge.pricing import PriceTable
 
 HARD_MAX_BATCH = 8
@@ -369,6 +370,7 @@ class Settings(BaseSettings):
     batches: BatchSettings = Field(default_factory=BatchSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     mcp: McpSettings = Field(default_factory=McpSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     pricing: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="USD per million tokens by model: {input, cached_input, output, and "
                                           "optionally cache_write, context_window, max_output_tokens, cache}; over "

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from aiohttp import web
 
+from mergebroker import tracing
 from mergebroker.broker.bulk.batches import BatchService, build_batch_service
 from mergebroker.broker.bulk.runner import BulkJob, Limits
 from mergebroker.broker.bulk.settling import CallShare
@@ -23,6 +25,7 @@ from mergebroker.broker.engine.assemble import assemble, freeze_startup_objects,
 from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.metrics import connections_listener
 from mergebroker.broker.engine.settings import HTTP_PROVIDER_KINDS, Settings
+from mergebroker.broker.engine.telemetry_settings import TelemetrySettings
 from mergebroker.broker.http.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.http.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
 from mergebroker.broker.http.drain import DRAIN, Drain
@@ -30,13 +33,15 @@ from mergebroker.broker.http.keys import BATCHES, BROKER, SETTINGS_MAX_BODY
 from mergebroker.broker.http.middleware import error_middleware
 from mergebroker.broker.http.routes import add_routes
 from mergebroker.broker.http.server import CONNECTIONS
+from mergebroker.broker.http.tracing import TELEMETRY, tracing_middleware
 from mergebroker.clock import Clock, Sleep, monotonic
 
 
 def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None) -> web.Application:
     """The aiohttp application for `settings`; components are built when it starts."""
-    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware],
-                          handler_args=HANDLER_ARGS)
+    traced = bool(settings.telemetry.enabled)  # off: no tracing middleware, no OpenTelemetry call at all
+    app = web.Application(client_max_size=settings.server.max_body_bytes, handler_args=HANDLER_ARGS,
+                          middlewares=[tracing_middleware, error_middleware] if traced else [error_middleware])
     app[SETTINGS_MAX_BODY] = settings.server.max_body_bytes
     app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
                                   settings.server.max_json_depth)
@@ -63,8 +68,19 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | N
                 await batches.stop()
             await stop_engine(broker)
 
+    if traced:
+        app.cleanup_ctx.append(partial(telemetry_lifecycle, settings.telemetry))
     app.cleanup_ctx.append(lifecycle)
     return app
+
+
+async def telemetry_lifecycle(section: TelemetrySettings, app: web.Application) -> AsyncIterator[None]:
+    """Install this process's telemetry before the engine starts; flush and remove it after it stopped."""
+    app[TELEMETRY] = tracing.install(section.config())
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(tracing.uninstall)  # the last export goes out over HTTP: off the loop
 
 
 def batch_service(broker: Broker) -> BatchService | None:

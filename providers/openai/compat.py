@@ -15,7 +15,7 @@ import aiohttp
 import structlog
 from yarl import URL
 
-from mergebroker import jsonio
+from mergebroker import jsonio, tracing
 from mergebroker.errors import (
     UpstreamBadResponse,
     UpstreamError,
@@ -169,6 +169,8 @@ class OpenAICompatProvider:
             data, headers = (None, None) if body is None else (jsonio.dumps(body), _JSON_CONTENT)
             if extra_headers:
                 headers = {**(headers or {}), **extra_headers}
+            if tracing.enabled():  # the attempt's CLIENT span is current: its traceparent goes along
+                headers = tracing.inject(headers or {})  # a copy: the shared constants stay as they are
             async with self._client().request(method, self._endpoint_url(endpoint, body), data=data, headers=headers,
                                               timeout=self._call_timeout(timeout)) as resp:
                 raw = await resp.read()
@@ -309,11 +311,12 @@ class OpenAICompatProvider:
         """
         client_timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout,
                                                connect=min(timeout, self._settings.connect_timeout_s))
+        headers: Mapping[str, str] = {**_SSE_REQUEST, **extra_headers} if extra_headers else _SSE_REQUEST
+        if tracing.enabled():
+            headers = tracing.inject(headers)
         with translated_errors(self.name, endpoint):
             async with self._client().post(self._endpoint_url(endpoint, body), data=jsonio.dumps(body),
-                                           headers={**_SSE_REQUEST, **extra_headers} if extra_headers
-                                           else _SSE_REQUEST,
-                                           timeout=client_timeout) as resp:
+                                           headers=headers, timeout=client_timeout) as resp:
                 if not 200 <= resp.status < 300:
                     raise self._upstream_error(resp.status, resp.headers, await resp.read())
                 if resp.content_type == "application/json" or resp.content_type.endswith("+json"):

@@ -52,6 +52,8 @@ class RequestInfo:
     usage_settles: asyncio.Future[Any] | None = None
     stream_error: BrokerError | None = None  # what ended a stream whose headers were already sent
     dropped: tuple[str, ...] = ()  # fields a translation to another API could not carry (X-Broker-Dropped)
+    usd_actual: float | None = None  # priced when it is recorded (`costs`): what it cost, and would alone
+    usd_alone: float | None = None
 
 
 def record_request(metrics: Metrics | None, ledger: Ledger | None, info: RequestInfo, endpoint: str, status: int,
@@ -80,6 +82,7 @@ def _record(ledger: Ledger | None, info: RequestInfo, endpoint: str, status: int
     if settles is not None and not settles.cancelled() and settles.exception() is None:
         note_usage(info, settles.result())
     dollars = info.costs.account(info, status) if info.costs is not None else (None, None)
+    info.usd_actual, info.usd_alone = dollars
     if ledger is not None:
         ledger.record(ledger_record(info, endpoint, status, elapsed, dollars))
 

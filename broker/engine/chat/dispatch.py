@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from mergebroker import tracing
 from mergebroker.broker.engine.chat.counters import DispatchCounters
 from mergebroker.broker.engine.chat.early_release import (
     CountedUsage,
@@ -135,9 +136,10 @@ class Dispatcher:
             await self._run_single_stream(job, deadline)
             return
         try:
-            body, provider = await self._pools.chat(job.model, job.body, deadline=deadline,
-                                                    priority=job.priority, tokens=job.reserved_tokens,
-                                                    tenant=job.caller.tenant)
+            with tracing.parent(job.trace_context):  # queued: its call belongs to its request's trace
+                body, provider = await self._pools.chat(job.model, job.body, deadline=deadline,
+                                                        priority=job.priority, tokens=job.reserved_tokens,
+                                                        tenant=job.caller.tenant)
             job.resolve(ChatOutcome(body, provider, self._clock() - started, fallback=fallback))
         except BrokerError as exc:
             job.fail(exc)
@@ -149,9 +151,10 @@ class Dispatcher:
         """A streaming request that found no partner: its own upstream stream, relayed as it comes."""
         started = self._clock()
         try:
-            chunks, provider = await self._pools.stream_chat(job.model, with_usage_requested(job.body),
-                                                             deadline=deadline, priority=job.priority,
-                                                             tokens=job.reserved_tokens)
+            with tracing.parent(job.trace_context):
+                chunks, provider = await self._pools.stream_chat(job.model, with_usage_requested(job.body),
+                                                                 deadline=deadline, priority=job.priority,
+                                                                 tokens=job.reserved_tokens)
         except BrokerError as exc:
             job.fail(exc)
             return
@@ -181,9 +184,12 @@ class Dispatcher:
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
             tenants = {j.caller.tenant for j in jobs}  # blame goes to one tenant only (breaker.blame)
-            reply, provider = await self._pools.chat(first.model, body, deadline=merged_call_deadline(started, deadline),
-                                                     priority=first.priority, tokens=prompt_estimate + body["max_tokens"],
-                                                     tenant=tenants.pop() if len(tenants) == 1 else None)
+            with tracing.merged_call(batch_id, (j.trace_context for j in jobs)):  # linked to every member
+                reply, provider = await self._pools.chat(first.model, body,
+                                                         deadline=merged_call_deadline(started, deadline),
+                                                         priority=first.priority,
+                                                         tokens=prompt_estimate + body["max_tokens"],
+                                                         tenant=tenants.pop() if len(tenants) == 1 else None)
         except BrokerError as exc:
             settlement = settle_call_error(exc, members)
             if settlement.fallbacks:
@@ -237,8 +243,9 @@ class Dispatcher:
 
         structlog.contextvars.bind_contextvars(batch_id=batch_id)
         try:
-            reply = await stream_blocks(self._pools, call, members, self._settling, on_verdict, clock=self._clock,
-                                        on_delta=streams.feed if streams else None)
+            with tracing.merged_call(batch_id, (j.trace_context for j in by_id.values())):
+                reply = await stream_blocks(self._pools, call, members, self._settling, on_verdict,
+                                            clock=self._clock, on_delta=streams.feed if streams else None)
         except BrokerError as exc:  # before the first chunk: as a failed merged call
             settlement = settle_call_error(exc, members)
             if streams is not None:
@@ -313,8 +320,10 @@ class Dispatcher:
         """Re-send a streamed member alone: its stream switches over to the new one, or, when some of its
         text was sent already, continues from there (`MemberStream.resume_with`); `usage` is its own call's."""
         try:
-            chunks, _ = await self._pools.stream_chat(job.model, with_usage_requested(job.body), deadline=job.deadline,
-                                                      priority=job.priority, tokens=job.reserved_tokens)
+            with tracing.parent(job.trace_context):
+                chunks, _ = await self._pools.stream_chat(job.model, with_usage_requested(job.body),
+                                                          deadline=job.deadline, priority=job.priority,
+                                                          tokens=job.reserved_tokens)
         except BrokerError as exc:
             settle_future(usage, counted_usage(job.prompt_tokens, stream.released))
             stream.fail(exc)

@@ -13,6 +13,7 @@ from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import BrokerError, Overloaded
 from mergebroker.merge.shape import MergeShape
 from mergebroker.token_usage import TokenUsage
+from mergebroker.tracing import TraceContext
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +77,7 @@ class ChatJob:
     stream: bool = False  # a streaming request (merged streams): its outcome carries a stream
     future: asyncio.Future[ChatOutcome] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     before_send: SendCheck | None = field(default=None, compare=False, repr=False)  # cluster: the sent marker
+    trace_context: TraceContext | None = field(default=None, compare=False, repr=False)  # its request's span
 
     @property
     def tier(self) -> str:

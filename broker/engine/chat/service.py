@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from mergebroker import tracing
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
 from mergebroker.broker.engine.chat.stream_usage import MeteredStream, caller_wants_usage, with_usage_requested
@@ -234,7 +235,7 @@ class ChatService:
         return ChatJob(request_id=request_id, caller=caller, body=body, model=body["model"],
                        priority=aged_rank(tier.priority, now, self._settings.server.aging_per_s),
                        shape=shape, merge_key=merge_key, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                       deadline=deadline, enqueued_at=now, stream=stream)
+                       deadline=deadline, enqueued_at=now, stream=stream, trace_context=tracing.current())
 
     def _scope(self, caller: Caller, tier: TierSettings) -> str:
         return self._units[tier.name].scope_of(tenant=caller.tenant, tier=tier.name, user=caller.user)
