@@ -1,4 +1,4 @@
-"""`mergebroker` command line: serve, worker, simulate, report, eval, warm-cache, mcp, bench."""
+"""`mergebroker` command line: serve, drain, worker, simulate, report, eval, warm-cache, mcp, bench."""
 
 from __future__ import annotations
 
@@ -31,6 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--upstream", action="append", metavar="URL", default=[],
                        help="OpenAI-compatible base URL (e.g. https://api.example.com/v1) serving every model; "
                             "repeat for a pool with failover. API key from $MERGEBROKER_UPSTREAM_API_KEY.")
+
+    drain = sub.add_parser("drain", help="drain a running broker (a preStop hook) and wait until it is idle",
+                           description="Ask the broker to drain (POST /v1/broker/drain): it turns unready, refuses "
+                                       "new requests and lets those in flight finish. Exits 0 once nothing is in "
+                                       "flight, 1 if work was left at the deadline, 2 if the broker cannot be asked.")
+    drain.add_argument("--url", help="the broker's base URL (default: http://127.0.0.1:<server.port of the "
+                                     "config or $MERGEBROKER_SERVER__PORT, 8080>)")
+    drain.add_argument("--timeout", type=float, metavar="S", help="answer after at most S seconds even if work is "
+                                                                   "left (default: the broker's drain_timeout_s)")
+    drain.add_argument("--config", metavar="FILE", help="YAML config file (default: $MERGEBROKER_CONFIG)")
 
     from mergebroker.providers.simulator.cli import add_simulate_arguments
 
@@ -105,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "drain":
+        return _drain(args)
     if args.command == "worker":
         from mergebroker.broker.http.worker_app import run_worker
 
@@ -167,6 +179,49 @@ def _serve(args: argparse.Namespace) -> int:
         structlog.get_logger(__name__).info("event_loop", kind=loop_kind(runner.get_loop()))
         runner.run(serve(create_app(settings), settings.server))
     return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from mergebroker.broker.engine.config import settings_for_command
+
+    settings = settings_for_command(args.config)
+    if settings is None:
+        return 2
+    server = settings.server
+    base = (args.url or f"http://{_loopback_for(server.host)}:{server.port}").rstrip("/")
+    query = f"?{urllib.parse.urlencode({'timeout_s': args.timeout})}" if args.timeout is not None else ""
+    headers = {}
+    if server.metrics_token is not None:  # lets the call through from a peer that is not loopback
+        headers["Authorization"] = f"Bearer {server.metrics_token.get_secret_value()}"
+    request = urllib.request.Request(f"{base}/v1/broker/drain{query}", data=b"", method="POST", headers=headers)
+    wait_s = args.timeout if args.timeout is not None else server.drain_timeout_s
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via $HTTP_PROXY
+        with opener.open(request, timeout=wait_s + 30) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        print(f"mergebroker: {base} refused the drain ({exc.code}): {exc.read()[:500].decode(errors='replace')}",
+              file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"mergebroker: cannot drain {base}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(answer))
+    return 0 if answer.get("drained") else 1
+
+
+def _loopback_for(host: str) -> str:
+    """Where to reach a broker listening on `host` from inside its own pod or machine."""
+    if host in ("", "0.0.0.0", "127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    if host in ("::", "::1"):
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import structlog
 from redis.exceptions import RedisError, ResponseError
 
 from mergebroker.broker.cluster.claims import Claimer
-from mergebroker.broker.cluster.holds import FENCE_SHARE, HEARTBEAT, ClusterJob, Flight, Held, Holds
+from mergebroker.broker.cluster.holds import FENCE_SHARE, HEARTBEAT, ClusterJob, Flight, Held, Holds, fence_drops
 from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.markers import SentMarkers
 from mergebroker.broker.cluster.outbox import Outbox
@@ -52,6 +52,21 @@ from mergebroker.merge.shape import merge_shape
 log = structlog.get_logger(__name__)
 
 LATE_GRACE_S = 0.05
+HANDED_BACK_IDLE_MS = 86_400_000
+"""The idle time an entry handed back at stop is given: past any `claim_idle_ms`, so the next scan claims it."""
+
+# Hands back the listed entries if they are still this consumer's: claimed to itself with a large idle time,
+# so that the next owner's claim rule (idle past claim_idle_ms, no sent marker) takes them on its next scan.
+# ARGV: group, consumer, idle ms, then entry IDs. Returns how many were handed back.
+_HAND_BACK = """local n = 0
+for i = 4, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    n = n + 1
+  end
+end
+return n"""
 OUTCOMES = ("answered", "failed", "expired", "coalesced", "unreadable", "withdrawn", "fenced", "taken_over")
 
 
@@ -98,6 +113,7 @@ class StreamConsumer:
         self._claimer = Claimer(redis, keys, consumer_id, claim_idle_ms=settings.claim_idle_ms)
         self._markers = SentMarkers(redis, keys, consumer_id)
         self._heartbeat = redis.register_script(HEARTBEAT)
+        self._hand_back = redis.register_script(_HAND_BACK)
         self._dead: dict[str, float] = {}  # workers found dead -> when: their entries are claimed at once
 
     @property
@@ -379,6 +395,28 @@ class StreamConsumer:
         except TimeoutError:
             return False
         return True
+
+    async def hand_back(self) -> int:
+        """Stopping with jobs left that never went upstream: drop them (as the fence does) and make their
+        entries claimable now, so the partitions' next owners take them on their next scan rather than after
+        `claim_idle_ms`; how many entries went back. A job sent upstream (or being marked to be) stays: its
+        marker keeps anyone from running it twice. On a Redis error they are claimed by the idle rule."""
+        held = [h for key in list(self._held.keys()) if (h := self._held.get(key)) is not None]
+        drops = fence_drops(held, math.inf, 0.0)
+        by_stream: dict[str, list[bytes]] = {}
+        for h in drops:
+            self._held.drop(h, "fenced")
+            by_stream.setdefault(h.stream, []).append(h.entry_id)
+        handed = 0
+        try:
+            for stream, ids in by_stream.items():
+                handed += int(await self._hand_back(keys=[stream], args=[GROUP, self._id, HANDED_BACK_IDLE_MS,
+                                                                         *ids]))
+        except RedisError as exc:
+            log.warning("cluster_hand_back_failed", error=type(exc).__name__)
+        if drops:
+            log.info("cluster_jobs_handed_back", count=handed, dropped=len(drops))
+        return handed
 
     async def wait_for_replies(self) -> None:
         """Return when something is waiting to be written."""

@@ -108,7 +108,8 @@ class ClusterWorker:
 
         Other workers take the partitions at once; the jobs held here stay heartbeated while they finish,
         so none runs twice and no upstream call is wasted in a rolling restart. Jobs still held after
-        `drain_s` are left to the partitions' next owners, who claim them after claim_idle_ms.
+        `drain_s` that never went upstream are handed back (`StreamConsumer.hand_back`): the partitions'
+        next owners claim them on their next scan. Those sent upstream are not: no one runs them twice.
         """
         self._closed = True  # the reader ends after its current read: cancelling a blocking read is slow
         await self._finish_tasks("cluster-read", self._read_block_ms() / 1000 + 0.5)
@@ -117,7 +118,8 @@ class ClusterWorker:
             await self._leases.release()
         except RedisError:
             pass  # they lapse on their own
-        await self._consumer.drained(self._drain_s)
+        if not await self._consumer.drained(self._drain_s):
+            await self._consumer.hand_back()  # the unsent ones: claimable now, not after claim_idle_ms
         await self._finish_tasks(None, 0)
         if self._presence is not None:
             try:

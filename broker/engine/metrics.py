@@ -105,6 +105,8 @@ class Metrics:
         self.connections_open = Gauge(p + "connections_open", "Client connections held by this process.", registry=r)
         self.connections_closed = Counter(p + "connections_closed", "Client connections closed by the broker's "
                                           "limits, by reason.", ["reason"], registry=r)
+        self.drain_requests = Counter(p + "drain_requests", "Requests the shutdown drain refused (new ones while "
+                                      "draining) or cut (still running at its deadline).", ["outcome"], registry=r)
         # Cluster mode (broker.cluster): partitions on Redis Streams, front-ends and workers.
         self.cluster_backlog = Gauge(p + "cluster_backlog", "Jobs in a partition stream not yet read by a worker "
                                      "(exported by the partition's owner; an autoscaling signal).",
@@ -316,6 +318,15 @@ def connections_listener(metrics: Metrics, open_count: Callable[[], int]) -> Cal
     metrics.connections_open.set_function(open_count)
     children = {reason: metrics.connections_closed.labels(reason) for reason in CONNECTION_CLOSE_REASONS}
     return lambda reason: children[reason].inc()
+
+
+DRAIN_OUTCOMES = ("refused", "cut")
+
+
+def drain_listener(metrics: Metrics) -> Callable[[str, int], None]:
+    """The shutdown drain's callback (`http.drain.DrainListener`); both outcomes' series start at zero."""
+    children = {outcome: metrics.drain_requests.labels(outcome) for outcome in DRAIN_OUTCOMES}
+    return lambda outcome, count: children[outcome].inc(count)
 
 
 class PoolMetrics:

@@ -132,12 +132,18 @@ class HandledStream:
             for frame in self._relay.finish(self.usage()):
                 yield frame
         except BrokerError as exc:
-            self._info.stream_error = exc
-            log.warning("stream_failed", status=exc.status, code=exc.code)
-            for frame in self._relay.fail(exc):
+            for frame in self.interrupt(exc):
                 yield frame
         finally:
             await self.aclose()
+
+    def interrupt(self, exc: BrokerError) -> list[bytes]:
+        """The frames that end this stream as failed with `exc` (what a mid-stream upstream failure sends, in
+        the caller's API); for a stream its writer stops early (the shutdown drain's deadline), and the
+        broken-upstream path above. Noted as the request's stream error."""
+        self._info.stream_error = exc
+        log.warning("stream_failed", status=exc.status, code=exc.code)
+        return self._relay.fail(exc)
 
     def usage(self) -> TokenUsage | None:
         """The stream's usage as known now: the metered stream's settled usage, else what the relay read."""

@@ -7,6 +7,7 @@ stream's frames. Errors leave through the middleware, in the API's own envelope 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from mergebroker.broker.engine.handling import authenticate
 from mergebroker.broker.engine.inbound import messages, responses
 from mergebroker.broker.engine.streams import HandledStream
 from mergebroker.broker.http.body import BODY_LIMITS, read_json
+from mergebroker.broker.http.drain import DRAIN
 from mergebroker.broker.http.keys import BROKER
 from mergebroker.broker.http.middleware import INFO, RESPONSE
 
@@ -87,6 +89,14 @@ async def send_stream(request: web.Request, stream: HandledStream) -> web.Stream
                                  **stream.headers})
         await response.prepare(request)
         async for frame in stream:
+            await response.write(frame)
+    except asyncio.CancelledError:
+        drain = request.app.get(DRAIN)
+        if drain is None or not drain.expired or not response.prepared:
+            raise  # the client left (or the middleware answers the 503: nothing was sent yet)
+        # Cut by the shutdown drain's deadline: the stream ends as a failed one, in its API's own format.
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        for frame in stream.interrupt(drain.refusal()):
             await response.write(frame)
     finally:
         await stream.aclose()

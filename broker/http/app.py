@@ -23,7 +23,7 @@ from mergebroker.broker.cluster.frontend import front_end_queue
 from mergebroker.broker.engine.accounting.request_record import record_bulk_line
 from mergebroker.broker.engine.assemble import assemble, freeze_startup_objects, stop_engine
 from mergebroker.broker.engine.broker import Broker
-from mergebroker.broker.engine.metrics import connections_listener
+from mergebroker.broker.engine.metrics import connections_listener, drain_listener
 from mergebroker.broker.engine.settings import HTTP_PROVIDER_KINDS, Settings
 from mergebroker.broker.engine.telemetry_settings import TelemetrySettings
 from mergebroker.broker.http.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
@@ -46,7 +46,7 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | N
     app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
                                   settings.server.max_json_depth)
     app[CONNECTIONS] = guard = ConnectionGuard(connection_limits(settings), clock=clock)
-    app[DRAIN] = drain = Drain(settings.server.drain_timeout_s)
+    app[DRAIN] = drain = Drain(settings.server.drain_timeout_s)  # real time: a fake-clock test must still shut down
     app.on_shutdown.append(drain.drain)
     add_routes(app)
 
@@ -59,6 +59,7 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | N
             await batches.start()
             freeze_startup_objects()
         guard.observe(connections_listener(broker.metrics, guard.__len__))
+        drain.observe(drain_listener(broker.metrics))
         sweeper = asyncio.create_task(guard.run())  # real time: it only acts on connections a GuardedSite tracks
         try:
             yield

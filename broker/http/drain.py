@@ -1,34 +1,84 @@
-"""A bounded shutdown drain: requests in flight get `drain_timeout_s` to finish, then a 503 envelope.
+"""The shutdown drain: stop taking work, let what is in flight finish, cut what outlives the deadline cleanly.
 
-aiohttp stops accepting, then waits for running handlers (up to its own shutdown timeout) and cancels
-what is left, which closes those connections without an answer. With a hung upstream that wait was the
-whole read timeout. Here every handler registers while it runs (`enter` .. `leave`); at shutdown (`drain`, an
-`on_shutdown` hook) they get `drain_timeout_s` to finish, and those still running are cancelled with
-the drain marked expired, which the middleware turns into one 503 `shutting_down` answer each.
+`begin(reason)` (the first SIGTERM/SIGINT, `POST /v1/broker/drain`, or aiohttp's `on_shutdown` for a
+runner that is simply cleaned up) turns the broker to *draining* while it still listens: /readyz answers
+503 with the reason, new API requests are refused with a 503 `shutting_down` (`refusal`), and the handlers
+in flight, streams included, keep running. The drain ends as soon as none is left (`drained`), or at
+`drain_timeout_s` (or a second signal: `expire`), when the handlers still running are cancelled: the
+middleware answers a request not yet answered with the 503, and a stream already open ends with its API's
+error event (`api_routes.send_stream`), so no client sees a cut connection. Only then does the server stop
+listening.
+
+Every handler registers while it runs (`enter` .. `leave`); the operator's routes do not (the middleware
+leaves them out), so a preStop hook waiting on `POST /v1/broker/drain` never waits for itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from aiohttp import web
 
+from mergebroker.clock import Clock, Timer, monotonic
 from mergebroker.errors import Overloaded
 
 log = structlog.get_logger(__name__)
 
+SETTLE_S = 5.0
+"""How long the handlers cut at the deadline get to write their 503 or final error event."""
+
+DrainListener = Callable[[str, int], None]
+"""Told `(outcome, count)`: `refused` for each request turned away while draining, `cut` for those cancelled."""
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    """How a wait on the drain ended: whether nothing was left in flight, and how much was."""
+
+    drained: bool
+    in_flight: int
+
 
 class Drain:
-    """The handlers in flight, and whether the shutdown drain ran out of time."""
+    """The handlers in flight, and the drain's state: idle, draining, then ended (drained or expired)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, *, clock: Clock = monotonic) -> None:
         self._timeout_s = timeout_s
+        self._clock = clock
         self._running: set[asyncio.Task[object]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._ended = asyncio.Event()
+        self._reason: str | None = None
+        self._started_at = 0.0
+        self._deadline: Timer | None = None
+        self._listener: DrainListener | None = None
         self.expired = False
+        """The deadline came with handlers still running: they were cancelled, and answer 503."""
+
+    @property
+    def draining(self) -> bool:
+        """Whether the drain has begun (new API requests are refused from then on)."""
+        return self._reason is not None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def status(self) -> str | None:
+        """What /readyz says while draining (None before)."""
+        if self._reason is None:
+            return None
+        return f"draining: {self._reason}, {len(self._running)} requests in flight"
+
+    def observe(self, listener: DrainListener) -> None:
+        """Report refused and cut requests to `listener` from now on (the metrics, once they exist)."""
+        self._listener = listener
 
     def enter(self) -> asyncio.Task[Any] | None:
         """Register the current handler task until `leave(task)` (what it returns); plain calls rather than a
@@ -45,21 +95,86 @@ class Drain:
             self._running.discard(task)
             if not self._running:
                 self._idle.set()
+                if self.draining:
+                    self._end()
 
-    async def drain(self, _app: web.Application | None = None) -> None:
-        """Wait up to the timeout for the handlers in flight; cancel the rest (they answer 503)."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), self._timeout_s)
-        except TimeoutError:
-            self.expired = True
-            log.warning("drain_timeout", in_flight=len(self._running), timeout_s=self._timeout_s)
-            for task in list(self._running):
-                task.cancel()
+    def begin(self, reason: str) -> None:
+        """Start draining (harmless once begun: the first reason stays); ends at once when nothing runs."""
+        if self._reason is not None:
+            return
+        self._reason = reason
+        self._started_at = now = self._clock()
+        _unbound(log.info, "drain_started", reason=reason, in_flight=len(self._running), timeout_s=self._timeout_s)
+        if not self._running:
+            self._end()
+        else:
+            self._deadline = self._clock.call_at(now + self._timeout_s, self.expire)
+
+    def expire(self) -> None:
+        """End the drain now (its deadline, or a second signal): cancel the handlers still running."""
+        if self._ended.is_set():
+            return
+        if self._reason is None:
+            self.begin("forced")
+            if self._ended.is_set():
+                return
+        self.expired = True
+        cut = list(self._running)
+        for task in cut:
+            task.cancel()
+        self._end(cut=len(cut))
+
+    def refused(self) -> None:
+        """A new request was turned away while draining (counted)."""
+        if self._listener is not None:
+            self._listener("refused", 1)
+
+    def _end(self, *, cut: int = 0) -> None:
+        if self._ended.is_set():
+            return
+        self._ended.set()
+        if self._deadline is not None:
+            self._deadline.cancel()
+        _unbound(log.info, "drain_ended", outcome="expired" if self.expired else "drained", cut=cut,
+                 waited_s=round(self._clock() - self._started_at, 3))
+        if cut and self._listener is not None:
+            self._listener("cut", cut)
+
+    async def wait(self, timeout_s: float | None = None) -> DrainResult:
+        """Wait until the drain has ended, or `timeout_s` passed (the drain goes on); where it stands."""
+        if timeout_s is None:
+            await self._ended.wait()
+        else:
+            try:
+                async with self._clock.timeout_at(self._clock() + timeout_s):
+                    await self._ended.wait()
+            except TimeoutError:
+                pass
+        return DrainResult(drained=self._ended.is_set() and not self.expired, in_flight=len(self._running))
+
+    async def drain(self, _app: web.Application | None = None) -> DrainResult:
+        """Drain to the end (an `on_shutdown` hook, and `serve`): begin, wait, then give the handlers cut at
+        the deadline up to `SETTLE_S` to send their last answer."""
+        self.begin("shutting down")
+        result = await self.wait()
+        if self.expired:
+            try:
+                async with self._clock.timeout_at(self._clock() + SETTLE_S):
+                    await self._idle.wait()
+            except TimeoutError:
+                log.warning("drain_unsettled", in_flight=len(self._running))
+        return result
 
     def refusal(self) -> Overloaded:
-        """What a request cut off by the drain is answered."""
+        """What a request refused or cut off by the drain is answered."""
         return Overloaded("The broker is shutting down; retry on another replica.", code="shutting_down",
                           retry_after=1)
+
+
+def _unbound(emit: Callable[..., Any], event: str, **fields: Any) -> None:
+    """Log outside the current request's bound context: the drain is the process's, not the request's that
+    happened to begin or end it."""
+    contextvars.Context().run(emit, event, **fields)
 
 
 DRAIN = web.AppKey("drain", Drain)

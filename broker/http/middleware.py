@@ -19,7 +19,7 @@ from aiohttp import web
 
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
 from mergebroker.broker.engine.apis.messages import anthropic_error
-from mergebroker.broker.http.drain import DRAIN
+from mergebroker.broker.http.drain import DRAIN, Drain
 from mergebroker.broker.http.keys import BROKER, SETTINGS_MAX_BODY
 from mergebroker.broker.http.server import CONNECTIONS
 from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
@@ -36,6 +36,8 @@ CLIENT_CLOSED = 499
 """The status a request aborted by its client is counted with (nginx's convention; nothing is sent)."""
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings", "/v1/models": "models",
               "/v1/responses": "responses", "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
+OPERATOR_PATHS = frozenset(("/healthz", "/readyz", "/metrics", "/v1/broker/stats", "/v1/broker/drain"))
+"""Routes the shutdown drain neither waits for nor refuses: probes, scrapes and the drain call itself."""
 _ANTHROPIC_PATHS = "/v1/messages"
 """Routes of the Anthropic Messages API: their errors leave in Anthropic's envelope, not OpenAI's."""
 
@@ -55,23 +57,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     if guard is not None:
         guard.request_started(request.protocol, request.content.is_eof)
     drain = app.get(DRAIN)
-    handling = drain.enter() if drain is not None else None
+    if drain is not None and request.path in OPERATOR_PATHS:
+        drain = None  # probes, scrapes and the drain call itself neither wait for the drain nor are refused
     try:
-        response = await handler(request)
-    except Exception as exc:  # noqa: BLE001 - every failure leaves in the one envelope (or, mid-stream, not at all)
-        response = _failure_response(request, info, exc)
-    except asyncio.CancelledError:
-        if drain is None or not drain.expired or _streaming(request):
-            # The client went away (handler cancellation): counted, never answered.
-            _observe(request, info, CLIENT_CLOSED, time.perf_counter() - started)
-            raise
-        asyncio.current_task().uncancel()  # type: ignore[union-attr]  # cut off by the shutdown drain: answer 503
-        response = _error_response(drain.refusal())
+        response = await _handled(request, handler, info, drain)
     finally:
-        if drain is not None:
-            drain.leave(handling)
         if guard is not None:
             guard.request_finished(request.protocol)
+    if drain is not None and drain.draining and not response.prepared:
+        response.force_close()  # the client's next request goes to another replica
     elapsed = time.perf_counter() - started
     if not response.prepared:
         response.headers["X-Request-ID"] = request_id
@@ -80,6 +74,29 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     _observe(request, info, info.stream_error.status if info.stream_error is not None else response.status, elapsed,
              sent_status=response.status)
     return response
+
+
+async def _handled(request: web.Request, handler: Handler, info: RequestInfo,
+                   drain: Drain | None) -> web.StreamResponse:
+    """The handler's response, or the one envelope for its failure; refused while the broker drains."""
+    if drain is not None and drain.draining:
+        drain.refused()
+        return _error_response(drain.refusal(), anthropic=request.path.startswith(_ANTHROPIC_PATHS))
+    handling = drain.enter() if drain is not None else None
+    try:
+        return await handler(request)
+    except Exception as exc:  # noqa: BLE001 - every failure leaves in the one envelope (or, mid-stream, not at all)
+        return _failure_response(request, info, exc)
+    except asyncio.CancelledError:
+        if drain is None or not drain.expired or _streaming(request):
+            # The client went away (handler cancellation): counted, never answered.
+            _observe(request, info, CLIENT_CLOSED, time.perf_counter() - info.started)
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]  # cut off by the shutdown drain: answer 503
+        return _error_response(drain.refusal(), anthropic=request.path.startswith(_ANTHROPIC_PATHS))
+    finally:
+        if drain is not None:
+            drain.leave(handling)
 
 
 def _failure_response(request: web.Request, info: RequestInfo, exc: Exception) -> web.StreamResponse:

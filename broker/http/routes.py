@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable, Callable
+import ipaddress
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import structlog
 from aiohttp import web
+from pydantic import SecretStr
 
 from mergebroker import jsonio
 from mergebroker.broker.engine.broker import Broker
@@ -28,10 +30,11 @@ from mergebroker.broker.engine.schemas import parse_chat, parse_embeddings
 from mergebroker.broker.http.api_routes import add_api_routes, send_stream
 from mergebroker.broker.http.body import BODY_LIMITS, read_json
 from mergebroker.broker.http.bulk_routes import add_batch_routes
+from mergebroker.broker.http.drain import DRAIN
 from mergebroker.broker.http.keys import BROKER
 from mergebroker.broker.http.middleware import INFO
 from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import Unauthorized
+from mergebroker.errors import Forbidden, InvalidRequest, Unauthorized
 
 log = structlog.get_logger(__name__)
 
@@ -70,6 +73,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # IDs may hold slashes ("org/model")
     app.router.add_get("/v1/broker/stats", broker_stats)
+    app.router.add_post("/v1/broker/drain", broker_drain)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
@@ -137,24 +141,31 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    drain = request.app.get(DRAIN)
+    draining = drain.status() if drain is not None else None
     broker = request.app.get(BROKER)
     if broker is None:
-        return web.json_response({"ready": False}, status=503)
+        return web.json_response({"ready": False, "reason": draining or "starting"}, status=503)
     ready, checks = broker.ready()
-    body = {"ready": ready, "checks": checks,
-            "providers": {name: b.snapshot() for name, b in broker.breakers.items()}}
-    return web.json_response(body, status=200 if ready else 503)
+    failing = [name for name, ok in checks.items() if not ok]
+    body: dict[str, Any] = {"ready": ready and draining is None, "checks": checks,
+                            "providers": {name: b.snapshot() for name, b in broker.breakers.items()}}
+    if not body["ready"]:
+        body["reason"] = draining or "failing checks: " + ", ".join(failing)
+    return web.json_response(body, status=200 if body["ready"] else 503)
 
 
 def _operator_only(request: web.Request, broker: Broker) -> None:
     """With `server.metrics_token_env` set, the operator's endpoints need `Authorization: Bearer <token>`."""
     token = broker.settings.server.metrics_token
-    if token is None:
-        return
-    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-    if not hmac.compare_digest(given, b"Bearer " + token.get_secret_value().encode()):
+    if token is not None and not _bearer_matches(request.headers, token):
         raise Unauthorized("This endpoint needs the metrics token: 'Authorization: Bearer <token>'.",
                            code="invalid_metrics_token")
+
+
+def _bearer_matches(headers: Mapping[str, str], token: SecretStr) -> bool:
+    given = headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, b"Bearer " + token.get_secret_value().encode())
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -167,3 +178,47 @@ async def broker_stats(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     _operator_only(request, broker)
     return web.json_response(broker.stats())
+
+
+async def broker_drain(request: web.Request) -> web.Response:
+    """POST /v1/broker/drain[?timeout_s=S]: start the shutdown drain and answer once nothing is in flight, the
+    drain's deadline passed, or `timeout_s` (the drain goes on): `{"drained": bool, "in_flight": n}`. For a
+    preStop hook: from a loopback peer, or with the metrics token where one is set."""
+    broker = request.app.get(BROKER)
+    token = broker.settings.server.metrics_token if broker is not None else None
+    if not drain_allowed(request.remote, request.headers, token):
+        raise Forbidden("POST /v1/broker/drain is taken from a loopback peer (not through a proxy) or with "
+                        "the metrics token.", code="drain_not_allowed")
+    timeout_s = _timeout_param(request.query.get("timeout_s"))
+    drain = request.app[DRAIN]
+    drain.begin("POST /v1/broker/drain")
+    result = await drain.wait(timeout_s)
+    return web.json_response({"drained": result.drained, "in_flight": result.in_flight})
+
+
+_PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
+
+
+def drain_allowed(remote: str | None, headers: Mapping[str, str], token: SecretStr | None) -> bool:
+    """Whether a drain call may stop this broker: with the metrics token (when one is set), else only from a
+    loopback peer that is not a proxy passing on someone else's request."""
+    if token is not None and _bearer_matches(headers, token):
+        return True
+    if remote is None or any(name in headers for name in _PROXY_HEADERS):
+        return False
+    try:
+        return ipaddress.ip_address(remote.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False  # a Unix socket peer or an unreadable address
+
+
+def _timeout_param(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        timeout_s = float(value)
+    except ValueError:
+        timeout_s = -1.0
+    if not 0 <= timeout_s < float("inf"):
+        raise InvalidRequest("timeout_s must be a number of seconds, 0 or more.", param="timeout_s")
+    return timeout_s

@@ -18,6 +18,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from mergebroker.broker.engine.settings import ServerSettings
 from mergebroker.broker.http.connections import ConnectionGuard
+from mergebroker.broker.http.drain import DRAIN, SETTLE_S, Drain
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import error_body
 
@@ -109,16 +110,38 @@ def runner_for(app: web.Application, settings: ServerSettings) -> web.AppRunner:
     """The app runner `serve` uses; aiohttp's own keep-alive timer doubles the guard's idle timeout."""
     return web.AppRunner(app, access_log=None, handler_cancellation=True,  # a gone client leaves its window
                          keepalive_timeout=settings.idle_timeout_s,
-                         shutdown_timeout=settings.drain_timeout_s + 5)  # the drain (broker.drain) answers first
+                         shutdown_timeout=SETTLE_S + 5)  # the drain ran before: only the handlers it cut are left
+
+
+class StopSignals:
+    """SIGINT/SIGTERM for `serve`: the first starts the drain and the stop; a second ends the drain at once."""
+
+    def __init__(self, drain: Drain, stop: asyncio.Event) -> None:
+        self._drain = drain
+        self._stop = stop
+        self.received = 0
+
+    def __call__(self, sig: signal.Signals) -> None:
+        self.received += 1
+        if self.received == 1:
+            self._drain.begin(f"{sig.name} received")
+            self._stop.set()
+        else:
+            log.warning("drain_forced", signal=sig.name)
+            self._drain.expire()
 
 
 async def serve(app: web.Application, settings: ServerSettings, *, stop: asyncio.Event | None = None) -> None:
-    """Serve `app` on `settings.host:port` until SIGINT/SIGTERM (or `stop` is set), then clean up."""
+    """Serve `app` on `settings.host:port` until SIGINT/SIGTERM (or `stop` is set); then drain while still
+    listening (`drain`: readiness goes 503, new requests are refused, those in flight finish), and only
+    then stop listening and clean up."""
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(AcceptErrorLog(settings.accept_error_log_interval_s))
     stop = stop or asyncio.Event()
+    drain = app[DRAIN]
+    signals = StopSignals(drain, stop)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signals, sig)
     runner = runner_for(app, settings)
     await runner.setup()
     try:
@@ -126,5 +149,6 @@ async def serve(app: web.Application, settings: ServerSettings, *, stop: asyncio
         await site.start()
         log.info("listening", url=site.name, max_connections=app[CONNECTIONS].limits.max_connections)
         await stop.wait()
+        await drain.drain()
     finally:
         await runner.cleanup()
