@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError, ResponseError
 
+from mergebroker import tracing
 from mergebroker.broker.cluster.claims import Claimer
 from mergebroker.broker.cluster.holds import FENCE_SHARE, HEARTBEAT, ClusterJob, Flight, Held, Holds, fence_drops
 from mergebroker.broker.cluster.leases import PartitionLeases
@@ -243,7 +244,8 @@ class StreamConsumer:
                           shape=merge_shape(body) if wire.merge_key is not None else None, merge_key=wire.merge_key,
                           prompt_tokens=wire.prompt_tokens, max_tokens=wire.max_tokens,
                           deadline=self._server_clock.to_local(wire.deadline_ms),
-                          enqueued_at=window_anchor(now, queued, self._windows.get(tier, 0.0)))
+                          enqueued_at=window_anchor(now, queued, self._windows.get(tier, 0.0)),
+                          trace_context=tracing.from_traceparent(wire.traceparent))  # the caller's trace continues
 
     async def _mark(self, flight: Flight) -> bool:
         """The engine is about to send `flight` upstream: write its entries' sent markers first. An entry past
