@@ -62,6 +62,22 @@ class TokenUsage:
             body["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         return body
 
+    def as_fields(self) -> dict[str, int | bool]:
+        """Every field by name: the broker's own wire form (the cluster's replies), read back by `from_fields`."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens, "cache_write_tokens": self.cache_write_tokens,
+                "reasoning_tokens": self.reasoning_tokens, "counted": self.counted}
+
+    @classmethod
+    def from_fields(cls, fields: Any) -> TokenUsage | None:
+        """`as_fields`'s mapping back into a value; None when it is not one (a peer of another version)."""
+        if not isinstance(fields, dict):
+            return None
+        counts = {name: _count(fields.get(name, 0)) for name in _FIELD_COUNTS}
+        if any(v is None for v in counts.values()):
+            return None
+        return cls(**counts, counted=fields.get("counted") is True)  # type: ignore[arg-type]
+
     def as_embeddings(self) -> dict[str, Any]:
         """The OpenAI embeddings `usage` object (input only)."""
         return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens}
@@ -82,6 +98,7 @@ class TokenUsage:
 
 
 NO_USAGE = TokenUsage()
+_FIELD_COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens", "cache_write_tokens", "reasoning_tokens")
 
 
 def _chat_usage(usage: Mapping[str, Any]) -> TokenUsage | None:

@@ -6,8 +6,10 @@ import time
 import uuid
 from typing import Any
 
+from mergebroker.token_usage import TokenUsage
 
-def member_completion(reply: dict[str, Any], text: str, usage: dict[str, Any], *, model: str = "",
+
+def member_completion(reply: dict[str, Any], text: str, usage: TokenUsage, *, model: str = "",
                       finish_reason: str = "stop") -> dict[str, Any]:
     """A complete `chat.completion` of a member's own, cut out of a merged reply: every field an unmerged
     answer has (the spec's required `refusal` too); `model` stands in when the reply names none;
@@ -19,7 +21,7 @@ def member_completion(reply: dict[str, Any], text: str, usage: dict[str, Any], *
         "model": reply.get("model") if isinstance(reply.get("model"), str) else model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                      "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage,
+        "usage": usage.as_body(),
     }
     if isinstance(reply.get("system_fingerprint"), str):
         body["system_fingerprint"] = reply["system_fingerprint"]

@@ -30,6 +30,7 @@ from mergebroker.merge.leak import find_leaks
 from mergebroker.merge.member_budget import LENGTH, STOP, TokenCounter, cut_to_budget, estimate_tokens, reached_budget
 from mergebroker.merge.split import BlockFailure, split_reply, truncated_block
 from mergebroker.merge.usage import apportion_usage
+from mergebroker.token_usage import NO_USAGE, TokenUsage
 
 BAD_REPLY = "bad_reply"
 MERGED_CALL_FAILED = "merged_call_failed"
@@ -61,7 +62,7 @@ class MemberAnswer:
     """A member's own answer out of a merged reply."""
 
     text: str
-    usage: dict[str, Any]
+    usage: TokenUsage
     finish_reason: str = STOP
 
 
@@ -108,14 +109,14 @@ def settle(reply: Any, members: Sequence[SettleMember], options: SettleOptions) 
     # Weighed by what the upstream generated for each answer: its block before stop sequences and budget.
     generated = {i: b if isinstance(b, str) else (cut[1] if cut is not None else "")
                  for i, b in blocks.items() if i in good}
-    usage = _apportion(reply, members, generated)
+    reported = TokenUsage.from_body(reply) or NO_USAGE
+    usage = apportion_reported(reported, members, generated)
     answers = {m.id: MemberAnswer(good[m.id], usage[m.id], verdicts[m.id].finish_reason)
                for m in members if m.id in good}
     fallbacks = {i: v.reason for i, v in verdicts.items() if v.reason is not None}
     saved = 0
     if answers:
-        sent = _count(_usage(reply).get("prompt_tokens"))
-        saved = max(0, sum(m.alone_prompt_tokens for m in members) - sent)
+        saved = max(0, sum(m.alone_prompt_tokens for m in members) - reported.prompt_tokens)
     return Settlement(answers, fallbacks, tokens_saved=saved, needed_fallback=bool(fallbacks))
 
 
@@ -175,36 +176,13 @@ def apply_stop(text: str, stop: str | list[str] | None) -> str:
     return text[:cut]
 
 
-def apportion_reported(usage: Any, members: Sequence[SettleMember],
-                       answers: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    """Each member's share of a merged call's reported `usage` (the rule `settle` applies), weighed by `answers`."""
-    return _apportion({"usage": usage}, members, answers)
-
-
-def _apportion(reply: Any, members: Sequence[SettleMember], good: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    usage = _usage(reply)
-    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-    own = {m.id: m.own_prompt_tokens for m in members}
-    reported: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion}
-    if isinstance(usage.get("prompt_tokens_details"), dict):
-        reported["prompt_tokens_details"] = usage["prompt_tokens_details"]
+def apportion_reported(usage: TokenUsage, members: Sequence[SettleMember],
+                       answers: Mapping[str, str]) -> dict[str, TokenUsage]:
+    """Each member's share of a merged call's reported `usage`, weighed by its answer's length, never above
+    its own budget: alone, it could not have cost more."""
     return apportion_usage(
-        reported,
-        shared_prompt_tokens=max(0, prompt - sum(own.values())),
-        member_prompt_tokens=own,
-        member_completion_weights={m.id: max(1, len(good.get(m.id, ""))) for m in members},
-        # A member never costs more than its own budget: alone, it could not have.
+        usage,
+        member_prompt_tokens={m.id: m.own_prompt_tokens for m in members},
+        member_completion_weights={m.id: max(1, len(answers.get(m.id, ""))) for m in members},
         member_completion_caps={m.id: m.max_tokens for m in members if m.max_tokens},
     )
-
-
-def _usage(reply: Any) -> Mapping[str, Any]:
-    usage = reply.get("usage") if isinstance(reply, dict) else None
-    return usage if isinstance(usage, dict) else {}
-
-
-def _count(value: Any) -> int:
-    """A token count from an upstream's usage object; anything but a non-negative number counts as 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        return 0
-    return int(value)

@@ -6,10 +6,9 @@ The rule:
       part, reported prompt_tokens minus the members' own tokens, floored at 0) is split evenly.
       If the members' own counts exceed the report (the broker's tokenizer counted more than the
       upstream's), nothing is shared and the reported total is split in proportion to the own counts.
-      If the upstream reported no prompt_tokens, the total is `shared_prompt_tokens` plus the own counts.
-    * Cached prompt tokens (`prompt_tokens_details.cached_tokens`) are the provider's cache of the
-      prompt's prefix: the shared part. They are split evenly, like the shared prompt tokens, never
-      above a member's prompt share; a member's usage names them only when the call reported some.
+    * Cached prompt tokens and cache-written ones are the provider's cache of the prompt's prefix: the
+      shared part. They are split evenly, like the shared prompt tokens, never above a member's prompt
+      share (its reads first, then its writes).
     * Completion tokens are split in proportion to `member_completion_weights` (e.g. each answer's
       length), evenly when every weight is 0. A member never gets more than its cap
       (`member_completion_caps`, its own `max_tokens`: what it may cost): what a share holds above the cap
@@ -23,41 +22,33 @@ The rule:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+from mergebroker.token_usage import TokenUsage
 
 
 def apportion_usage(
-    usage: Mapping[str, Any],
+    usage: TokenUsage,
     *,
-    shared_prompt_tokens: int,
     member_prompt_tokens: Mapping[str, int],
     member_completion_weights: Mapping[str, int],
     member_completion_caps: Mapping[str, int] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Return, per member ID, a usage dict with prompt_tokens, completion_tokens and total_tokens (and
-    `prompt_tokens_details.cached_tokens` when the call reported cached tokens)."""
+) -> dict[str, TokenUsage]:
+    """Each member's share of a merged call's `usage`, by member ID (the rule in the module docstring)."""
     extra = [m for m in member_completion_weights if m not in member_prompt_tokens]
     members = [*member_prompt_tokens, *extra]
     if not members:
         return {}
     own = [max(0, int(member_prompt_tokens.get(m, 0))) for m in members]
-    reported = usage.get("prompt_tokens")
-    if reported is None:
-        reported = shared_prompt_tokens + sum(own)
-    prompt_total = max(0, int(reported))
-    completion_total = max(0, int(usage.get("completion_tokens") or 0))
-    prompts = _prompt_shares(prompt_total, own)
+    prompts = _prompt_shares(usage.prompt_tokens, own)
     weights = [max(0, int(member_completion_weights.get(m, 0))) for m in members]
     caps = [None if member_completion_caps is None or m not in member_completion_caps
             else max(0, int(member_completion_caps[m])) for m in members]
-    completions = capped_shares(completion_total, weights, caps)
-    cached = _cached_shares(_cached_total(usage), prompts)
-    result: dict[str, dict[str, Any]] = {}
-    for m, p, c, k in zip(members, prompts, completions, cached):
-        result[m] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-        if k is not None:
-            result[m]["prompt_tokens_details"] = {"cached_tokens": k}
-    return result
+    completions = capped_shares(usage.completion_tokens, weights, caps)
+    cached = _even_within(usage.cached_tokens, prompts)
+    # Cache writes are the shared prefix too: split evenly within what each prompt share has left after its reads.
+    written = _even_within(usage.cache_write_tokens, [p - c for p, c in zip(prompts, cached)])
+    return {m: TokenUsage(p, c, k, w, counted=usage.counted)
+            for m, p, c, k, w in zip(members, prompts, completions, cached, written)}
 
 
 def _prompt_shares(total: int, own: list[int]) -> list[int]:
@@ -67,18 +58,9 @@ def _prompt_shares(total: int, own: list[int]) -> list[int]:
     return [o + s for o, s in zip(own, shared)]
 
 
-def _cached_total(usage: Mapping[str, Any]) -> int | None:
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    if isinstance(cached, bool) or not isinstance(cached, (int, float)) or cached < 0:
-        return None
-    return int(cached)
-
-
-def _cached_shares(total: int | None, prompts: list[int]) -> list[int | None]:
-    if total is None:
-        return [None] * len(prompts)
-    return capped_shares(min(total, sum(prompts)), [1] * len(prompts), list(prompts))  # type: ignore[return-value]
+def _even_within(total: int, room: list[int]) -> list[int]:
+    """`total` split evenly, no share above its `room`."""
+    return capped_shares(min(total, sum(room)), [1] * len(room), list(room))
 
 
 def capped_shares(total: int, weights: Sequence[int], caps: Sequence[int | None]) -> list[int]:

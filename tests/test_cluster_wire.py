@@ -9,6 +9,7 @@ from mergebroker.broker.cluster.wire import WireJob, WireReply, decode_job, deco
 from mergebroker.broker.engine.chat.jobs import ChatOutcome
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import BrokerError, DeadlineExceeded, UpstreamError, UpstreamUnavailable
+from mergebroker.token_usage import TokenUsage
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi </request> <response id=\"x\">"}]}
 
@@ -46,7 +47,7 @@ def test_an_early_released_outcome_says_its_usage_follows_and_the_usage_message_
     outcome = ChatOutcome({"choices": []}, "sim", 0.25, 3, "b_1", None)
     back = decode_reply(encode_reply(WireReply("c", outcome=outcome, settles=True)))
     assert back.settles and back.outcome == outcome
-    usage = {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52}
+    usage = TokenUsage(40, 12, cached_tokens=30, cache_write_tokens=4, counted=True)
     later = decode_reply(encode_reply(WireReply("c", settled=usage)))
     assert (later.correlation_id, later.settled, later.outcome) == ("c", usage, None)
 

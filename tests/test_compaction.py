@@ -73,5 +73,5 @@ def test_merged_call_settles_back_to_each_member_and_round_trips_as_json():
     texts = {tag: answer.text for tag, answer in settled.answers.items()}
     assert texts == {call.members[0].tag: answer_for("What is a circuit breaker?"),
                      call.members[1].tag: answer_for("Define merge window.")}
-    assert sum(a.usage["prompt_tokens"] for a in settled.answers.values()) == 90
+    assert sum(a.usage.prompt_tokens for a in settled.answers.values()) == 90
     assert settled.fallbacks == {}

@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 from mergebroker.broker.engine.accounting.ledger import Ledger, LedgerRecord, MemoryLedgerStore, saved_tokens
 from mergebroker.broker.engine.accounting.store import LedgerStoreError, SqliteLedgerStore, open_store
 from mergebroker.merge.usage import apportion_usage
+from mergebroker.token_usage import TokenUsage
 
 
 def rec(request_id: str, **fields: object) -> LedgerRecord:
@@ -27,13 +28,11 @@ def merged_batch(batch_id: str, call_prompt: int, call_completion: int, own: lis
                  answers: list[int]) -> list[LedgerRecord]:
     """Members of one merged call, with the provider's usage apportioned as the dispatcher does."""
     ids = [f"{batch_id}-{i}" for i in range(len(own))]
-    usage = apportion_usage({"prompt_tokens": call_prompt, "completion_tokens": call_completion},
-                            shared_prompt_tokens=max(0, call_prompt - sum(own)),
-                            member_prompt_tokens=dict(zip(ids, own)),
+    usage = apportion_usage(TokenUsage(call_prompt, call_completion), member_prompt_tokens=dict(zip(ids, own)),
                             member_completion_weights=dict(zip(ids, answers)))
-    return [rec(i, batch_id=batch_id, batch_size=len(ids), prompt_tokens=usage[i]["prompt_tokens"],
-                completion_tokens=usage[i]["completion_tokens"], alone_prompt_tokens=a,
-                tokens_saved=saved_tokens("miss", len(ids), a, usage[i]["prompt_tokens"]))
+    return [rec(i, batch_id=batch_id, batch_size=len(ids), prompt_tokens=usage[i].prompt_tokens,
+                completion_tokens=usage[i].completion_tokens, alone_prompt_tokens=a,
+                tokens_saved=saved_tokens("miss", len(ids), a, usage[i].prompt_tokens))
             for i, a in zip(ids, alone)]
 
 

@@ -34,8 +34,8 @@ def test_good_blocks_become_answers_with_apportioned_usage_and_tokens_saved():
     s = settle(reply(blocks("Paris, since the Franks.", "Eight legs, moved in pairs.")), members(), OPTIONS)
     assert {i: a.text for i, a in s.answers.items()} == {A: "Paris, since the Franks.", B: "Eight legs, moved in pairs."}
     assert s.fallbacks == {} and s.errors == {} and s.needed_fallback is False
-    assert sum(a.usage["prompt_tokens"] for a in s.answers.values()) == 60
-    assert sum(a.usage["completion_tokens"] for a in s.answers.values()) == 40
+    assert sum(a.usage.prompt_tokens for a in s.answers.values()) == 60
+    assert sum(a.usage.completion_tokens for a in s.answers.values()) == 40
     assert s.tokens_saved == 0  # 20 + 22 alone is less than the 60 the merged prompt cost
 
 
@@ -134,18 +134,18 @@ def test_a_block_cut_by_the_merged_limit_after_its_stop_sequence_is_whole():
 
 def test_no_member_is_charged_more_completion_tokens_than_its_budget():
     s = settle(reply(blocks("one two three four five six", "uno dos"), completion=40), budgeted(3, 50), WORDS)
-    assert s.answers[A].usage["completion_tokens"] == 3
-    assert s.answers[B].usage["completion_tokens"] == 37  # the rest goes to the member with room
+    assert s.answers[A].usage.completion_tokens == 3
+    assert s.answers[B].usage.completion_tokens == 37  # the rest goes to the member with room
     capped = settle(reply(blocks("one two three four five six", "uno dos"), completion=40), budgeted(3, 5), WORDS)
-    assert [capped.answers[i].usage["completion_tokens"] for i in (A, B)] == [3, 5]
+    assert [capped.answers[i].usage.completion_tokens for i in (A, B)] == [3, 5]
 
 
 def test_cached_prompt_tokens_are_shared_evenly_between_the_answers():
     cached = reply(blocks("Paris.", "Eight."))
     cached["usage"]["prompt_tokens_details"] = {"cached_tokens": 31}
     s = settle(cached, members(), OPTIONS)
-    assert sorted(a.usage["prompt_tokens_details"]["cached_tokens"] for a in s.answers.values()) == [15, 16]
-    assert "prompt_tokens_details" not in settle(reply(blocks("P.", "E.")), members(), OPTIONS).answers[A].usage
+    assert sorted(a.usage.cached_tokens for a in s.answers.values()) == [15, 16]
+    assert "prompt_tokens_details" not in settle(reply(blocks("P.", "E.")), members(), OPTIONS).answers[A].usage.as_body()
 
 
 @pytest.mark.parametrize("exc", [UpstreamUnavailable(3), NotFound("The model 'm' does not exist.")])

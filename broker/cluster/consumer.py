@@ -49,6 +49,7 @@ from mergebroker.broker.engine.settings import ClusterSettings, TierSettings
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError
 from mergebroker.merge.shape import merge_shape
+from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
 
@@ -305,7 +306,7 @@ class StreamConsumer:
             targets = [(h.job.reply_to, h.job.correlation_id) for h in flight.entries]
             outcome.settled_usage.add_done_callback(partial(self._settled, targets))  # type: ignore[union-attr]
 
-    def _settled(self, targets: list[tuple[str, str]], usage: asyncio.Future[dict[str, int]]) -> None:
+    def _settled(self, targets: list[tuple[str, str]], usage: asyncio.Future[TokenUsage]) -> None:
         """Send the usage the provider reported for an answer released early (none if it never came: the
         front-end's ledger then keeps the counted usage)."""
         if usage.cancelled() or usage.exception() is not None:

@@ -47,6 +47,7 @@ from mergebroker.broker.engine.settings import ClusterSettings, Settings
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import Overloaded
 from mergebroker.tasks import stop_loops
+from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +80,7 @@ class ClusterQueue:
         self._reply_stream = keys.replies(frontend_id or uuid.uuid4().hex[:16])
         self._inflight = InFlight()  # jobs sent and not answered
         self._withdrawn: list[tuple[str, Any]] = []  # entries of jobs served elsewhere or abandoned, to delete
-        self._settling: dict[str, asyncio.Future[dict[str, int]]] = {}  # correlation ID -> usage to come
+        self._settling: dict[str, asyncio.Future[TokenUsage]] = {}  # correlation ID -> usage to come
         self._outbox: list[ChatJob] = []
         self._outbox_ready = asyncio.Event()
         self._fallback = False
@@ -279,13 +280,13 @@ class ClusterQueue:
         else:
             job.fail(reply.error)  # type: ignore[arg-type]
 
-    def _settles_later(self, cid: str, deadline: float) -> asyncio.Future[dict[str, int]]:
+    def _settles_later(self, cid: str, deadline: float) -> asyncio.Future[TokenUsage]:
         """A future for the usage a `settled` message will bring (the ledger waits for it, as in-process).
 
         The merged call ends by the job's deadline; past it and `SETTLE_GRACE_S`, the future is cancelled
         and the ledger keeps the counted usage, so a worker that died mid-call leaves nothing waiting.
         """
-        settling: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
+        settling: asyncio.Future[TokenUsage] = asyncio.get_running_loop().create_future()
         self._settling[cid] = settling
         timer = self._clock.call_at(deadline + SETTLE_GRACE_S, settling.cancel)
         settling.add_done_callback(lambda _f: (timer.cancel(), self._settling.pop(cid, None)))

@@ -16,6 +16,7 @@ from typing import Any
 from mergebroker.broker.engine.chat.jobs import ChatOutcome
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import BrokerError, DeadlineExceeded, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
+from mergebroker.token_usage import NO_USAGE, TokenUsage
 
 WIRE_VERSION = 1
 FIELD = b"j"  # every entry carries one JSON document under this field
@@ -50,7 +51,7 @@ class WireReply:
     error: BrokerError | None = None
     worker_s: float = 0.0  # from the worker's read to its reply: the rest of the round trip is the hop
     settles: bool = False  # the outcome was released early: a `settled` message for it follows
-    settled: dict[str, int] | None = None
+    settled: TokenUsage | None = None
     sent_by: str | None = None
 
 
@@ -87,7 +88,7 @@ def encode_reply(reply: WireReply) -> dict[bytes, bytes]:
     if reply.sent_by is not None:
         doc["sent"] = reply.sent_by
     elif reply.settled is not None:
-        doc["settled"] = reply.settled
+        doc["settled"] = reply.settled.as_fields()
     elif reply.outcome is not None:
         o = reply.outcome
         doc["ok"] = [o.body, o.provider, o.upstream_s, o.batch_size, o.batch_id, o.fallback]
@@ -107,7 +108,7 @@ def decode_reply(fields: dict[bytes, bytes]) -> WireReply:
         if "sent" in doc:
             return WireReply(cid, sent_by=str(doc["sent"]))
         if "settled" in doc:
-            return WireReply(cid, settled={k: int(v) for k, v in dict(doc["settled"]).items()})
+            return WireReply(cid, settled=TokenUsage.from_fields(doc["settled"]) or NO_USAGE)
         if "ok" in doc:
             body, provider, upstream_s, batch_size, batch_id, fallback = doc["ok"]
             return WireReply(cid, outcome=ChatOutcome(body, provider, float(upstream_s), int(batch_size),

@@ -49,7 +49,7 @@ class RequestInfo:
     costs: CostBook | None = None  # prices it, once its model is known
     # Known later (released early, or a stream): the usage the provider reported, as a `TokenUsage` or an
     # OpenAI `usage` mapping; the ledger record waits for it.
-    usage_settles: asyncio.Future[Any] | None = None
+    usage_settles: asyncio.Future[TokenUsage] | None = None
     stream_error: BrokerError | None = None  # what ended a stream whose headers were already sent
     dropped: tuple[str, ...] = ()  # fields a translation to another API could not carry (X-Broker-Dropped)
     usd_actual: float | None = None  # priced when it is recorded (`costs`): what it cost, and would alone
@@ -87,10 +87,8 @@ def _record(ledger: Ledger | None, info: RequestInfo, endpoint: str, status: int
         ledger.record(ledger_record(info, endpoint, status, elapsed, dollars))
 
 
-def note_usage(info: RequestInfo, usage: TokenUsage | Mapping[str, Any] | None) -> None:
-    """Take the usage an answer reports (a `TokenUsage`, or an OpenAI `usage` mapping) into the request's record."""
-    if usage is not None and not isinstance(usage, TokenUsage):
-        usage = TokenUsage.from_body(dict(usage))
+def note_usage(info: RequestInfo, usage: TokenUsage | None) -> None:
+    """Take the usage an answer reports into the request's record (None: it reported none)."""
     if usage is None:
         return
     info.prompt_tokens, info.completion_tokens = usage.prompt_tokens, usage.completion_tokens

@@ -217,7 +217,7 @@ class Dispatcher:
         and passes its checks (usage counted); the ledger settles with the reported usage at the end."""
         started, counted = self._clock(), CountedUsage(prompt_estimate, members)
         answers: dict[str, str] = {}
-        settled: dict[str, asyncio.Future[dict[str, int]]] = {}
+        settled: dict[str, asyncio.Future[TokenUsage]] = {}
         retry_alone: list[asyncio.Future[None]] = []
         streams = self._streamed_members(by_id, members, batch_id) if call.stream else None
 
@@ -260,7 +260,7 @@ class Dispatcher:
             structlog.contextvars.unbind_contextvars("batch_id")
             settle_usage(settled, {i: counted.usage(i, text) for i, text in answers.items()})  # never left open
             if streams is not None:
-                streams.settle_rest(counted.token_usage)
+                streams.settle_rest(counted.usage)
         if streams is not None:
             self._count.first_tokens(streams.first_tokens())
             retry_alone += streams.resent
@@ -285,7 +285,7 @@ class Dispatcher:
 
     def _streamed_to_the_end(self, tier: str, by_id: dict[str, ChatJob], members: list[SettleMember],
                              answers: dict[str, str], reply: StreamedReply, counted: CountedUsage,
-                             settled: dict[str, asyncio.Future[dict[str, int]]],
+                             settled: dict[str, asyncio.Future[TokenUsage]],
                              streams: StreamedMembers | None) -> None:
         """A streamed merged call ended: the quality guard hears which members failed, released answers'
         usage settles with the provider's report (counted when it sent none), and the savings are counted."""
@@ -295,14 +295,12 @@ class Dispatcher:
             i: counted.usage(i, text) for i, text in answers.items()}
         settle_usage(settled, usage)
         if streams is not None:
-            streams.settle_answered(usage if reply.usage else {
-                i: counted.token_usage(i, text) for i, text in answers.items()})
+            streams.settle_answered(usage)
         if reply.usage:
             self._observe_call(reply.provider, next(iter(by_id.values())).model, counted.prompt_tokens,
-                               TokenUsage.from_body(reply.usage), "".join(reply.text))
-        sent = (reply.usage or {}).get("prompt_tokens")
+                               reply.usage, "".join(reply.text))
         self._count.merged(tier, answered=len(answers), batch_size=len(by_id), tokens_saved=(
-            sum(m.alone_prompt_tokens for m in members) - sent if isinstance(sent, int) else 0))
+            sum(m.alone_prompt_tokens for m in members) - reply.usage.prompt_tokens if reply.usage else 0))
 
     def _streamed_members(self, by_id: dict[str, ChatJob], members: list[SettleMember],
                           batch_id: str) -> StreamedMembers:

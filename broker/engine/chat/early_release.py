@@ -46,7 +46,7 @@ class StreamedReply:
     provider: str
     meta: dict[str, Any] = field(default_factory=dict)  # id, created, model, system_fingerprint
     finish_reason: str | None = None
-    usage: dict[str, Any] | None = None  # as reported at the end (stream_options.include_usage)
+    usage: TokenUsage | None = None  # as reported at the end (stream_options.include_usage)
     text: list[str] = field(default_factory=list)  # every piece of content, blocks and tags (the calibration's)
     failed: bool = False  # ended by an error or the deadline: open members got `merged_call_failed`
 
@@ -92,7 +92,7 @@ async def stream_blocks(pools: Pool, call: StreamCall, members: Sequence[SettleM
                     reply.text.append(event.text)
                     judge(splitter.feed(event.text))
                 reply.finish_reason = event.finish_reason or reply.finish_reason
-                reply.usage = event.usage or reply.usage
+                reply.usage = TokenUsage.from_body(event.usage) or reply.usage
     except (BrokerError, TimeoutError) as exc:
         log.warning("merged_stream_failed", size=len(members), open=len(splitter.pending), error=type(exc).__name__)
         reply.failed = True
@@ -151,37 +151,17 @@ class CountedUsage:
 
     def __init__(self, prompt_estimate: int, members: Sequence[SettleMember]) -> None:
         self.prompt_tokens = prompt_estimate  # the broker's count of the whole merged prompt
-        own = {m.id: m.own_prompt_tokens for m in members}
-        self._prompt = apportion_usage({"prompt_tokens": prompt_estimate},
-                                       shared_prompt_tokens=max(0, prompt_estimate - sum(own.values())),
-                                       member_prompt_tokens=own, member_completion_weights={})
+        self._prompt = apportion_usage(TokenUsage(prompt_estimate, counted=True),
+                                       member_prompt_tokens={m.id: m.own_prompt_tokens for m in members},
+                                       member_completion_weights={})
 
-    def usage(self, member_id: str, answer: str) -> dict[str, int]:
-        """The usage object of `member_id` answering `answer`."""
-        prompt = self._prompt[member_id]["prompt_tokens"]
-        completion = count_text_tokens(answer)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def token_usage(self, member_id: str, answer: str) -> TokenUsage:
-        """`usage` as the ledger takes it, marked as counted by the broker."""
-        return TokenUsage(self._prompt[member_id]["prompt_tokens"], count_text_tokens(answer), counted=True)
+    def usage(self, member_id: str, answer: str) -> TokenUsage:
+        """`member_id`'s usage answering `answer`, marked as counted by the broker."""
+        return TokenUsage(self._prompt[member_id].prompt_tokens, count_text_tokens(answer), counted=True)
 
 
-def settle_usage(futures: Mapping[str, asyncio.Future[dict[str, int]]], usage: Mapping[str, Mapping[str, Any]]) -> None:
-    """Hand each released member its final usage (the ledger waits for it); safe after cancellation.
-
-    Only flat token counts travel: in cluster mode this usage crosses the wire as a mapping of integers
-    (`broker.cluster.wire`), so the cached part of `prompt_tokens_details` goes as a flat `cached_tokens`
-    (which `TokenUsage.from_body` reads).
-    """
+def settle_usage(futures: Mapping[str, asyncio.Future[TokenUsage]], usage: Mapping[str, TokenUsage]) -> None:
+    """Hand each released member its final usage (the ledger waits for it); safe after cancellation."""
     for member_id, future in futures.items():
         if not future.done() and member_id in usage:
-            future.set_result(_flat(usage[member_id]))
-
-
-def _flat(usage: Mapping[str, Any]) -> dict[str, int]:
-    flat = {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, Mapping) and isinstance(details.get("cached_tokens"), int):
-        flat["cached_tokens"] = details["cached_tokens"]
-    return flat
+            future.set_result(usage[member_id])

@@ -44,9 +44,9 @@ class ChatOutcome:
     batch_id: str | None = None
     fallback: str | None = None  # why a merged member was re-sent alone, if it was
     # Known later, and the ledger waits for it (`RequestInfo.usage_settles`): released early (before the
-    # merged reply ended), the usage apportioned from the provider's report (a usage mapping; the body's is
-    # counted); a stream, its usage once it ends (a `TokenUsage`: the provider's, or counted).
-    settled_usage: asyncio.Future[Any] | None = field(default=None, compare=False, repr=False)
+    # merged reply ended), the member's share of the provider's report (the body's is counted); a stream, its
+    # usage once it ends (the provider's, or counted).
+    settled_usage: asyncio.Future[TokenUsage] | None = field(default=None, compare=False, repr=False)
     # A streaming request's answer: SSE event bytes to relay (its own upstream stream, or its block of a
     # merged one, `broker.engine.chat.member_stream`); `body` is empty then.
     stream: AsyncIterator[bytes] | None = field(default=None, compare=False, repr=False)

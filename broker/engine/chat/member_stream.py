@@ -25,6 +25,7 @@ from typing import Any
 from mergebroker import jsonio
 from mergebroker.errors import BrokerError
 from mergebroker.providers.sse import chat_event
+from mergebroker.token_usage import TokenUsage
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -55,7 +56,7 @@ class MemberStream:
             self._released.append(text)
             self._items.put_nowait(("text", text))
 
-    def finish(self, finish_reason: str, usage: dict[str, int] | None = None) -> None:
+    def finish(self, finish_reason: str, usage: TokenUsage | None = None) -> None:
         """End the stream normally (`stop`, `length`) or filtered (`content_filter`)."""
         self._end("finish", (finish_reason, usage))
 
@@ -109,7 +110,7 @@ class MemberStream:
                 finish_reason, usage = value
                 yield self._chunk({}, finish_reason)
                 if self._include_usage and usage is not None:
-                    yield self._event({"choices": [], "usage": usage})
+                    yield self._event({"choices": [], "usage": usage.as_body()})
                 yield _DONE
                 return
             else:
@@ -121,7 +122,7 @@ class MemberStream:
         sent, seen, finish_reason, usage = self.released, "", None, None
         async for chunk in chunks:
             event = chat_event(chunk)
-            usage = event.usage or usage
+            usage = TokenUsage.from_body(event.usage) or usage
             finish_reason = event.finish_reason or finish_reason
             if not event.text:
                 continue
@@ -137,7 +138,7 @@ class MemberStream:
                 yield self._chunk({"content": seen[max(len(sent), len(before)):]})
         yield self._chunk({}, finish_reason or "stop")
         if self._include_usage and usage is not None:
-            yield self._event({"choices": [], "usage": usage})
+            yield self._event({"choices": [], "usage": usage.as_body()})
         yield _DONE
 
     async def aclose(self) -> None:

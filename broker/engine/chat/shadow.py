@@ -18,7 +18,6 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 
@@ -33,6 +32,7 @@ from mergebroker.merge.quality_guard import QualityGuard
 from mergebroker.merge.settle import reply_text
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.token_bucket import TokenBucket
+from mergebroker.token_usage import NO_USAGE, TokenUsage
 
 log = structlog.get_logger(__name__)
 
@@ -102,7 +102,8 @@ class ShadowRunner:
             self._count("failed")
             log.info("shadow_failed", request_id=job.request_id, error=type(exc).__name__)
             return
-        prompt, completion = _usage(reply)
+        usage = TokenUsage.from_body(reply) or NO_USAGE
+        prompt, completion = usage.prompt_tokens, usage.completion_tokens
         self._settle(reserved, prompt + completion)
         read = reply_text(reply)
         if read is None:
@@ -139,13 +140,6 @@ class ShadowRunner:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("shadow_crashed", error=repr(task.exception()))
-
-
-def _usage(reply: dict[str, Any]) -> tuple[int, int]:
-    usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
-    counts = [usage.get(k) for k in ("prompt_tokens", "completion_tokens")]  # type: ignore[union-attr]
-    p, c = (int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else 0 for v in counts)
-    return p, c
 
 
 def _ledger_record(job: ChatJob, prompt: int, completion: int, latency_ms: float) -> LedgerRecord:

@@ -67,7 +67,7 @@ class StreamedMember:
             self.first_text_at = self._clock()
         self.stream.release(text)
 
-    def close(self, verdict: BlockVerdict, usage: dict[str, int] | None) -> bool:
+    def close(self, verdict: BlockVerdict, usage: TokenUsage | None) -> bool:
         """The block is over (or its budget spent); False when the member is to be re-sent alone."""
         if self.stream.ended:
             return True
@@ -82,7 +82,7 @@ class StreamedMember:
 
 
 ResendAlone = Callable[[Any, MemberStream, "asyncio.Future[Any]"], Awaitable[None]]
-UsageFor = Callable[[str, str], Any]
+UsageFor = Callable[[str, str], TokenUsage]
 
 
 class StreamedMembers:
@@ -97,7 +97,7 @@ class StreamedMembers:
         self.members = {i: StreamedMember(MemberStream(model=job.model, include_usage=include_usage[i]), i,
                                           requests, hold_words, clock) for i, job in by_id.items()}
         loop = asyncio.get_running_loop()
-        self.usage: dict[str, asyncio.Future[Any]] = {i: loop.create_future() for i in by_id}
+        self.usage: dict[str, asyncio.Future[TokenUsage]] = {i: loop.create_future() for i in by_id}
         self.resent: list[asyncio.Future[None]] = []
         self._alone: set[str] = set()  # re-sent alone: their usage comes from their own call
 
@@ -109,7 +109,7 @@ class StreamedMembers:
         """Text of a member's block."""
         self.members[member_id].feed(text)
 
-    def close(self, member_id: str, verdict: BlockVerdict, usage: dict[str, int] | None) -> bool:
+    def close(self, member_id: str, verdict: BlockVerdict, usage: TokenUsage | None) -> bool:
         """The member's block is over; False when it is being re-sent alone."""
         member = self.members[member_id]
         if member.close(verdict, usage):
@@ -130,7 +130,7 @@ class StreamedMembers:
         self.resent.append(asyncio.ensure_future(
             self._resend(self._by_id[member_id], self.members[member_id].stream, self.usage[member_id])))
 
-    def settle_answered(self, usage: Mapping[str, Any]) -> None:
+    def settle_answered(self, usage: Mapping[str, TokenUsage]) -> None:
         """The usage of members answered from the merged call (their share of its reported usage)."""
         for member_id, value in usage.items():
             if member_id not in self._alone:
