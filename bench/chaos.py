@@ -27,11 +27,12 @@ import aiohttp
 from bench.harness import (
     Process,
     TimedSample,
+    chat_request,
     cpu_probe_ms,
     format_table,
     get_json,
     latency_summary,
-    open_loop_for,
+    open_loop,
     passthrough_config,
     processes_together,
     publish,
@@ -41,7 +42,6 @@ from bench.harness import (
     sim_base_url,
     start_broker,
     start_simulator,
-    tolerant_chat_request,
     warm_up,
 )
 
@@ -189,10 +189,11 @@ async def run(plan: Plan) -> dict[str, Any]:
             await warm_up(broker.url, chaos_body("warm", timeline))
             stop = asyncio.Event()
             poller = asyncio.create_task(poll_breaker(broker, plan.poll_s, stop, timeline))
-            send = tolerant_chat_request(broker.url, chaos_body(uuid.uuid4().hex[:8], timeline), timeout_s=60.0)
+            send = chat_request(broker.url, chaos_body(uuid.uuid4().hex[:8], timeline), timeout_s=60.0, tolerant=True)
             total_s = sum(p.duration_s for p in plan.phases)
-            load = open_loop_for(send, rate=plan.rate, duration_s=total_s)
-            (samples, sent, _), _ = await asyncio.gather(load, drive_phases(sim, plan, timeline))
+            load = open_loop(send, rate=plan.rate, duration_s=total_s)
+            (samples, _), _ = await asyncio.gather(load, drive_phases(sim, plan, timeline))
+            sent = len(samples)
             stop.set()
             await poller
             timeline.upstream_calls_end = (await get_json(sim.url + "/stats"))["chat_calls"]

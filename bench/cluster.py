@@ -145,7 +145,7 @@ async def _in_cluster_mode(frontends: list[Process], timeout_s: float = 60.0) ->
 
 
 def checked_request(url: str, items: Sequence[ChatItem]) -> Any:
-    """Like `tolerant_chat_request`, keeping the answer's text (`body["content"]`) to check it against the tag."""
+    """Like `chat_request(tolerant=True)`, keeping the answer's text (`body["content"]`) to check it against the tag."""
     body_for = body_source(items, TIER)
 
     async def send(session: aiohttp.ClientSession, i: int) -> TimedSample:

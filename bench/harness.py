@@ -133,8 +133,12 @@ RequestFn = Callable[[aiohttp.ClientSession, int], Awaitable[Sample]]
 
 
 def chat_request(url: str, body_for: Callable[[int], tuple[dict[str, Any], dict[str, str], str]],
-                 keep_body: bool = False) -> RequestFn:
-    """A request function posting `body_for(i)` = (json body, headers, tag) to `url`/v1/chat/completions."""
+                 keep_body: bool = False, *, tolerant: bool = False, timeout_s: float = 60.0) -> RequestFn:
+    """A request function posting `body_for(i)` = (json body, headers, tag) to `url`/v1/chat/completions.
+
+    `tolerant`: it never raises; every request yields exactly one `TimedSample` (status 0 for no answer within
+    `timeout_s`), for runs that count failures rather than stop at the first.
+    """
 
     async def send(session: aiohttp.ClientSession, i: int) -> Sample:
         body, headers, tag = body_for(i)
@@ -145,17 +149,37 @@ def chat_request(url: str, body_for: Callable[[int], tuple[dict[str, Any], dict[
             keep = {k: v for k, v in resp.headers.items() if k.lower().startswith("x-broker")}
             return Sample(elapsed, resp.status, keep, data if keep_body else None, tag)
 
-    return send
+    async def send_tolerant(session: aiohttp.ClientSession, i: int) -> Sample:
+        body, headers, tag = body_for(i)
+        started = time.perf_counter()
+        try:
+            async with session.post(url + "/v1/chat/completions", json=body, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                data = await resp.json(content_type=None)
+                status = resp.status
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            return TimedSample(time.perf_counter() - started, 0, tag=tag, sent_at=started,
+                               error_code=f"transport:{type(exc).__name__}")
+        elapsed = time.perf_counter() - started
+        return TimedSample(elapsed, status, tag=tag, sent_at=started, error_code=_error_code(status, data))
+
+    return send_tolerant if tolerant else send
 
 
-async def closed_loop(send: RequestFn, *, concurrency: int, total: int) -> tuple[list[Sample], float]:
-    """`concurrency` workers sending `total` requests back to back; returns samples and wall seconds."""
-    counter = iter(range(total))
+async def closed_loop(send: RequestFn, *, concurrency: int, total: int | None = None,
+                      stop: asyncio.Event | None = None, first_index: int = 0) -> tuple[list[Sample], float]:
+    """`concurrency` workers sending back to back: `total` requests, or until `stop` is set (requests in
+    flight then finish); returns samples and wall seconds."""
+    if (total is None) == (stop is None):
+        raise ValueError("closed_loop runs either `total` requests or until `stop`")
+    indices = iter(range(first_index, first_index + total)) if total is not None else itertools.count(first_index)
     samples: list[Sample] = []
     connector = aiohttp.TCPConnector(limit=concurrency * 2)
     async with aiohttp.ClientSession(connector=connector) as session:
         async def worker() -> None:
-            for i in counter:
+            for i in indices:
+                if stop is not None and stop.is_set():
+                    return
                 samples.append(await send(session, i))
 
         started = time.perf_counter()
@@ -163,23 +187,29 @@ async def closed_loop(send: RequestFn, *, concurrency: int, total: int) -> tuple
         return samples, time.perf_counter() - started
 
 
-async def open_loop(send: RequestFn, *, rate: float, total: int, seed: int = 7) -> tuple[list[Sample], float]:
-    """Poisson arrivals at `rate` req/s; every request runs to completion."""
+async def open_loop(send: RequestFn, *, rate: float, total: int | None = None, duration_s: float | None = None,
+                    seed: int = 7) -> tuple[list[Sample], float]:
+    """Poisson arrivals at `rate` req/s: `total` requests, or as many as arrive in `duration_s`; every request
+    runs to completion. Returns the samples (one per request sent) and the wall seconds until the last ended."""
+    if (total is None) == (duration_s is None):
+        raise ValueError("open_loop runs either `total` requests or for `duration_s`")
     rng = random.Random(seed)
     samples: list[Sample] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one(i: int) -> None:
             samples.append(await send(session, i))
 
-        tasks = []
+        tasks: list[asyncio.Task[None]] = []
         started = time.perf_counter()
         next_at = started
-        for i in range(total):
+        while total is None or len(tasks) < total:
             next_at += rng.expovariate(rate)
+            if duration_s is not None and next_at - started >= duration_s:
+                break
             delay = next_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)  # the arrival process itself
-            tasks.append(asyncio.create_task(one(i)))
+            tasks.append(asyncio.create_task(one(len(tasks))))
         await asyncio.gather(*tasks)
         return samples, time.perf_counter() - started
 
@@ -331,75 +361,12 @@ class TimedSample(Sample):
         return self.sent_at + self.latency_s
 
 
-def tolerant_chat_request(url: str, body_for: Callable[[int], tuple[dict[str, Any], dict[str, str], str]],
-                          *, timeout_s: float = 60.0) -> RequestFn:
-    """Like `chat_request`, but never raises: every request yields exactly one `TimedSample`."""
-
-    async def send(session: aiohttp.ClientSession, i: int) -> Sample:
-        body, headers, tag = body_for(i)
-        started = time.perf_counter()
-        try:
-            async with session.post(url + "/v1/chat/completions", json=body, headers=headers,
-                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                data = await resp.json(content_type=None)
-                status = resp.status
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            return TimedSample(time.perf_counter() - started, 0, tag=tag, sent_at=started,
-                               error_code=f"transport:{type(exc).__name__}")
-        elapsed = time.perf_counter() - started
-        return TimedSample(elapsed, status, tag=tag, sent_at=started, error_code=_error_code(status, data))
-
-    return send
-
-
 def _error_code(status: int, data: Any) -> str | None:
     if status == 200:
         ok = isinstance(data, dict) and bool(data.get("choices"))
         return None if ok else "bad_body"
     error = data.get("error") if isinstance(data, dict) else None
     return str(error.get("code") or error.get("type")) if isinstance(error, dict) else f"http_{status}"
-
-
-async def closed_loop_until(send: RequestFn, *, concurrency: int, stop: asyncio.Event,
-                            first_index: int = 0) -> tuple[list[Sample], float]:
-    """`concurrency` workers sending back to back until `stop` is set; requests in flight then finish."""
-    counter = itertools.count(first_index)
-    samples: list[Sample] = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def worker() -> None:
-            while not stop.is_set():
-                samples.append(await send(session, next(counter)))
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return samples, time.perf_counter() - started
-
-
-async def open_loop_for(send: RequestFn, *, rate: float, duration_s: float,
-                        seed: int = 7) -> tuple[list[Sample], int, float]:
-    """Poisson arrivals at `rate` req/s for `duration_s`; every request runs to completion.
-
-    Returns the samples, how many requests were sent, and the wall seconds until the last one finished.
-    """
-    rng = random.Random(seed)
-    samples: list[Sample] = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one(i: int) -> None:
-            samples.append(await send(session, i))
-
-        tasks = []
-        started = time.perf_counter()
-        next_at = started
-        while True:
-            next_at += rng.expovariate(rate)
-            if next_at - started >= duration_s:
-                break
-            delay = next_at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)  # the arrival process itself
-            tasks.append(asyncio.create_task(one(len(tasks))))
-        await asyncio.gather(*tasks)
-        return samples, len(tasks), time.perf_counter() - started
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -446,7 +413,7 @@ def publish(result: dict[str, Any], table: str, out: str | Path) -> None:
 async def warm_up(url: str, body_for: Callable[[int], tuple[dict[str, Any], dict[str, str], str]],
                   requests: int = 8) -> None:
     """Send `requests` chat requests at once and ignore the answers, so first-call costs stay out of a measurement."""
-    send = tolerant_chat_request(url, body_for)
+    send = chat_request(url, body_for, tolerant=True)
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(send(session, i) for i in range(requests)))
 

@@ -38,7 +38,7 @@ from bench.harness import (
     format_table,
     latency_summary,
     median_of_measured,
-    open_loop_for,
+    open_loop,
     passthrough_config,
     processes_together,
     publish,
@@ -154,7 +154,8 @@ async def equal_load(targets: list[Target], rate: float, duration_s: float) -> d
     for target in targets:
         send = chat_request(target.url, body_for(uuid.uuid4().hex[:8]))
         own = CpuWindow(target.server)
-        samples, sent, wall = await open_loop_for(send, rate=rate, duration_s=duration_s)
+        samples, wall = await open_loop(send, rate=rate, duration_s=duration_s)
+        sent = len(samples)
         lat = latency_summary([s.latency_s * 1000 for s in samples])
         result[target.name] = {"requests": sent, "ok": sum(1 for s in samples if s.status == 200),
                                "achieved_rps": sent / wall if wall else 0.0, **lat,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -18,19 +19,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bench import (
-    charts,
-    report_bulk,
-    report_chaos,
-    report_cluster,
-    report_embeddings,
-    report_latency,
-    report_merging,
-    report_passthrough,
-    report_provider_kinds,
-    report_tiers,
-)
+from bench import charts
 from bench.markdown import targets_table
+from bench.registry import BENCHMARKS
 
 BENCH_DIR = Path(__file__).parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -38,12 +29,9 @@ DOCS_DIR = BENCH_DIR.parent / "docs"
 QUICK_DIR = RESULTS_DIR / "quick"
 
 # Each part renders one result file; every module has smoke(), targets(), findings(), sections(), figures().
-PARTS: dict[str, ModuleType] = {"passthrough": report_passthrough, "tiers": report_tiers, "chaos": report_chaos,
-                                "merging": report_merging, "embeddings": report_embeddings}
-PARTS["provider_kinds"] = report_provider_kinds
-PARTS["bulk"] = report_bulk
-PARTS["latency"] = report_latency
-PARTS["cluster"] = report_cluster
+# The parts are the registry's benchmarks that the report runs (`bench.registry`), rendered by bench/report_NAME.py.
+PARTS: dict[str, ModuleType] = {b.report: importlib.import_module(f"bench.report_{b.report}")
+                                for b in BENCHMARKS if b.report}
 
 Results = dict[str, dict[str, Any] | None]
 

@@ -33,11 +33,12 @@ from bench.harness import (
     CpuWindow,
     Process,
     Sample,
-    closed_loop_until,
+    chat_request,
+    closed_loop,
     cpu_probe_ms,
     format_table,
     latency_summary,
-    open_loop_for,
+    open_loop,
     passthrough_config,
     processes_together,
     publish,
@@ -46,7 +47,6 @@ from bench.harness import (
     sim_base_url,
     start_broker,
     start_simulator,
-    tolerant_chat_request,
     warm_up,
 )
 
@@ -88,8 +88,8 @@ def tier_stats(samples: Sequence[Sample]) -> dict[str, Any]:
 
 async def realtime_only(broker: Process, plan: Plan) -> dict[str, Any]:
     """Phase 1: the realtime stream alone."""
-    send = tolerant_chat_request(broker.url, tier_body("realtime", uuid.uuid4().hex[:8]))
-    samples, _, _ = await open_loop_for(send, rate=plan.realtime_rate, duration_s=plan.phase_s, seed=1)
+    send = chat_request(broker.url, tier_body("realtime", uuid.uuid4().hex[:8]), tolerant=True)
+    samples, _ = await open_loop(send, rate=plan.realtime_rate, duration_s=plan.phase_s, seed=1)
     return {"realtime": tier_stats(samples)}
 
 
@@ -98,10 +98,10 @@ async def competing(broker: Process, plan: Plan) -> dict[str, Any]:
     run_id = uuid.uuid4().hex[:8]
     stop = asyncio.Event()
     cpu = CpuWindow(broker)
-    batch_send = tolerant_chat_request(broker.url, tier_body("batch", run_id), timeout_s=300.0)
-    batch_task = asyncio.create_task(closed_loop_until(batch_send, concurrency=plan.batch_concurrency, stop=stop))
-    realtime_send = tolerant_chat_request(broker.url, tier_body("realtime", run_id))
-    realtime, _, _ = await open_loop_for(realtime_send, rate=plan.realtime_rate, duration_s=plan.phase_s, seed=1)
+    batch_send = chat_request(broker.url, tier_body("batch", run_id), timeout_s=300.0, tolerant=True)
+    batch_task = asyncio.create_task(closed_loop(batch_send, concurrency=plan.batch_concurrency, stop=stop))
+    realtime_send = chat_request(broker.url, tier_body("realtime", run_id), tolerant=True)
+    realtime, _ = await open_loop(realtime_send, rate=plan.realtime_rate, duration_s=plan.phase_s, seed=1)
     stop.set()
     batch, wall = await batch_task  # the batch requests still queued finish too
     total = len(realtime) + len(batch)
@@ -114,10 +114,10 @@ async def passthrough(broker: Process, rate: float, realtime_share: float, durat
     """The same tier mix at `rate` through a broker without the limit; broker CPU per request."""
     run_id = uuid.uuid4().hex[:8]
     cpu = CpuWindow(broker)
-    rt, batch = (tolerant_chat_request(broker.url, tier_body(t, run_id)) for t in ("realtime", "batch"))
-    loads = [open_loop_for(rt, rate=rate * realtime_share, duration_s=duration_s, seed=2),
-             open_loop_for(batch, rate=rate * (1 - realtime_share), duration_s=duration_s, seed=3)]
-    (rt_samples, _, _), (batch_samples, _, _) = await asyncio.gather(*loads)
+    rt, batch = (chat_request(broker.url, tier_body(t, run_id), tolerant=True) for t in ("realtime", "batch"))
+    loads = [open_loop(rt, rate=rate * realtime_share, duration_s=duration_s, seed=2),
+             open_loop(batch, rate=rate * (1 - realtime_share), duration_s=duration_s, seed=3)]
+    (rt_samples, _), (batch_samples, _) = await asyncio.gather(*loads)
     total = len(rt_samples) + len(batch_samples)
     return {"rate": rate, "requests": total, "realtime": tier_stats(rt_samples), "batch": tier_stats(batch_samples),
             "cpu_ms_per_req": cpu.ms_per(total)}
