@@ -164,7 +164,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _serve(args: argparse.Namespace) -> int:
     import structlog
 
-    from mergebroker.broker.engine.config import settings_for_command
+    from mergebroker.broker.engine.config import load_settings, settings_for_command
     from mergebroker.broker.engine.logging import configure_logging
     from mergebroker.broker.http.app import create_app
     from mergebroker.broker.http.server import serve
@@ -177,7 +177,8 @@ def _serve(args: argparse.Namespace) -> int:
     loop_factory = functools.partial(new_event_loop, settings.server.event_loop)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         structlog.get_logger(__name__).info("event_loop", kind=loop_kind(runner.get_loop()))
-        runner.run(serve(create_app(settings), settings.server))
+        reload_from = functools.partial(load_settings, args.config, overrides=serve_overrides(args))
+        runner.run(serve(create_app(settings, reload_from=reload_from), settings.server))
     return 0
 
 

@@ -82,7 +82,7 @@ async def test_a_reload_swaps_in_the_new_tiers_and_providers_and_keeps_the_proce
         assert [u.name for u in new.pools.upstreams] == [u.name for u in old.pools.upstreams] + ["second"]
         assert new.metrics is old.metrics and new.limiter is old.limiter and new.costs.totals is old.costs.totals
         assert new.breakers[old.pools.upstreams[0].name] is old.breakers[old.pools.upstreams[0].name]
-        await reloader.close()  # the old engine was idle: retired
+        await reloader.retired()  # the old engine was idle: retired
         assert not old.queue.alive() and new.queue.alive()
         assert (await reloader.reload("again")).result == "unchanged"
     finally:

@@ -102,6 +102,11 @@ class BatchService:
             self._spawn(self._resume(row), row.id, self._gc.hold(row.data["request_counts"]["total"]))
         self._spawn(self._clean_up(), "cleanup")
 
+    def follow(self, *, pools: ProviderPools, limits: Limits, merging_allowed: Callable[[str], bool]) -> None:
+        """A config reload swapped the engine: calls from now on go through its pools, limits and merge policy
+        (calls already out finish on the old pools, which the reload retires once idle)."""
+        self._runner.pools, self._runner.limits, self._runner.merging_allowed = pools, limits, merging_allowed
+
     async def stop(self) -> None:
         """Stop every run where it stands; the next start resumes them."""
         for task in list(self._tasks):

@@ -107,6 +107,8 @@ class Metrics:
                                           "limits, by reason.", ["reason"], registry=r)
         self.drain_requests = Counter(p + "drain_requests", "Requests the shutdown drain refused (new ones while "
                                       "draining) or cut (still running at its deadline).", ["outcome"], registry=r)
+        self.config_reloads = Counter(p + "config_reloads", "Config reloads (SIGHUP, POST /v1/broker/reload) by "
+                                      "result: applied, unchanged or refused.", ["result"], registry=r)
         # Cluster mode (broker.cluster): partitions on Redis Streams, front-ends and workers.
         self.cluster_backlog = Gauge(p + "cluster_backlog", "Jobs in a partition stream not yet read by a worker "
                                      "(exported by the partition's owner; an autoscaling signal).",
@@ -327,6 +329,15 @@ def drain_listener(metrics: Metrics) -> Callable[[str, int], None]:
     """The shutdown drain's callback (`http.drain.DrainListener`); both outcomes' series start at zero."""
     children = {outcome: metrics.drain_requests.labels(outcome) for outcome in DRAIN_OUTCOMES}
     return lambda outcome, count: children[outcome].inc(count)
+
+
+RELOAD_RESULTS = ("applied", "unchanged", "refused")
+
+
+def reload_listener(metrics: Metrics) -> Callable[[Any], None]:
+    """The config reloader's callback: counts each `ReloadResult` by its result (every series from zero)."""
+    children = {result: metrics.config_reloads.labels(result) for result in RELOAD_RESULTS}
+    return lambda result: children[result.result].inc()
 
 
 class PoolMetrics:

@@ -114,6 +114,7 @@ class Reloader:
     sleep: Sleep = asyncio.sleep
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _retiring: set[asyncio.Task[None]] = field(default_factory=set)
+    _closing: bool = False
 
     async def reload(self, trigger: str) -> ReloadResult:
         """Re-read the configuration and apply it, or refuse it and keep the running one."""
@@ -151,7 +152,7 @@ class Reloader:
     async def _retire(self, old: Broker, new: Broker, timeout_s: float) -> None:
         """Stop `old` once nothing runs on it (its open windows closed, its calls and streams done)."""
         deadline = self.clock() + timeout_s
-        while self.clock() < deadline and not (self.idle(old) and await self._still_idle(old)):
+        while not self._closing and self.clock() < deadline and not (self.idle(old) and await self._still_idle(old)):
             await self.sleep(_IDLE_POLL_S)
         await self.retire(old, new)
         log.info("engine_retired", idle=self.idle(old))
@@ -160,8 +161,13 @@ class Reloader:
         await self.sleep(_IDLE_POLL_S)  # a request that took the old engine just before the swap gets to start
         return self.idle(engine)
 
+    async def retired(self) -> None:
+        """Wait until every engine replaced so far has been retired (each once it went idle)."""
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+
     async def close(self) -> None:
-        """Finish retiring replaced engines (at shutdown)."""
+        """Retire replaced engines now (at shutdown, after the drain: what ran on them has finished)."""
+        self._closing = True
         await asyncio.gather(*self._retiring, return_exceptions=True)
 
 

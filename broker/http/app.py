@@ -9,7 +9,8 @@ provider is configured, has to be listening before the pools can point at it) an
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import warnings
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -23,13 +24,14 @@ from mergebroker.broker.cluster.frontend import front_end_queue
 from mergebroker.broker.engine.accounting.request_record import record_bulk_line
 from mergebroker.broker.engine.assemble import assemble, freeze_startup_objects, stop_engine
 from mergebroker.broker.engine.broker import Broker
-from mergebroker.broker.engine.metrics import connections_listener, drain_listener
+from mergebroker.broker.engine.metrics import connections_listener, drain_listener, reload_listener
+from mergebroker.broker.engine.reload import Reloader, engine_idle
 from mergebroker.broker.engine.settings import HTTP_PROVIDER_KINDS, Settings
 from mergebroker.broker.engine.telemetry_settings import TelemetrySettings
 from mergebroker.broker.http.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.http.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
 from mergebroker.broker.http.drain import DRAIN, Drain
-from mergebroker.broker.http.keys import BATCHES, BROKER, SETTINGS_MAX_BODY
+from mergebroker.broker.http.keys import BATCHES, BROKER, RELOADER, SETTINGS_MAX_BODY
 from mergebroker.broker.http.middleware import error_middleware
 from mergebroker.broker.http.routes import add_routes
 from mergebroker.broker.http.server import CONNECTIONS
@@ -37,8 +39,13 @@ from mergebroker.broker.http.tracing import TELEMETRY, tracing_middleware
 from mergebroker.clock import Clock, Sleep, monotonic
 
 
-def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None) -> web.Application:
-    """The aiohttp application for `settings`; components are built when it starts."""
+def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | None = None,
+               reload_from: Callable[[], Settings] | None = None) -> web.Application:
+    """The aiohttp application for `settings`; components are built when it starts.
+
+    `reload_from` re-reads the configuration (what `mergebroker serve` was started from): with it, SIGHUP and
+    `POST /v1/broker/reload` apply a changed config without a restart (`engine.reload`).
+    """
     traced = bool(settings.telemetry.enabled)  # off: no tracing middleware, no OpenTelemetry call at all
     app = web.Application(client_max_size=settings.server.max_body_bytes, handler_args=HANDLER_ARGS,
                           middlewares=[tracing_middleware, error_middleware] if traced else [error_middleware])
@@ -60,19 +67,49 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | N
             freeze_startup_objects()
         guard.observe(connections_listener(broker.metrics, guard.__len__))
         drain.observe(drain_listener(broker.metrics))
+        reloader = None
+        if reload_from is not None:
+            app[RELOADER] = reloader = engine_reloader(app, reload_from, batches)
         sweeper = asyncio.create_task(guard.run())  # real time: it only acts on connections a GuardedSite tracks
         try:
             yield
         finally:
             sweeper.cancel()
+            if reloader is not None:
+                await reloader.close()  # engines a reload replaced finish retiring first
             if batches is not None:
                 await batches.stop()
-            await stop_engine(broker)
+            await stop_engine(app[BROKER])
 
     if traced:
         app.cleanup_ctx.append(partial(telemetry_lifecycle, settings.telemetry))
     app.cleanup_ctx.append(lifecycle)
     return app
+
+
+def engine_reloader(app: web.Application, reload_from: Callable[[], Settings],
+                    batches: BatchService | None) -> Reloader:
+    """The reloader of `app`'s engine: a new one is assembled sharing the running one's process-wide parts,
+    becomes `app[BROKER]` for requests that arrive from then on, and the Batch API follows it."""
+    first = app[BROKER]
+
+    async def build(settings: Settings, old: Broker) -> Broker:
+        return await assemble(settings, queue=front_end_queue(settings), clock=old.clock, sleep=old.sleep, keep=old)
+
+    def swap(new: Broker) -> None:
+        with warnings.catch_warnings():  # aiohttp warns on any change to a started app's state; this one is the point
+            warnings.simplefilter("ignore", DeprecationWarning)
+            app[BROKER] = new
+        if batches is not None:
+            assert new.limiter is not None, "assemble() sets the limiter"
+            batches.follow(pools=new.pools, limits=Limits(new.limiter, new.chat.limit_specs),
+                           merging_allowed=new.policy.merging_allowed)
+
+    async def retire(old: Broker, new: Broker) -> None:
+        await stop_engine(old, successor=new)
+
+    return Reloader(load=reload_from, current=lambda: app[BROKER], build=build, swap=swap, retire=retire,
+                    idle=engine_idle, on_result=reload_listener(first.metrics))  # retirement waits in real time
 
 
 async def telemetry_lifecycle(section: TelemetrySettings, app: web.Application) -> AsyncIterator[None]:

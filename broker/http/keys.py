@@ -10,9 +10,12 @@ from aiohttp import web
 
 from mergebroker.broker.bulk.batches import BatchService
 from mergebroker.broker.engine.broker import Broker
+from mergebroker.broker.engine.reload import Reloader
 
 BROKER = web.AppKey("broker", Broker)
 BATCHES = web.AppKey("batches", BatchService)
 """The Batch API's service; absent when `batches.enabled` is off."""
+RELOADER = web.AppKey("reloader", Reloader)
+"""Re-reads the config and swaps the engine (SIGHUP, POST /v1/broker/reload); absent without a config source."""
 SETTINGS_MAX_BODY = web.AppKey("max_body_bytes", int)
 """Set before the broker is built, so a body over the limit is refused even during start-up."""

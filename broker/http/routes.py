@@ -31,10 +31,10 @@ from mergebroker.broker.http.api_routes import add_api_routes, send_stream
 from mergebroker.broker.http.body import BODY_LIMITS, read_json
 from mergebroker.broker.http.bulk_routes import add_batch_routes
 from mergebroker.broker.http.drain import DRAIN
-from mergebroker.broker.http.keys import BROKER
+from mergebroker.broker.http.keys import BROKER, RELOADER
 from mergebroker.broker.http.middleware import INFO
 from mergebroker.clock import Clock, monotonic
-from mergebroker.errors import Forbidden, InvalidRequest, Unauthorized
+from mergebroker.errors import BrokerError, Forbidden, InvalidRequest, Unauthorized
 
 log = structlog.get_logger(__name__)
 
@@ -74,6 +74,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # IDs may hold slashes ("org/model")
     app.router.add_get("/v1/broker/stats", broker_stats)
     app.router.add_post("/v1/broker/drain", broker_drain)
+    app.router.add_post("/v1/broker/reload", broker_reload)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
@@ -194,6 +195,26 @@ async def broker_drain(request: web.Request) -> web.Response:
     drain.begin("POST /v1/broker/drain")
     result = await drain.wait(timeout_s)
     return web.json_response({"drained": result.drained, "in_flight": result.in_flight})
+
+
+async def broker_reload(request: web.Request) -> web.Response:
+    """POST /v1/broker/reload: re-read the config and apply it without a restart (as SIGHUP does); 200 with what
+    changed, or 422 with the reason it was refused (the running config stays). From a loopback peer, or with
+    the metrics token where one is set."""
+    broker = request.app.get(BROKER)
+    token = broker.settings.server.metrics_token if broker is not None else None
+    if not drain_allowed(request.remote, request.headers, token):
+        raise Forbidden("POST /v1/broker/reload is taken from a loopback peer (not through a proxy) or with "
+                        "the metrics token.", code="reload_not_allowed")
+    reloader = request.app.get(RELOADER)
+    if reloader is None:
+        raise BrokerError("This broker was not started from a config it can re-read (mergebroker serve is).",
+                          status=409, code="reload_unavailable")
+    result = await reloader.reload("POST /v1/broker/reload")
+    if result.result == "refused":
+        body = InvalidRequest(f"The configuration was refused: {result.reason}", code="config_refused").body()
+        return web.json_response({**body, **result.as_dict()}, status=422)
+    return web.json_response(result.as_dict())
 
 
 _PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-IP")

@@ -16,9 +16,11 @@ import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from mergebroker.background import spawn
 from mergebroker.broker.engine.settings import ServerSettings
 from mergebroker.broker.http.connections import ConnectionGuard
 from mergebroker.broker.http.drain import DRAIN, SETTLE_S, Drain
+from mergebroker.broker.http.keys import RELOADER
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import error_body
 
@@ -144,6 +146,10 @@ async def serve(app: web.Application, settings: ServerSettings, *, stop: asyncio
         loop.add_signal_handler(sig, signals, sig)
     runner = runner_for(app, settings)
     await runner.setup()
+    reloads: set[asyncio.Task[Any]] = set()
+    reloader = app.get(RELOADER)
+    if reloader is not None:  # SIGHUP re-reads the config, as `POST /v1/broker/reload` does
+        loop.add_signal_handler(signal.SIGHUP, lambda: spawn(reloads, reloader.reload("SIGHUP"), "reload"))
     try:
         site = GuardedSite(runner, app[CONNECTIONS], settings.host, settings.port, backlog=settings.backlog)
         await site.start()
