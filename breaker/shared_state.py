@@ -6,6 +6,8 @@ epoch seconds, since monotonic clocks differ between hosts) and to CLOSED, one k
 keys every `refresh_s` and forces a local breaker open while another replica's record says open.
 Opens learnt this way are not published again, so replicas do not echo each other.
 
+Keys carry no hash tag: records are independent, so in a Redis Cluster the pull is one MGET per slot.
+
 Sharing is best effort: while Redis is unreachable every replica keeps its local state, one warning
 `breaker_shared_state_unavailable` is logged, and unpublished transitions wait for the next refresh.
 """
@@ -19,12 +21,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as redis
 import structlog
 from redis.exceptions import RedisError
 
 from mergebroker.breaker.circuit import CircuitBreaker
 from mergebroker.clock import Clock, Sleep, monotonic, sleep_or_event
+from mergebroker.redis_connect import RedisClient, get_many
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +41,7 @@ class SharedBreakerState:
     `clock` must be the breakers' clock; `wall_clock` gives epoch seconds comparable across hosts.
     """
 
-    def __init__(self, client: redis.Redis, *, prefix: str = "mb:breaker:", clock: Clock = monotonic,
+    def __init__(self, client: RedisClient, *, prefix: str = "mb:breaker:", clock: Clock = monotonic,
                  wall_clock: Callable[[], float] = time.time, sleep: Sleep = asyncio.sleep,
                  refresh_s: float = 0.5, op_timeout_s: float = 1.0, replica_id: str | None = None) -> None:
         self._client = client
@@ -114,7 +116,7 @@ class SharedBreakerState:
         names = list(self._breakers)
         if not names:
             return {}
-        values = await self._client.mget([self._prefix + name for name in names])
+        values = await get_many(self._client, [self._prefix + name for name in names])
         return dict(zip(names, values))
 
     def _apply(self, records: dict[str, bytes | str | None]) -> None:

@@ -10,7 +10,6 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import cast
 
-import redis.asyncio as redis
 import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -18,39 +17,43 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from mergebroker.clock import Clock, monotonic
+from mergebroker.redis_connect import PoolOptions, RedisClient, connect, get_many
 
 log = structlog.get_logger(__name__)
 
 
-def make_redis_client(url: str, *, max_connections: int = 64, socket_timeout_s: float = 0.5) -> redis.Redis:
+def make_redis_client(url: str, *, max_connections: int = 64, socket_timeout_s: float = 0.5) -> RedisClient:
     """A client for a cache: bounded pool, short timeouts and no retries, so a dead Redis costs milliseconds.
 
-    The blocking pool makes callers past `max_connections` wait (at most `socket_timeout_s`) for a
-    connection instead of raising at once as the default pool does. Responses are not decoded: values are bytes.
+    `url` is any `mergebroker.redis_connect` URL (one server, Sentinel, Cluster). The blocking pool makes
+    callers past `max_connections` wait (at most `socket_timeout_s`) for a connection instead of raising
+    at once as the default pool does. Responses are not decoded: values are bytes.
     """
-    pool = redis.BlockingConnectionPool.from_url(
-        url,
+    return connect(url, PoolOptions(
         max_connections=max_connections,
-        timeout=socket_timeout_s,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=socket_timeout_s,
+        pool_timeout_s=socket_timeout_s,
+        socket_timeout_s=socket_timeout_s,
+        socket_connect_timeout_s=socket_timeout_s,
         # A miss is cheaper than a slow retry; RedisCache probes again later on its own schedule. One immediate
-        # retry on a connection error only: a pooled connection from before a Redis restart fails once, and
-        # reconnecting at once keeps that from switching the cache off after the outage is over.
+        # retry on a connection error only: a pooled connection from before a Redis restart (or a Sentinel
+        # failover: the retry asks the sentinels for the new master) fails once, and reconnecting at once
+        # keeps that from switching the cache off after the outage is over.
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-    )
-    return redis.Redis.from_pool(pool)
+    ))
 
 
 class RedisCache:
     """Byte values in Redis under `prefix + key`, with jittered TTLs; never raises on Redis failures.
+
+    Keys carry no hash tag: in a Redis Cluster entries spread over the shards, a read of many keys is one
+    MGET per slot and a write one pipelined SET per key (neither needs to be atomic).
 
     `client` must not decode responses (see `make_redis_client`). Writes live `ttl_s` seconds, each
     scaled by a random factor in [1 - jitter_ratio, 1 + jitter_ratio] so entries written together do
     not all expire together (and stampede the upstream together).
     """
 
-    def __init__(self, client: redis.Redis, *, prefix: str, ttl_s: float, jitter_ratio: float = 0.1,
+    def __init__(self, client: RedisClient, *, prefix: str, ttl_s: float, jitter_ratio: float = 0.1,
                  rng: random.Random | None = None, retry_after_s: float = 5.0, clock: Clock = monotonic) -> None:
         if ttl_s <= 0 or not 0 <= jitter_ratio < 1:
             raise ValueError("ttl_s must be positive and jitter_ratio in [0, 1)")
@@ -70,11 +73,11 @@ class RedisCache:
         return not self._unavailable
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """The values for `keys` in one MGET; all misses while Redis is unavailable."""
+        """The values for `keys` in one round trip (MGET; one per slot in a cluster); all misses while unavailable."""
         if not keys or not self._may_call():
             return [None] * len(keys)
         try:
-            values = await self._client.mget([self._prefix + key for key in keys])
+            values = await get_many(self._client, [self._prefix + key for key in keys])
         except (RedisError, OSError) as exc:
             self._failed(exc)
             return [None] * len(keys)

@@ -83,7 +83,7 @@ async def wait_for_lease_holders(url: str, count: int, timeout_s: float = 30) ->
     client = aioredis.from_url(url)
     deadline = time.monotonic() + timeout_s
     try:
-        while len({await client.get(key) async for key in client.scan_iter(match="mb:cluster:lease:*")}) < count:
+        while len({await client.get(key) async for key in client.scan_iter(match="{mb:cluster}:lease:*")}) < count:
             assert time.monotonic() < deadline, "the workers never shared the partitions"
             await asyncio.sleep(0.05)  # watching other processes' state in Redis: no event to wait on
     finally:
@@ -159,7 +159,7 @@ async def consumers_holding(url: str) -> set[str]:
     client = aioredis.from_url(url)
     try:
         holders: set[str] = set()
-        async for key in client.scan_iter(match="mb:cluster:jobs:*"):
+        async for key in client.scan_iter(match="{mb:cluster}:jobs:*"):
             for entry in await client.xpending_range(key, GROUP, "-", "+", 100):
                 holders.add(entry["consumer"].decode())
         return holders

@@ -22,6 +22,7 @@ from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.settings import ClusterSettings, default_tiers
 from mergebroker.clock import Clock, FakeClock, monotonic
+from mergebroker.token_usage import TokenUsage
 from tests.helpers.polling import wait_until
 
 pytestmark = pytest.mark.redis
@@ -205,7 +206,7 @@ async def test_an_answer_released_early_gets_the_providers_usage_at_the_front_en
     await node.write()
     outcome = await asyncio.wait_for(future, 10)
     assert outcome.settled_usage is not None and not outcome.settled_usage.done()  # the merged call goes on
-    usage = {"prompt_tokens": 40, "completion_tokens": 12, "total_tokens": 52}
+    usage = TokenUsage(40, 12, cached_tokens=8)
     reported.set_result(usage)  # the merged call ended: the provider's usage, apportioned to this member
     await node.write_notes()
     assert await asyncio.wait_for(outcome.settled_usage, 10) == usage

@@ -88,7 +88,7 @@ def test_lease_plan_takes_up_to_share_and_gives_up_the_latest_in_its_order():
 def test_keys_live_under_one_prefix():
     keys = Keys("mb:c")
     assert {keys.jobs("batch", 3), keys.lease(3), keys.replies("f"), keys.workers} == {
-        "mb:c:jobs:batch:3", "mb:c:lease:3", "mb:c:replies:f", "mb:c:workers"}
+        "{mb:c}:jobs:batch:3", "{mb:c}:lease:3", "{mb:c}:replies:f", "{mb:c}:workers"}  # one slot in a Redis Cluster
 
 
 def test_orphan_scans_run_after_a_change_of_hands_and_rarely_otherwise():

@@ -99,7 +99,7 @@ async def test_shared_settle_gives_back_once_across_replicas(clients, fake_clock
 async def test_bucket_keys_expire_once_refilled(clients, fake_clock: FakeClock) -> None:
     client = clients()
     await limiter(client, fake_clock).reserve([TIER], 0)
-    ttl_ms = await client.pttl("mb:rl:tier:standard:requests")
+    ttl_ms = await client.pttl("{mb:rl}:tier:standard:requests")
     assert 12_000 < ttl_ms <= 13_000  # one request refills in 12 s, plus a second of slack
 
 
@@ -119,7 +119,7 @@ async def test_redis_down_falls_back_to_local_limits_with_one_warning(redis_serv
     with capture_logs() as logs:
         assert await admitted(lim, TIER, 7) == 5
     assert [e["event"] for e in logs] == ["ratelimit_redis_recovered"]
-    assert await client.exists("mb:rl:tier:standard:requests") == 1
+    assert await client.exists("{mb:rl}:tier:standard:requests") == 1
 
 
 async def test_many_concurrent_reserves_wait_for_pooled_connections(clients, fake_clock: FakeClock) -> None:

@@ -23,6 +23,7 @@ from mergebroker.broker.cluster.partition import GROUP, Keys
 
 # Claims the listed entries whose owner, idle time and marker are as planned; returns them as XCLAIM does.
 # ARGV: group, claimer, marker key prefix, then (entry ID, expected owner, min idle ms, 1 if a marker forbids).
+# The marker keys it checks share the stream's hash tag (`partition.Keys`), so a cluster finds them in its slot.
 _CLAIM = """local out = {}
 for i = 4, #ARGV, 4 do
   local id = ARGV[i]

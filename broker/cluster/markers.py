@@ -22,6 +22,8 @@ from mergebroker.broker.cluster.partition import GROUP, Keys
 # Marks the listed entries still pending under this consumer, and resets their idle time as a heartbeat does;
 # returns the IDs marked.
 # ARGV: group, consumer, marker key prefix, then (entry ID, marker expiry as Redis server ms) pairs.
+# The marker keys are derived here, not declared: Redis Cluster allows that because they share the stream's
+# hash tag (`partition.Keys`), hence one slot.
 _MARK = """local marked = {}
 for i = 4, #ARGV, 2 do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)

@@ -3,6 +3,11 @@
 A job's partition is a stable hash of its merge key (of its flight key when it cannot merge), so
 every request that could share a window or a call lands on the one worker that holds the partition.
 Each tier has its own stream per partition, so a worker can read realtime before standard before batch.
+
+Every key of a cluster is under one Redis Cluster hash tag, its prefix (`Keys`): a worker reads all its
+partition streams in one XREADGROUP, and the marker and claim scripts reach keys they derive from a stream's
+name, so nothing narrower keeps them in one slot. On a Redis Cluster, cluster mode therefore lives on one
+shard (correctness first); the cache and stored responses, which need no such grouping, still spread.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import json
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from mergebroker.redis_connect import has_hash_tag
 
 GROUP = "workers"  # the one consumer group of every job stream
 
@@ -38,9 +45,14 @@ def flight_key(tenant: str, tier: str, mergeable: bool, body: dict[str, Any]) ->
 
 @dataclass(frozen=True)
 class Keys:
-    """Every Redis key of a cluster, under one prefix."""
+    """Every Redis key of a cluster, under one prefix that is a hash tag: `mb:cluster` becomes `{mb:cluster}`
+    (a prefix that holds a tag already is kept), so `{mb:cluster}:jobs:standard:3`."""
 
     prefix: str
+
+    def __post_init__(self) -> None:
+        if not has_hash_tag(self.prefix):
+            object.__setattr__(self, "prefix", "{" + self.prefix + "}")
 
     def jobs(self, tier: str, partition: int) -> str:
         return f"{self.prefix}:jobs:{tier}:{partition}"

@@ -13,6 +13,11 @@ fence), before anyone can call it dead. A dead worker's jobs are claimed at once
 upstream too: it can never answer them. A worker that is only paused keeps its jobs that went upstream
 (no one runs them twice); it loses the others by the claim rule (`claims`).
 
+On a Redis Cluster the connection that counts is the one to the node serving the cluster's hash tag
+(`partition.Keys`): `CLIENT ID` and `CLIENT LIST` go to the node of `Keys.presence`. A failover moves
+the slot to a node that knows no worker's ID; each registers again within one presence period, and the
+confirmation window (`confirm_s`, two periods) leaves room for that.
+
 A host that vanishes without closing its sockets looks paused until Redis notices (its `tcp-keepalive`,
 300 s by default): its unsent jobs move after `claim_idle_ms`, its sent ones wait for their deadline.
 """
@@ -22,25 +27,26 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
 from mergebroker.broker.cluster.partition import Keys
+from mergebroker.redis_connect import PoolOptions, RedisClient, connect, routed_to
 
 PRESENCE_S = 0.25  # how often a worker refreshes its presence and looks for dead workers
 CONFIRM_PERIODS = 2  # a registered connection missing this many periods in a row means a dead worker
 
 
-def make_presence_client(url: str, worker_id: str) -> redis.Redis:
+def make_presence_client(url: str, worker_id: str) -> RedisClient:
     """One connection, named after the worker, used only to be seen (and to register its client ID).
 
     One immediate retry on a connection error: a connection dropped by a restart reconnects at once
-    (with a new client ID, which the next `Presence.refresh` registers).
+    (with a new client ID, which the next `Presence.refresh` registers); behind Sentinel it reconnects
+    to the new master. On a Redis Cluster: one connection per node, of which only the tag's node is used.
     """
-    return redis.Redis.from_url(url, single_connection_client=True, client_name=worker_id,
-                                socket_connect_timeout=0.5, socket_timeout=2.0, retry=Retry(NoBackoff(), 1))
+    return connect(url, PoolOptions(single_connection_client=True, client_name=worker_id,
+                                    socket_connect_timeout_s=0.5, socket_timeout_s=2.0, retry=Retry(NoBackoff(), 1)))
 
 
 class Presence:
@@ -56,7 +62,7 @@ class Presence:
         """Register the connection's current client ID (it changes on a reconnect, and a restarted Redis
         forgot it). Raises the client's error when the connection cannot be used: the worker must then
         stop sending upstream."""
-        client_id = int(await self._client.client_id())
+        client_id = int(await self._client.client_id(**await routed_to(self._client, self._keys.presence)))
         await self._client.hset(self._keys.presence, self._id, client_id)
         self._registered = client_id
 
@@ -80,7 +86,8 @@ async def absent_workers(redis_client: Any, keys: Keys, *, me: str) -> set[str]:
     if not registered:
         return set()
     try:
-        listed = await redis_client.client_list(client_id=list(registered.values()))
+        listed = await redis_client.client_list(client_id=list(registered.values()),
+                                                **await routed_to(redis_client, keys.presence))
     except ResponseError:
         return set()
     present = {(str(c.get("id")), c.get("name")) for c in listed}

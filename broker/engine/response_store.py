@@ -129,7 +129,10 @@ class SqliteResponseStore:
 
 class RedisResponseStore:
     """Stored responses in Redis, one key per tenant and id, expiring after `retention_s`. A write runs in
-    the background; until it lands, this replica's reads of that id wait for it."""
+    the background; until it lands, this replica's reads of that id wait for it.
+
+    Every command touches one key, so the keys carry no hash tag: in a Redis Cluster they spread over the
+    shards. `redis` is any `mergebroker.redis_connect` client (one server, Sentinel, Cluster)."""
 
     def __init__(self, redis: Any, *, retention_s: float = 30 * 86400, prefix: str = "mb:responses:") -> None:
         self._redis = redis

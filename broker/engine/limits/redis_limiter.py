@@ -8,7 +8,11 @@ clock (replicas share no monotonic clock); a replica whose clock lags never move
 Redis being down never fails a request: the limiter logs one `ratelimit_redis_unavailable` warning,
 uses its in-process fallback (each replica then enforces the limits on its own) and tries Redis again
 after `retry_after_s`. How long one Redis call may hang is the client's `socket_timeout`.
-All keys of one request go to one script call, so this needs a single Redis (or one cluster slot).
+All keys of one request go to one script call, so they must share a Redis Cluster slot: a request takes
+from its tier's bucket and its API key's, and an API key may call in several tiers, so no narrower tag
+than the whole limiter fits. Every bucket lives under the prefix, which must hold a hash tag (the default
+`{mb:rl}:` does): `{mb:rl}:tier:standard:requests`. In a cluster the limits live on one shard; each is
+one small hash, so that shard's load is one script call per admitted request.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
@@ -32,6 +35,7 @@ from mergebroker.broker.engine.limits.ratelimit import (
 )
 from mergebroker.clock import Clock
 from mergebroker.errors import RateLimited
+from mergebroker.redis_connect import RedisClient, has_hash_tag
 
 log = structlog.get_logger(__name__)
 
@@ -73,13 +77,17 @@ return out
 """
 
 _REDIS_ERRORS = (RedisError, OSError)  # OSError covers socket errors and the builtin TimeoutError
+DEFAULT_PREFIX = "{mb:rl}:"
 
 
 class RedisRateLimiter:
     """`RateLimiter`'s API over buckets shared in Redis, with the in-process limiter as the fallback."""
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str = "mb:rl:", fallback: RateLimiter, clock: Clock,
+    def __init__(self, client: RedisClient, *, prefix: str = DEFAULT_PREFIX, fallback: RateLimiter, clock: Clock,
                  wall_clock: Callable[[], float] = time.time, retry_after_s: float = 5.0) -> None:
+        if not has_hash_tag(prefix):
+            raise ValueError(f"prefix {prefix!r} must hold a hash tag such as {{mb:rl}}: a request's buckets "
+                             "go to one script call, so they must share a Redis Cluster slot")
         self._client = client
         self._script = client.register_script(_RESERVE_LUA)
         self._prefix = prefix
@@ -136,3 +144,4 @@ class RedisRateLimiter:
         if self._down_until is not None:
             log.info("ratelimit_redis_recovered")
             self._down_until = None
+
