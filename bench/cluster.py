@@ -407,8 +407,8 @@ def _echo_pair(redis_url: str, **overrides: Any) -> tuple[Any, Any, Any, Any]:
     from mergebroker.broker.cluster.partition import Keys
     from mergebroker.broker.cluster.server_time import ServerClock
     from mergebroker.broker.cluster.worker import ClusterWorker
-    from mergebroker.broker.engine.metrics import Metrics
-    from mergebroker.broker.engine.settings import ClusterSettings, default_tiers
+    from mergebroker.broker.engine.ground.metrics import Metrics
+    from mergebroker.broker.engine.ground.settings import ClusterSettings, default_tiers
 
     settings = ClusterSettings(**{**CLUSTER, "claim_idle_ms": 1000, "lease_ms": 600, "block_ms": 1000, **overrides})
     keys, server_clock, metrics = Keys("mb:floor"), ServerClock(), Metrics()

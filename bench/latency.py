@@ -83,7 +83,7 @@ QUICK = Plan(sequential_requests=12, rounds=1, warmup=2, mix_requests=60, bursts
 
 def with_window_policy(config: dict[str, Any], policy: str) -> dict[str, Any]:
     """`config` with every tier's `window_policy` set (tiers default to `default_tiers()` when absent)."""
-    from mergebroker.broker.engine.settings import default_tiers
+    from mergebroker.broker.engine.ground.settings import default_tiers
 
     tiers = config.get("tiers") or [t.model_dump() for t in default_tiers()]
     return {**config, "tiers": [{**t, "window_policy": policy} for t in tiers]}

@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from mergebroker.broker.engine.config import load_settings
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.config import load_settings
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.broker.http.app import create_app
 from mergebroker.providers.simulator.faults import SimulatorConfig
 from mergebroker.providers.simulator.server import answer_for, start_simulator

@@ -40,7 +40,7 @@ from bench.harness import (
     write_json,
 )
 from bench.workloads import ChatItem, hot_question_topics, hot_question_versions, mixed_workload
-from mergebroker.broker.engine.settings import default_tiers
+from mergebroker.broker.engine.ground.settings import default_tiers
 from mergebroker.providers.simulator.server import answer_for
 
 RESULTS_PATH = Path(__file__).parent / "results" / "merging.json"

@@ -65,8 +65,8 @@ def broker_config(upstream: str, *, merge: bool, cache: bool) -> dict[str, Any]:
 
 async def serve_broker(config: dict[str, Any]) -> tuple[web.AppRunner, str]:
     """The broker app on 127.0.0.1 (a free port) in this loop; returns its runner and base URL."""
-    from mergebroker.broker.engine.config import load_settings
-    from mergebroker.broker.engine.logging import configure_logging
+    from mergebroker.broker.engine.ground.config import load_settings
+    from mergebroker.broker.engine.ground.logging import configure_logging
     from mergebroker.broker.http.app import create_app
 
     settings = load_settings(None, environ={}, overrides=config)

@@ -164,8 +164,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _serve(args: argparse.Namespace) -> int:
     import structlog
 
-    from mergebroker.broker.engine.config import load_settings, settings_for_command
-    from mergebroker.broker.engine.logging import configure_logging
+    from mergebroker.broker.engine.ground.config import load_settings, settings_for_command
+    from mergebroker.broker.engine.ground.logging import configure_logging
     from mergebroker.broker.http.app import create_app
     from mergebroker.broker.http.server import serve
     from mergebroker.eventloop import loop_kind, new_event_loop
@@ -188,7 +188,7 @@ def _drain(args: argparse.Namespace) -> int:
     import urllib.parse
     import urllib.request
 
-    from mergebroker.broker.engine.config import settings_for_command
+    from mergebroker.broker.engine.ground.config import settings_for_command
 
     settings = settings_for_command(args.config)
     if settings is None:

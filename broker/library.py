@@ -10,7 +10,7 @@ limits), the chat cache and coalescing, the tier's merge window and queue, mergi
 embedding caches and window batching; it is counted in the same metrics and usage ledger. Callers in one
 process share one engine, so concurrent callers of one text share one computation.
 
-Named `Broker` for its users; the running engine inside it is `mergebroker.broker.engine.broker.Broker`.
+Named `Broker` for its users; the running engine inside it is `mergebroker.broker.engine.container.Broker`.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ from typing import Any
 from mergebroker.broker.cluster.frontend import front_end_queue
 from mergebroker.broker.engine import handling
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
-from mergebroker.broker.engine.assemble import assemble, stop_engine
-from mergebroker.broker.engine.broker import Broker as Engine
 from mergebroker.broker.engine.chat.service import CacheControl
-from mergebroker.broker.engine.config import load_settings
+from mergebroker.broker.engine.container import Engine
+from mergebroker.broker.engine.ground.config import load_settings
+from mergebroker.broker.engine.ground.schemas import BrokerOptions, parse_chat, parse_embeddings
+from mergebroker.broker.engine.ground.settings import Settings
 from mergebroker.broker.engine.inbound import messages as inbound_messages
 from mergebroker.broker.engine.inbound import responses as inbound_responses
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.broker.engine.schemas import BrokerOptions, parse_chat, parse_embeddings
-from mergebroker.broker.engine.settings import Settings
 from mergebroker.broker.engine.streams import chat_chunk
+from mergebroker.broker.engine.wiring.assemble import assemble, stop_engine
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import BrokerError, Forbidden, InvalidRequest
 

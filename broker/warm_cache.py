@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mergebroker.broker.engine.assemble import assemble, stop_engine
-from mergebroker.broker.engine.config import settings_for_command
+from mergebroker.broker.engine.ground.config import settings_for_command
+from mergebroker.broker.engine.wiring.assemble import assemble, stop_engine
 from mergebroker.errors import BrokerError
 
 

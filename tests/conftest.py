@@ -123,7 +123,7 @@ async def start_broker():
     """Factory: `await start_broker(settings_dict)` runs a broker on a free port; all are stopped at the end."""
     from aiohttp import web
 
-    from mergebroker.broker.engine.config import load_settings
+    from mergebroker.broker.engine.ground.config import load_settings
     from mergebroker.broker.http.app import create_app
     from mergebroker.broker.http.keys import BATCHES, BROKER
 

@@ -7,8 +7,8 @@ import hashlib
 import pytest
 from pydantic import SecretStr
 
+from mergebroker.broker.engine.ground.settings import ApiKeySettings, AuthSettings
 from mergebroker.broker.engine.limits.admission import Authenticator
-from mergebroker.broker.engine.settings import ApiKeySettings, AuthSettings
 from mergebroker.errors import Forbidden, Unauthorized
 
 TIERS = ("realtime", "standard", "batch")

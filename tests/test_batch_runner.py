@@ -9,10 +9,10 @@ from mergebroker.broker.bulk.batches import build_batch_service
 from mergebroker.broker.bulk.lines import BatchLine
 from mergebroker.broker.bulk.runner import BulkJob, BulkRunner, Limits
 from mergebroker.broker.bulk.store import BatchStore
-from mergebroker.broker.engine.config import load_settings
+from mergebroker.broker.engine.ground.config import load_settings
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.limits.ratelimit import RateLimiter
-from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.clock import FakeClock, monotonic
 from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider
 from mergebroker.providers.pool import ProviderPools

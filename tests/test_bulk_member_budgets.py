@@ -12,7 +12,7 @@ import random
 import pytest
 
 from mergebroker.broker.bulk.settling import judge
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.merge.compaction import CompactionRules, plan_compaction
 from mergebroker.providers.simulator.content import compose_reply
 from mergebroker.providers.simulator.faults import SimulatorConfig

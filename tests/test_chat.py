@@ -10,10 +10,10 @@ import pytest
 from mergebroker.broker.engine.chat.job_queue import FakeJobQueue
 from mergebroker.broker.engine.chat.jobs import ChatOutcome
 from mergebroker.broker.engine.chat.service import CacheControl, ChatService
-from mergebroker.broker.engine.config import load_settings
+from mergebroker.broker.engine.ground.config import load_settings
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.limits.limiter import FakeLimiter
-from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.clock import FakeClock
 from mergebroker.errors import Overloaded, RateLimited, UpstreamUnavailable
 from mergebroker.providers.fake import FakePool

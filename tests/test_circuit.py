@@ -9,7 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from mergebroker.breaker.circuit import BreakerOpenError, BreakerSettings, BreakerState, CircuitBreaker
-from mergebroker.broker.engine.metrics import Metrics, breaker_listener
+from mergebroker.broker.engine.ground.metrics import Metrics, breaker_listener
 from mergebroker.clock import FakeClock
 from mergebroker.errors import UpstreamConnectionError, UpstreamError, UpstreamHTTPError, UpstreamTimeout
 

@@ -20,7 +20,7 @@ import pytest_asyncio
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from mergebroker.broker.engine.settings import default_tiers
+from mergebroker.broker.engine.ground.settings import default_tiers
 from mergebroker.providers.simulator.content import answer_for
 from mergebroker.providers.simulator.faults import SimulatorConfig
 from mergebroker.providers.simulator.server import start_simulator

@@ -15,7 +15,7 @@ from mergebroker.broker.cluster.partition import GROUP
 from mergebroker.broker.cluster.presence import DeathWatch, Presence, absent_workers, make_presence_client
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.engine.chat.job_queue import FakeJobQueue
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.clock import FakeClock
 from tests.helpers.polling import wait_until
 from tests.test_cluster_streams import KEYS, SETTINGS, Node, answer, chat_job, next_job, read_by

@@ -18,9 +18,9 @@ from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireReply, encode_job, encode_reply
 from mergebroker.broker.engine.chat.job_queue import FakeJobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.settings import ClusterSettings, default_tiers
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.settings import ClusterSettings, default_tiers
 from mergebroker.clock import Clock, FakeClock, monotonic
 from mergebroker.token_usage import TokenUsage
 from tests.helpers.polling import wait_until

@@ -7,9 +7,9 @@ from mergebroker.broker.bulk.items import ItemContext, bulk_items
 from mergebroker.broker.bulk.lines import BatchLine
 from mergebroker.broker.bulk.runner import BulkEconomics
 from mergebroker.broker.engine.accounting.costs import CostBook
-from mergebroker.broker.engine.config import load_settings
-from mergebroker.broker.engine.merge_economy import economy_for
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.accounting.merge_economy import economy_for
+from mergebroker.broker.engine.ground.config import load_settings
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.clock import FakeClock
 from mergebroker.merge.compaction import CompactionRules, PlannedCall, plan_compaction
 from mergebroker.merge.prompt import response_tag_tokens

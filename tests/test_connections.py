@@ -18,7 +18,7 @@ import yaml
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from mergebroker.broker.engine.config import load_settings
+from mergebroker.broker.engine.ground.config import load_settings
 from mergebroker.broker.http.app import create_app
 from mergebroker.broker.http.connections import Conn, ConnectionLimits, eviction_order, expired
 from mergebroker.broker.http.server import CONNECTIONS, AcceptErrorLog, GuardedSite, runner_for

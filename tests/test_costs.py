@@ -6,7 +6,7 @@ import pytest
 
 from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.accounting.request_record import RequestInfo
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.clock import FakeClock
 from mergebroker.merge.pricing import PriceTable
 

@@ -11,7 +11,7 @@ import yaml
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 METRIC_NAME = re.compile(r"mergebroker_[a-z_]+")

@@ -7,8 +7,8 @@ import asyncio
 from mergebroker.broker.engine.chat.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.engine.chat.jobs import ChatJob
 from mergebroker.broker.engine.chat.merge_queue import ReleasedGroup
+from mergebroker.broker.engine.ground.metrics import Metrics, PoolMetrics
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.broker.engine.metrics import Metrics, PoolMetrics
 from mergebroker.clock import Clock, FakeClock, monotonic
 from mergebroker.merge.embedder import FakeEmbedder
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard

@@ -38,9 +38,9 @@ import pytest
 from prometheus_client.metrics import MetricWrapperBase
 from pydantic import BaseModel
 
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.schemas import ChatRequest
-from mergebroker.broker.engine.settings import ProviderSettings, Settings
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.schemas import ChatRequest
+from mergebroker.broker.engine.ground.settings import ProviderSettings, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
@@ -473,7 +473,7 @@ def test_checker_reports_a_wrong_module_and_a_wrong_default() -> None:
 def test_checker_resolves_names_from_inside_a_room() -> None:
     """Paths and dotted names written from inside a package resolve by suffix; a wrong file name does not."""
     tree = repository()
-    assert resolves_path(tree, "chat/service.py") and resolves_path(tree, "engine/assemble.py")
+    assert resolves_path(tree, "chat/service.py") and resolves_path(tree, "engine/wiring/assemble.py")
     assert not resolves_path(tree, "ratelimit_redis.py")
     assert resolves_dotted(tree, "merge_cost.decide") and resolves_dotted(tree, "Broker.chat")
     assert not resolves_dotted(tree, "Dispatcher._vectors")

@@ -17,7 +17,7 @@ from mergebroker.broker.engine.embeddings.window_rules import (
     share_tokens,
     window_decision,
 )
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.errors import Overloaded, UpstreamBadResponse, UpstreamHTTPError, UpstreamTimeout
 from mergebroker.merge.cache import LruCache, RedisCache, TwoLevelCache, make_redis_client
 from mergebroker.merge.embedder import fake_vector

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mergebroker.broker.engine.config import load_settings
+from mergebroker.broker.engine.ground.config import load_settings
 from mergebroker.broker.http.app import create_app
 from mergebroker.broker.http.server import CONNECTIONS, GuardedSite, runner_for
 from mergebroker.providers.simulator.server import start_simulator

@@ -7,7 +7,7 @@ import asyncio
 import gc
 import weakref
 
-from mergebroker.broker.engine.config import load_settings
+from mergebroker.broker.engine.ground.config import load_settings
 from mergebroker.gc_policy import PAUSED, GcPolicy, let_go
 from tests.test_batch_runner import create_batch, service_on
 

@@ -28,8 +28,8 @@ from aiohttp import web
 
 from mergebroker.broker.cli import build_parser
 from mergebroker.broker.cluster.worker import DRAIN_S
-from mergebroker.broker.engine.config import load_settings
-from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.ground.config import load_settings
+from mergebroker.broker.engine.ground.settings import Settings
 from mergebroker.broker.http.routes import add_routes
 from mergebroker.broker.http.worker_app import create_worker_app
 

@@ -9,7 +9,7 @@ from datetime import datetime
 
 from structlog.testing import capture_logs
 
-from mergebroker.broker.engine.logging import redact_secrets
+from mergebroker.broker.engine.ground.logging import redact_secrets
 from tests.conftest import provider_for
 
 API_KEY = "sk-test-never-logged-123456"
@@ -39,7 +39,7 @@ def test_redaction_processor_drops_secret_and_prompt_fields():
 
 
 def test_provider_settings_never_show_the_key():
-    from mergebroker.broker.engine.config import load_settings
+    from mergebroker.broker.engine.ground.config import load_settings
 
     settings = load_settings(None, environ={"K": API_KEY},
                              overrides={"providers": [{"name": "p", "base_url": "http://x/v1", "api_key_env": "K"}]})
@@ -50,7 +50,7 @@ def test_provider_settings_never_show_the_key():
 def test_json_lines_are_one_parseable_object_per_event_with_a_utc_timestamp():
     """What `configure_logging` writes in a serving process: orjson-rendered lines, each with level and an
     ISO-8601 UTC timestamp to the microsecond, secrets redacted (run in a child: configuring is process-wide)."""
-    code = ("from mergebroker.broker.engine.logging import configure_logging; import structlog;"
+    code = ("from mergebroker.broker.engine.ground.logging import configure_logging; import structlog;"
             "configure_logging('info'); log = structlog.get_logger('t');"
             "[log.info('request', n=i, api_key='sk-x', ratio=0.5) for i in range(3)]; log.debug('hidden')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, check=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.merge.member_budget import BudgetWatch, cut_to_budget, estimate_tokens, reached_budget
 from mergebroker.merge.split import truncated_block, without_tag_prefix
 from mergebroker.merge.usage import capped_shares

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.clock import FakeClock
 from mergebroker.providers.simulator.server import answer_for
 from tests.conftest import provider_for

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from mergebroker.broker.engine.accounting.costs import CostBook
-from mergebroker.broker.engine.merge_economy import Candidate, MergeEconomy
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.accounting.merge_economy import Candidate, MergeEconomy
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.clock import FakeClock
 from mergebroker.merge.merge_cost import MergePolicy
 from mergebroker.merge.pricing import PriceTable

@@ -8,7 +8,7 @@ import pytest
 from mergebroker.broker.bulk.items import ItemContext, bulk_items
 from mergebroker.broker.bulk.lines import BatchLine
 from mergebroker.broker.engine.chat.service import ChatService
-from mergebroker.broker.engine.config import load_settings
+from mergebroker.broker.engine.ground.config import load_settings
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.merge.mergeable import UnitRules
 

@@ -8,7 +8,7 @@ import asyncio
 import json
 import random
 
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.broker.eval.cli import shipped_output_limit
 from mergebroker.broker.eval.run import Evaluator, load_requests, plan_batches
 from mergebroker.clock import FakeClock

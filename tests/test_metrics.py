@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mergebroker.broker.engine.metrics import MAX_MODEL_LABELS, Metrics
+from mergebroker.broker.engine.ground.metrics import MAX_MODEL_LABELS, Metrics
 
 
 def test_the_first_distinct_model_names_are_their_own_labels_and_later_ones_are_other() -> None:

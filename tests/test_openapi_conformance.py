@@ -103,7 +103,7 @@ class LoopbackBroker:
     async def _serve(self) -> int:
         from aiohttp import web
 
-        from mergebroker.broker.engine.config import load_settings
+        from mergebroker.broker.engine.ground.config import load_settings
         from mergebroker.broker.http.app import create_app
 
         app = create_app(load_settings(None, environ={}, overrides=self._config))

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
-from mergebroker.broker.engine.config import ConfigError, load_settings
+from mergebroker.broker.engine.ground.config import ConfigError, load_settings
 from mergebroker.errors import UpstreamConnectionError
 from mergebroker.providers.pool import ProviderPools
 from mergebroker.providers.upstream import Upstream

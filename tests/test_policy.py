@@ -6,7 +6,7 @@ import pytest
 
 from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
 from mergebroker.breaker.policy import DegradationPolicy
-from mergebroker.broker.engine.metrics import Metrics, merging_listener
+from mergebroker.broker.engine.ground.metrics import Metrics, merging_listener
 from mergebroker.clock import FakeClock
 from mergebroker.errors import UpstreamHTTPError
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from mergebroker.breaker.circuit import BreakerSettings, BreakerState, CircuitBreaker
-from mergebroker.broker.engine.metrics import Metrics, PoolMetrics
+from mergebroker.broker.engine.ground.metrics import Metrics, PoolMetrics
 from mergebroker.clock import FakeClock
 from mergebroker.errors import DeadlineExceeded, UpstreamError, UpstreamHTTPError, UpstreamTimeout, UpstreamUnavailable
 from mergebroker.providers.fake import FakeProvider

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.merge.merge_cost import REQUEST_TAG_TOKENS, RESPONSE_TAG_TOKENS
 from mergebroker.merge.prompt import (
     DEFAULT_HEADER,

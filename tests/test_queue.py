@@ -10,8 +10,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from mergebroker.broker.engine.chat.merge_queue import MergeQueue, TierWindow
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.settings import TierSettings
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.settings import TierSettings
 from mergebroker.clock import FakeClock
 from mergebroker.errors import Overloaded
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from mergebroker.broker.engine.chat.merge_queue import MergeQueue, TierWindow
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.clock import FakeClock
 
 

@@ -23,9 +23,9 @@ from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.markers import SentMarkers
 from mergebroker.broker.cluster.presence import Presence, absent_workers, make_presence_client
 from mergebroker.broker.cluster.server_time import ServerClock
+from mergebroker.broker.engine.ground.response_store import RedisResponseStore
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec, RateLimiter
 from mergebroker.broker.engine.limits.redis_limiter import RedisRateLimiter
-from mergebroker.broker.engine.response_store import RedisResponseStore
 from mergebroker.clock import FakeClock, monotonic
 from mergebroker.errors import Overloaded, RateLimited
 from mergebroker.merge.redis_cache import RedisCache, make_redis_client
@@ -347,7 +347,7 @@ async def test_cluster_mode_runs_on_one_slot_of_the_cluster(cluster_url: str) ->
     from mergebroker.broker.cluster.client import make_stream_client
     from mergebroker.broker.cluster.frontend import ClusterQueue
     from mergebroker.broker.engine.chat.job_queue import FakeJobQueue
-    from mergebroker.broker.engine.metrics import Metrics
+    from mergebroker.broker.engine.ground.metrics import Metrics
 
     redis = make_stream_client(cluster_url, block_ms=SETTINGS.block_ms)
     presence_client = make_presence_client(cluster_url, "w1")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from mergebroker.broker.engine.assemble import assemble, stop_engine
-from mergebroker.broker.engine.broker import Broker
-from mergebroker.broker.engine.config import ConfigError, load_settings
-from mergebroker.broker.engine.reload import Reloader, ReloadResult, changes, engine_idle, fixed
-from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.container import Engine
+from mergebroker.broker.engine.ground.config import ConfigError, load_settings
+from mergebroker.broker.engine.ground.settings import Settings
+from mergebroker.broker.engine.wiring.assemble import assemble, stop_engine
+from mergebroker.broker.engine.wiring.reload import Reloader, ReloadResult, changes, engine_idle, fixed
 from tests.conftest import provider_for
 
 KEY_HASH = "a" * 64
@@ -48,18 +48,18 @@ def test_a_provider_added_shows_under_its_name():
 class _Engine:
     """The slot a way in reads its engine from."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Engine) -> None:
         self.broker = broker
 
-    def swap(self, broker: Broker) -> None:
+    def swap(self, broker: Engine) -> None:
         self.broker = broker
 
 
 def _reloader(slot: _Engine, load, results: list[ReloadResult]) -> Reloader:
-    async def build(settings: Settings, old: Broker) -> Broker:
+    async def build(settings: Settings, old: Engine) -> Engine:
         return await assemble(settings, keep=old, clock=old.clock)
 
-    async def retire(old: Broker, new: Broker) -> None:
+    async def retire(old: Engine, new: Engine) -> None:
         await stop_engine(old, successor=new)
 
     return Reloader(load=load, current=lambda: slot.broker, build=build, swap=slot.swap, retire=retire,
@@ -116,7 +116,7 @@ async def test_a_config_that_does_not_validate_or_needs_a_restart_is_refused_and
 
 @pytest.mark.parametrize("secret_path", ["auth.keys[0].sha256", "providers[a].api_key", "ledger.postgres_dsn"])
 def test_secret_looking_paths_are_masked_but_environment_variable_names_are_not(secret_path):
-    from mergebroker.broker.engine.reload import _shown
+    from mergebroker.broker.engine.wiring.reload import _shown
 
     assert _shown(secret_path, "value", object()) == "***"
     assert _shown("providers[a].api_key_env", "OPENAI_KEY", object()) == "OPENAI_KEY"

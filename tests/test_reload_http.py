@@ -18,8 +18,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from mergebroker.broker.engine.config import load_settings
-from mergebroker.broker.engine.settings import default_tiers
+from mergebroker.broker.engine.ground.config import load_settings
+from mergebroker.broker.engine.ground.settings import default_tiers
 from mergebroker.broker.http.app import create_app
 from mergebroker.providers.simulator.faults import SimulatorConfig
 from mergebroker.providers.simulator.server import start_simulator

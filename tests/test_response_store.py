@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mergebroker.broker.engine.response_store import (
+from mergebroker.broker.engine.ground.response_store import (
     RedisResponseStore,
     SqliteResponseStore,
     chain_history,

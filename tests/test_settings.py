@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mergebroker.broker.cli import build_parser, serve_overrides
-from mergebroker.broker.engine.config import ConfigError, load_settings
+from mergebroker.broker.engine.ground.config import ConfigError, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ from mergebroker.broker.engine.accounting.report import build_report
 from mergebroker.broker.engine.accounting.store import SqliteLedgerStore
 from mergebroker.broker.engine.chat.jobs import ChatJob
 from mergebroker.broker.engine.chat.shadow import ShadowRunner
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.clock import FakeClock
 from mergebroker.merge.quality_guard import GuardSettings, QualityGuard
 from mergebroker.merge.shape import MergeShape

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from mergebroker.broker.engine import tokens
+from mergebroker.broker.engine.ground import tokens
 
 with warnings.catch_warnings():  # bpe_openai's table loader uses a deprecated importlib call
     warnings.simplefilter("ignore", DeprecationWarning)

@@ -16,7 +16,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from mergebroker import tracing
-from mergebroker.broker.engine.telemetry_settings import TelemetrySettings
+from mergebroker.broker.engine.ground.telemetry_settings import TelemetrySettings
 from mergebroker.broker.http.tracing import TELEMETRY, tracing_middleware
 from mergebroker.clock import FakeClock
 from tests.conftest import provider_for
@@ -224,7 +224,7 @@ def test_a_jobs_traceparent_crosses_the_cluster_wire_only_when_set():
 def test_the_standard_otel_variables_switch_telemetry_on_through_the_settings():
     """A deployment that sets OTEL_EXPORTER_OTLP_ENDPOINT gets traces without a telemetry: section; OTEL_SDK_DISABLED
     and an explicit `enabled: false` win over it; with neither, telemetry is off."""
-    from mergebroker.broker.engine.config import load_settings
+    from mergebroker.broker.engine.ground.config import load_settings
 
     endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}
     assert load_settings(None, environ={}).telemetry.enabled is False

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from mergebroker.broker.engine.chat.workers import WorkerPool
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 
 
 class _Groups:

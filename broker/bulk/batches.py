@@ -38,9 +38,9 @@ from mergebroker.broker.bulk.runner import BulkJob, BulkRunner, Limits, Result
 from mergebroker.broker.bulk.settling import CallShare
 from mergebroker.broker.bulk.store import BatchRow, BatchStore, FileRecord
 from mergebroker.broker.engine.accounting.costs import CostBook
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.settings import ProviderSettings, Settings
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.settings import ProviderSettings, Settings
 from mergebroker.clock import Clock, Sleep
 from mergebroker.errors import BrokerError, InvalidRequest, NotFound
 from mergebroker.gc_policy import PROCESS, GcPolicy, Hold, let_go

@@ -16,8 +16,8 @@ import structlog
 from mergebroker.broker.bulk.lines import BatchLine
 from mergebroker.broker.bulk.settling import Result
 from mergebroker.broker.engine.chat.units import unit_rules
-from mergebroker.broker.engine.settings import Settings
-from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
+from mergebroker.broker.engine.ground.settings import Settings
+from mergebroker.broker.engine.ground.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.errors import InvalidRequest, NotFound
 from mergebroker.merge.compaction import BulkItem
 from mergebroker.merge.mergeable import UnitRules

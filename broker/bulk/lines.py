@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from mergebroker.broker.engine.schemas import parse_chat
+from mergebroker.broker.engine.ground.schemas import parse_chat
 from mergebroker.errors import InvalidRequest
 from mergebroker.jsonio import NotStrictJson, parse_strict
 

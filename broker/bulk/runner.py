@@ -33,13 +33,13 @@ from mergebroker.broker.bulk.settling import CallShare, Outcome, Result, call_sh
 from mergebroker.broker.bulk.store import BatchStore
 from mergebroker.broker.bulk.upstream_rounds import RoundHooks, UpstreamRounds
 from mergebroker.broker.engine.accounting.costs import CostBook
+from mergebroker.broker.engine.accounting.merge_economy import Candidate, MergeEconomy, economy_for
 from mergebroker.broker.engine.chat.jobs import aged_rank
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.settings import Settings
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec
-from mergebroker.broker.engine.merge_economy import Candidate, MergeEconomy, economy_for
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.settings import Settings
-from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.clock import Clock, Sleep, sleep_or_event
 from mergebroker.errors import BrokerError, RateLimited, UpstreamUnavailable
 from mergebroker.merge.compaction import BulkItem, CompactionRules, PlannedCall, plan_compaction

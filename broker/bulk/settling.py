@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.errors import BrokerError
 from mergebroker.merge.compaction import PlannedCall, PlannedMember
 from mergebroker.merge.completion import member_completion

@@ -43,9 +43,9 @@ from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireJob, WireReply, decode_job, stream_pairs
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatOutcome, aged_rank
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.settings import ClusterSettings, TierSettings
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.settings import ClusterSettings, TierSettings
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError
 from mergebroker.merge.shape import merge_shape

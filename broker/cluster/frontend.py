@@ -39,11 +39,11 @@ from mergebroker.broker.cluster.partition import Keys, flight_key, partition_of
 from mergebroker.broker.cluster.presence import absent_workers
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireJob, decode_reply, encode_job, next_stream_id, stream_pairs
-from mergebroker.broker.engine.assemble import QueueChoice
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
-from mergebroker.broker.engine.metrics import Metrics, preinitialise_cluster
-from mergebroker.broker.engine.settings import ClusterSettings, Settings
+from mergebroker.broker.engine.ground.metrics import Metrics, preinitialise_cluster
+from mergebroker.broker.engine.ground.settings import ClusterSettings, Settings
+from mergebroker.broker.engine.wiring.assemble import QueueChoice
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import Overloaded
 from mergebroker.tasks import stop_loops

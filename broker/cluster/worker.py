@@ -24,8 +24,8 @@ from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.outage import Outage
 from mergebroker.broker.cluster.partition import GROUP, Keys
 from mergebroker.broker.cluster.presence import PRESENCE_S, DeathWatch, Presence, absent_workers
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.settings import ClusterSettings
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.settings import ClusterSettings
 from mergebroker.clock import Clock, Sleep, monotonic, sleep_or_event
 from mergebroker.tasks import stop_loops
 

@@ -25,10 +25,10 @@ from mergebroker.broker.cluster.partition import Keys
 from mergebroker.broker.cluster.presence import Presence, make_presence_client
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.worker import ClusterWorker
-from mergebroker.broker.engine.assemble import assemble, stop_engine
-from mergebroker.broker.engine.broker import Broker
-from mergebroker.broker.engine.metrics import preinitialise_cluster
-from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.container import Engine
+from mergebroker.broker.engine.ground.metrics import preinitialise_cluster
+from mergebroker.broker.engine.ground.settings import Settings
+from mergebroker.broker.engine.wiring.assemble import assemble, stop_engine
 from mergebroker.clock import Clock, Sleep, monotonic
 
 log = structlog.get_logger(__name__)
@@ -38,7 +38,7 @@ log = structlog.get_logger(__name__)
 class Worker:
     """A running worker: the broker parts it dispatches with, and its cluster loops."""
 
-    broker: Broker
+    broker: Engine
     cluster: ClusterWorker
     redis: Any
     worker_id: str

@@ -12,18 +12,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, note_usage
-from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.chat.service import CacheControl, ChatResult
+from mergebroker.broker.engine.container import Engine
 from mergebroker.broker.engine.embeddings.service import EmbeddingResponse
+from mergebroker.broker.engine.ground.schemas import BrokerOptions, ChatRequest, EmbeddingRequest
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.broker.engine.limits.admission import TIER_HEADER, Caller
-from mergebroker.broker.engine.schemas import BrokerOptions, ChatRequest, EmbeddingRequest
 from mergebroker.broker.engine.streams import HandledStream, PassThrough, Relay
-from mergebroker.broker.engine.tokens import count_text_tokens
 from mergebroker.errors import NotFound
 from mergebroker.token_usage import TokenUsage
 
 
-def authenticate(broker: Broker, info: RequestInfo, headers: Mapping[str, str], options: BrokerOptions | None,
+def authenticate(broker: Engine, info: RequestInfo, headers: Mapping[str, str], options: BrokerOptions | None,
                  user: str | None) -> Caller:
     """The caller named by `headers` (and the body's `broker.tier` / `user`); refusals are counted by tier."""
     try:
@@ -36,7 +36,7 @@ def authenticate(broker: Broker, info: RequestInfo, headers: Mapping[str, str], 
     return caller
 
 
-def with_body_options(broker: Broker, info: RequestInfo, headers: Mapping[str, str], known: Caller,
+def with_body_options(broker: Engine, info: RequestInfo, headers: Mapping[str, str], known: Caller,
                       parsed: ChatRequest | EmbeddingRequest) -> Caller:
     """The caller once the body is read: its `broker.tier` and `user` may still choose (and be refused).
 
@@ -47,7 +47,7 @@ def with_body_options(broker: Broker, info: RequestInfo, headers: Mapping[str, s
     return authenticate(broker, info, headers, parsed.broker, parsed.user)
 
 
-def _tier_label(broker: Broker, requested: str | None) -> str:
+def _tier_label(broker: Engine, requested: str | None) -> str:
     """A metric label for a tier named by an unauthenticated request: only configured names, never junk."""
     return requested if any(t.name == requested for t in broker.settings.tiers) else "unknown"
 
@@ -58,7 +58,7 @@ def model_not_found(model: str) -> NotFound:
                     code="model_not_found")
 
 
-def check_chat_model(broker: Broker, info: RequestInfo, parsed: ChatRequest, body: Mapping[str, Any]) -> None:
+def check_chat_model(broker: Engine, info: RequestInfo, parsed: ChatRequest, body: Mapping[str, Any]) -> None:
     """404 unless an upstream serves the model (a local embedding model cannot chat); then note how the
     request is priced."""
     info.model = parsed.model
@@ -67,7 +67,7 @@ def check_chat_model(broker: Broker, info: RequestInfo, parsed: ChatRequest, bod
     price_on_arrival(broker, info, body)
 
 
-def price_on_arrival(broker: Broker, info: RequestInfo, body: Mapping[str, Any]) -> None:
+def price_on_arrival(broker: Engine, info: RequestInfo, body: Mapping[str, Any]) -> None:
     """A priced request (`body`: its chat form) is priced when answered, native calls of the other APIs too; in a tier that merges, the model of the provider's cache
     sees its prompt now, in arrival order, as it would have were every request sent alone."""
     costs = broker.costs
@@ -78,12 +78,12 @@ def price_on_arrival(broker: Broker, info: RequestInfo, body: Mapping[str, Any])
         info.alone_cached_tokens = costs.observe_alone("", info.model or "", body.get("messages") or [])
 
 
-def _merges(broker: Broker, tier: str) -> bool:
+def _merges(broker: Engine, tier: str) -> bool:
     settings = broker.settings
     return settings.merge.enabled and any(t.name == tier and t.merge for t in settings.tiers)
 
 
-async def complete_chat(broker: Broker, info: RequestInfo, caller: Caller, parsed: ChatRequest,
+async def complete_chat(broker: Engine, info: RequestInfo, caller: Caller, parsed: ChatRequest,
                         body: dict[str, Any], cache_control: CacheControl) -> ChatResult:
     """Answer one non-streaming chat request (validated, authenticated, model checked)."""
     options = parsed.broker
@@ -102,7 +102,7 @@ async def complete_chat(broker: Broker, info: RequestInfo, caller: Caller, parse
     return result
 
 
-async def open_chat_stream(broker: Broker, info: RequestInfo, caller: Caller, parsed: ChatRequest,
+async def open_chat_stream(broker: Engine, info: RequestInfo, caller: Caller, parsed: ChatRequest,
                            body: dict[str, Any], *, relay: Relay | None = None,
                            headers: Mapping[str, str] | None = None) -> HandledStream:
     """Open one streaming chat request (validated, authenticated, model checked): its own upstream stream, or
@@ -143,7 +143,7 @@ def chat_headers(result: ChatResult) -> dict[str, str]:
     return headers
 
 
-async def create_embeddings(broker: Broker, info: RequestInfo, caller: Caller, parsed: EmbeddingRequest,
+async def create_embeddings(broker: Engine, info: RequestInfo, caller: Caller, parsed: EmbeddingRequest,
                             body: dict[str, Any]) -> EmbeddingResponse:
     """Answer one embeddings request (validated, authenticated) through the batcher and its caches."""
     info.model = parsed.model

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.errors import BrokerError
 from mergebroker.merge.member_budget import TokenCounter
 from mergebroker.merge.merged_call import CallMember, CallRules, MergedCall, merged_call

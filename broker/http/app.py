@@ -22,12 +22,12 @@ from mergebroker.broker.bulk.runner import BulkJob, Limits
 from mergebroker.broker.bulk.settling import CallShare
 from mergebroker.broker.cluster.frontend import front_end_queue
 from mergebroker.broker.engine.accounting.request_record import record_bulk_line
-from mergebroker.broker.engine.assemble import assemble, freeze_startup_objects, stop_engine
-from mergebroker.broker.engine.broker import Broker
-from mergebroker.broker.engine.metrics import connections_listener, drain_listener, reload_listener
-from mergebroker.broker.engine.reload import Reloader, engine_idle
-from mergebroker.broker.engine.settings import HTTP_PROVIDER_KINDS, Settings
-from mergebroker.broker.engine.telemetry_settings import TelemetrySettings
+from mergebroker.broker.engine.container import Engine
+from mergebroker.broker.engine.ground.metrics import connections_listener, drain_listener, reload_listener
+from mergebroker.broker.engine.ground.settings import HTTP_PROVIDER_KINDS, Settings
+from mergebroker.broker.engine.ground.telemetry_settings import TelemetrySettings
+from mergebroker.broker.engine.wiring.assemble import assemble, freeze_startup_objects, stop_engine
+from mergebroker.broker.engine.wiring.reload import Reloader, engine_idle
 from mergebroker.broker.http.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.http.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
 from mergebroker.broker.http.drain import DRAIN, Drain
@@ -93,10 +93,10 @@ def engine_reloader(app: web.Application, reload_from: Callable[[], Settings],
     becomes `app[BROKER]` for requests that arrive from then on, and the Batch API follows it."""
     first = app[BROKER]
 
-    async def build(settings: Settings, old: Broker) -> Broker:
+    async def build(settings: Settings, old: Engine) -> Engine:
         return await assemble(settings, queue=front_end_queue(settings), clock=old.clock, sleep=old.sleep, keep=old)
 
-    def swap(new: Broker) -> None:
+    def swap(new: Engine) -> None:
         with warnings.catch_warnings():  # aiohttp warns on any change to a started app's state; this one is the point
             warnings.simplefilter("ignore", DeprecationWarning)
             app[BROKER] = new
@@ -105,7 +105,7 @@ def engine_reloader(app: web.Application, reload_from: Callable[[], Settings],
             batches.follow(pools=new.pools, limits=Limits(new.limiter, new.chat.limit_specs),
                            merging_allowed=new.policy.merging_allowed)
 
-    async def retire(old: Broker, new: Broker) -> None:
+    async def retire(old: Engine, new: Engine) -> None:
         await stop_engine(old, successor=new)
 
     return Reloader(load=reload_from, current=lambda: app[BROKER], build=build, swap=swap, retire=retire,
@@ -121,7 +121,7 @@ async def telemetry_lifecycle(section: TelemetrySettings, app: web.Application) 
         await asyncio.to_thread(tracing.uninstall)  # the last export goes out over HTTP: off the loop
 
 
-def batch_service(broker: Broker) -> BatchService | None:
+def batch_service(broker: Engine) -> BatchService | None:
     """The Batch API over the engine's pools, limits and similarity model (None when disabled)."""
     limiter = broker.limiter
     assert limiter is not None, "assemble() sets the limiter"

@@ -9,10 +9,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from mergebroker.broker.bulk.batches import BatchService
-from mergebroker.broker.engine.broker import Broker
-from mergebroker.broker.engine.reload import Reloader
+from mergebroker.broker.engine.container import Engine
+from mergebroker.broker.engine.wiring.reload import Reloader
 
-BROKER = web.AppKey("broker", Broker)
+BROKER = web.AppKey("broker", Engine)
 BATCHES = web.AppKey("batches", BatchService)
 """The Batch API's service; absent when `batches.enabled` is off."""
 RELOADER = web.AppKey("reloader", Reloader)

@@ -13,8 +13,9 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from mergebroker import jsonio
-from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.chat.service import CacheControl
+from mergebroker.broker.engine.container import Engine
+from mergebroker.broker.engine.ground.schemas import parse_chat, parse_embeddings
 from mergebroker.broker.engine.handling import (
     authenticate,
     chat_headers,
@@ -26,7 +27,6 @@ from mergebroker.broker.engine.handling import (
     open_chat_stream,
     with_body_options,
 )
-from mergebroker.broker.engine.schemas import parse_chat, parse_embeddings
 from mergebroker.broker.http.api_routes import add_api_routes, send_stream
 from mergebroker.broker.http.body import BODY_LIMITS, read_json
 from mergebroker.broker.http.bulk_routes import add_batch_routes
@@ -156,7 +156,7 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if body["ready"] else 503)
 
 
-def _operator_only(request: web.Request, broker: Broker) -> None:
+def _operator_only(request: web.Request, broker: Engine) -> None:
     """With `server.metrics_token_env` set, the operator's endpoints need `Authorization: Bearer <token>`."""
     token = broker.settings.server.metrics_token
     if token is not None and not _bearer_matches(request.headers, token):

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from mergebroker.background import spawn
-from mergebroker.broker.engine.settings import ServerSettings
+from mergebroker.broker.engine.ground.settings import ServerSettings
 from mergebroker.broker.http.connections import ConnectionGuard
 from mergebroker.broker.http.drain import DRAIN, SETTLE_S, Drain
 from mergebroker.broker.http.keys import RELOADER

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from mergebroker.broker.cluster.worker_runtime import Worker, start_worker, stop_worker
-from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.ground.settings import Settings
 
 WORKER = web.AppKey("worker", Worker)
 
@@ -45,8 +45,8 @@ def create_worker_app(settings: Settings) -> web.Application:
 
 def run_worker(args: argparse.Namespace) -> int:
     """`mergebroker worker`: run until interrupted."""
-    from mergebroker.broker.engine.config import settings_for_command
-    from mergebroker.broker.engine.logging import configure_logging
+    from mergebroker.broker.engine.ground.config import settings_for_command
+    from mergebroker.broker.engine.ground.logging import configure_logging
 
     settings = settings_for_command(args.config)
     if settings is None:

@@ -11,8 +11,8 @@ import os
 import sys
 from typing import Any
 
-from mergebroker.broker.engine.config import settings_for_command
-from mergebroker.broker.engine.settings import McpSettings, Settings
+from mergebroker.broker.engine.ground.config import settings_for_command
+from mergebroker.broker.engine.ground.settings import McpSettings, Settings
 
 MISSING_EXTRA = "mergebroker mcp needs the MCP SDK: install the extra with  pip install 'mergebroker[mcp]'"
 
@@ -38,7 +38,7 @@ def mcp_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_mcp(args: argparse.Namespace) -> int:
     """Run the MCP server until its transport ends (stdin closed, or the HTTP server stopped)."""
-    from mergebroker.broker.engine.logging import configure_logging
+    from mergebroker.broker.engine.ground.logging import configure_logging
 
     settings = settings_for_command(args.config, overrides=mcp_overrides(args))
     if settings is None:

@@ -25,8 +25,8 @@ from mcp.server.mcpserver import MCPServer
 from mcp.types import CallToolResult, TextContent
 from pydantic import Field
 
-from mergebroker.broker.engine.settings import McpSettings
-from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
+from mergebroker.broker.engine.ground.settings import McpSettings
+from mergebroker.broker.engine.ground.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.broker.library import Reply
 from mergebroker.broker.mcp.backend import ToolBackend
 from mergebroker.broker.mcp.handles import HANDLE_URI, PAGE_URI, EmbeddingHandles, embed_result

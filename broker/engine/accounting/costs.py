@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.tokens import prompt_token_ids
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.tokens import prompt_token_ids
 from mergebroker.clock import Clock, monotonic
 from mergebroker.merge.calibration import Calibration, CallTokens
 from mergebroker.merge.pricing import CacheStyle, ModelPrice, PriceTable, cost_usd

@@ -16,7 +16,7 @@ import structlog
 
 from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.accounting.ledger import Ledger, LedgerRecord, saved_tokens
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.errors import BrokerError
 from mergebroker.token_usage import TokenUsage
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 
 
 class DispatchCounters:

@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from mergebroker import tracing
+from mergebroker.broker.engine.accounting.merge_economy import MergeEconomy
 from mergebroker.broker.engine.chat.counters import DispatchCounters
 from mergebroker.broker.engine.chat.early_release import (
     CountedUsage,
@@ -40,9 +41,8 @@ from mergebroker.broker.engine.chat.stream_usage import (
 )
 from mergebroker.broker.engine.chat.stream_usage import settle as settle_future
 from mergebroker.broker.engine.chat.streamed_members import StreamedMembers
-from mergebroker.broker.engine.merge_economy import MergeEconomy
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, UpstreamError
 from mergebroker.merge.calibration import CallTokens

@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.clock import Clock
 from mergebroker.errors import BrokerError
 from mergebroker.merge.member_budget import BudgetWatch

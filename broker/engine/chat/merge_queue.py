@@ -27,7 +27,7 @@ from typing import Generic, Protocol, TypeVar
 
 import structlog
 
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.clock import Clock, Timer, monotonic
 from mergebroker.errors import Overloaded
 from mergebroker.merge.window_policy import DEFAULT_MIN_PARTNERS, WindowEstimator

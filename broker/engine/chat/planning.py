@@ -20,10 +20,10 @@ from typing import Any
 
 import structlog
 
+from mergebroker.broker.engine.accounting.merge_economy import Candidate, MergeEconomy
 from mergebroker.broker.engine.chat.counters import DispatchCounters
 from mergebroker.broker.engine.chat.jobs import ChatJob
-from mergebroker.broker.engine.merge_economy import Candidate, MergeEconomy
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.clock import Clock
 from mergebroker.merge.budget import context_shares
 from mergebroker.merge.embedder import Backlogged, Embedder

@@ -23,12 +23,12 @@ from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
 from mergebroker.broker.engine.chat.stream_usage import MeteredStream, caller_wants_usage, with_usage_requested
 from mergebroker.broker.engine.chat.units import unit_rules
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.settings import Settings, TierSettings
+from mergebroker.broker.engine.ground.tokens import estimate_prompt_tokens
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.limits.limiter import Limiter
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec, Reservation
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.settings import Settings, TierSettings
-from mergebroker.broker.engine.tokens import estimate_prompt_tokens
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, DeadlineExceeded, UpstreamUnavailable
 from mergebroker.merge.cache import TwoLevelCache

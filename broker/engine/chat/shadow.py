@@ -23,7 +23,7 @@ import structlog
 
 from mergebroker.broker.engine.accounting.ledger import LedgerRecord
 from mergebroker.broker.engine.chat.jobs import ChatJob
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError
 from mergebroker.merge.embedder import Embedder

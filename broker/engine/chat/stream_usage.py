@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from mergebroker import jsonio
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.providers.sse import chat_event
 from mergebroker.token_usage import TokenUsage
 

@@ -6,7 +6,7 @@ changes who merges with whom changes it for both.
 
 from __future__ import annotations
 
-from mergebroker.broker.engine.settings import Settings, TierSettings
+from mergebroker.broker.engine.ground.settings import Settings, TierSettings
 from mergebroker.merge.mergeable import UnitRules
 
 

@@ -18,7 +18,7 @@ import structlog
 from mergebroker.broker.engine.chat.dispatch import Dispatcher
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
 from mergebroker.broker.engine.chat.merge_queue import MergeQueue
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, Overloaded
 

@@ -41,7 +41,7 @@ from mergebroker.broker.engine.embeddings.window_rules import (
     share_tokens,
     window_decision,
 )
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.errors import BrokerError, Overloaded, UpstreamBadResponse, UpstreamError, UpstreamTimeout
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.fingerprint import embedding_fingerprint

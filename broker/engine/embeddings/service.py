@@ -17,13 +17,13 @@ import numpy as np
 from mergebroker.broker.engine.embeddings.batcher import EmbeddingBatcher
 from mergebroker.broker.engine.embeddings.stats import CoalescerStats
 from mergebroker.broker.engine.embeddings.window_rules import cache_metrics_hook
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.schemas import EmbeddingRequest
+from mergebroker.broker.engine.ground.settings import EmbeddingSettings, ProviderSettings, Settings
+from mergebroker.broker.engine.ground.tokens import count_text_tokens, estimate_embedding_tokens
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.limits.limiter import Limiter
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec
-from mergebroker.broker.engine.metrics import Metrics
-from mergebroker.broker.engine.schemas import EmbeddingRequest
-from mergebroker.broker.engine.settings import EmbeddingSettings, ProviderSettings, Settings
-from mergebroker.broker.engine.tokens import count_text_tokens, estimate_embedding_tokens
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import DeadlineExceeded, InvalidRequest
 from mergebroker.merge.cache import TwoLevelCache

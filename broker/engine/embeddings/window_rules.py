@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from mergebroker.broker.engine.metrics import Metrics
+from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.errors import BrokerError, UpstreamHTTPError
 from mergebroker.merge.cache import MetricsHook
 

@@ -23,8 +23,10 @@ from mergebroker.broker.engine.apis.messages import (
     parse_request,
     to_chat,
 )
-from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.chat.service import CacheControl
+from mergebroker.broker.engine.container import Engine
+from mergebroker.broker.engine.ground.schemas import parse_chat
+from mergebroker.broker.engine.ground.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.broker.engine.handling import (
     chat_headers,
     check_chat_model,
@@ -37,9 +39,7 @@ from mergebroker.broker.engine.inbound.messages_relay import NativeMessagesRelay
 from mergebroker.broker.engine.inbound.portable import dropped_header, portable
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.native.calls import NativeRequest
-from mergebroker.broker.engine.schemas import parse_chat
 from mergebroker.broker.engine.streams import HandledStream, TranslatedRelay
-from mergebroker.broker.engine.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.errors import UpstreamUnsupported
 from mergebroker.providers.native_api import forwarded
 
@@ -58,7 +58,7 @@ def new_message_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
 
-async def create(broker: Broker, info: RequestInfo, caller: Caller, raw: Any, headers: Mapping[str, str],
+async def create(broker: Engine, info: RequestInfo, caller: Caller, raw: Any, headers: Mapping[str, str],
                  cache_control: CacheControl) -> MessagesAnswer | HandledStream:
     """Answer one `POST /v1/messages` (the caller authenticated from the headers)."""
     request = parse_request(raw)
@@ -76,7 +76,7 @@ async def create(broker: Broker, info: RequestInfo, caller: Caller, raw: Any, he
     return await _translated(broker, info, caller, request, chat_body, (*translation.dropped, *cut), cache_control)
 
 
-async def _native(broker: Broker, info: RequestInfo, caller: Caller, request: MessagesRequest,
+async def _native(broker: Engine, info: RequestInfo, caller: Caller, request: MessagesRequest,
                   chat_body: dict[str, Any],
                   headers: Mapping[str, str]) -> MessagesAnswer | HandledStream:
     body = {k: v for k, v in request.body.items() if k != "broker"}
@@ -89,7 +89,7 @@ async def _native(broker: Broker, info: RequestInfo, caller: Caller, request: Me
     return MessagesAnswer(reply, answer_headers)
 
 
-async def _translated(broker: Broker, info: RequestInfo, caller: Caller, request: MessagesRequest,
+async def _translated(broker: Engine, info: RequestInfo, caller: Caller, request: MessagesRequest,
                       chat_body: dict[str, Any],
                       dropped: tuple[str, ...], cache_control: CacheControl) -> MessagesAnswer | HandledStream:
     parsed, body = parse_chat(chat_body, max_messages=broker.settings.server.max_messages)
@@ -105,7 +105,7 @@ async def _translated(broker: Broker, info: RequestInfo, caller: Caller, request
     return MessagesAnswer(reply, {**chat_headers(result), **extra})
 
 
-async def count_tokens(broker: Broker, info: RequestInfo, caller: Caller, raw: Any,
+async def count_tokens(broker: Engine, info: RequestInfo, caller: Caller, raw: Any,
                        headers: Mapping[str, str]) -> dict[str, Any]:
     """`POST /v1/messages/count_tokens`: forwarded to an Anthropic upstream, else counted by the broker."""
     request = parse_count_request(raw)
@@ -125,7 +125,7 @@ async def count_tokens(broker: Broker, info: RequestInfo, caller: Caller, raw: A
     return {"input_tokens": _estimated(broker, request)}
 
 
-def _estimated(broker: Broker, request: MessagesRequest) -> int:
+def _estimated(broker: Engine, request: MessagesRequest) -> int:
     """The broker's count of a request's input tokens, in the provider's tokens once the broker has learnt
     how they compare (the cost book's calibration, from the usage its upstreams reported for this model)."""
     ratio = broker.costs.calibration.learnt(request.model) if broker.costs is not None else None

@@ -29,8 +29,10 @@ from mergebroker.broker.engine.apis.responses import (
     parse_request,
     to_chat,
 )
-from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.chat.service import CacheControl
+from mergebroker.broker.engine.container import Engine
+from mergebroker.broker.engine.ground.response_store import StoredResponse, chain_history
+from mergebroker.broker.engine.ground.schemas import parse_chat
 from mergebroker.broker.engine.handling import (
     chat_headers,
     check_chat_model,
@@ -43,8 +45,6 @@ from mergebroker.broker.engine.inbound.portable import dropped_header, portable
 from mergebroker.broker.engine.inbound.responses_relay import NativeResponsesRelay
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.native.calls import NativeRequest
-from mergebroker.broker.engine.response_store import StoredResponse, chain_history
-from mergebroker.broker.engine.schemas import parse_chat
 from mergebroker.broker.engine.streams import HandledStream, TranslatedRelay
 from mergebroker.errors import InvalidRequest, NotFound, UpstreamUnsupported
 from mergebroker.providers.native_api import forwarded
@@ -75,7 +75,7 @@ def new_response_id() -> str:
     return "resp_" + secrets.token_hex(24)
 
 
-async def create(broker: Broker, info: RequestInfo, caller: Caller, raw: Any, headers: Mapping[str, str],
+async def create(broker: Engine, info: RequestInfo, caller: Caller, raw: Any, headers: Mapping[str, str],
                  cache_control: CacheControl) -> ResponsesAnswer | HandledStream:
     """Answer one `POST /v1/responses` (authenticated from the headers; the body not yet read)."""
     turn = await _turn(broker, caller, raw)
@@ -91,7 +91,7 @@ async def create(broker: Broker, info: RequestInfo, caller: Caller, raw: Any, he
     return await _translated(broker, info, caller, turn, cache_control)
 
 
-async def _turn(broker: Broker, caller: Caller, raw: Any) -> _Turn:
+async def _turn(broker: Engine, caller: Caller, raw: Any) -> _Turn:
     previous = raw.get("previous_response_id") if isinstance(raw, dict) else None
     history: list[dict[str, Any]] = []
     if isinstance(previous, str) and previous:
@@ -110,7 +110,7 @@ async def _turn(broker: Broker, caller: Caller, raw: Any) -> _Turn:
                  int(time.time()))
 
 
-def route(broker: Broker, turn: _Turn) -> str:
+def route(broker: Engine, turn: _Turn) -> str:
     """`merged` (as chat), `native` or `translated` (see the module docstring)."""
     if turn.request.text_only and not turn.history:
         return "merged"
@@ -140,7 +140,7 @@ def _replayable(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
-async def _native(broker: Broker, info: RequestInfo, caller: Caller, turn: _Turn,
+async def _native(broker: Engine, info: RequestInfo, caller: Caller, turn: _Turn,
                   headers: Mapping[str, str]) -> ResponsesAnswer | HandledStream:
     options = turn.request.body.get("broker") if isinstance(turn.request.body.get("broker"), dict) else {}
     price_on_arrival(broker, info, turn.chat_body)
@@ -154,7 +154,7 @@ async def _native(broker: Broker, info: RequestInfo, caller: Caller, turn: _Turn
     return ResponsesAnswer(reply, answer_headers)
 
 
-async def _translated(broker: Broker, info: RequestInfo, caller: Caller, turn: _Turn,
+async def _translated(broker: Engine, info: RequestInfo, caller: Caller, turn: _Turn,
                       cache_control: CacheControl) -> ResponsesAnswer | HandledStream:
     parsed, body = parse_chat(turn.chat_body, max_messages=broker.settings.server.max_messages)
     check_chat_model(broker, info, parsed, body)
@@ -171,7 +171,7 @@ async def _translated(broker: Broker, info: RequestInfo, caller: Caller, turn: _
     return ResponsesAnswer(reply, {**chat_headers(result), **dropped})
 
 
-def _keep(broker: Broker, caller: Caller, turn: _Turn, response: dict[str, Any] | None) -> None:
+def _keep(broker: Engine, caller: Caller, turn: _Turn, response: dict[str, Any] | None) -> None:
     """Store a finished response when the request asked for it (`store` is true by default)."""
     if response is None or not turn.request.store or not isinstance(response.get("id"), str):
         return
@@ -179,26 +179,26 @@ def _keep(broker: Broker, caller: Caller, turn: _Turn, response: dict[str, Any] 
     broker.responses.keep(caller.tenant, response, items, turn.request.previous_response_id)
 
 
-async def retrieve(broker: Broker, caller: Caller, response_id: str) -> dict[str, Any]:
+async def retrieve(broker: Engine, caller: Caller, response_id: str) -> dict[str, Any]:
     """`GET /v1/responses/{id}`: the tenant's stored response, or 404."""
     return (await _stored(broker, caller, response_id)).response
 
 
-async def delete(broker: Broker, caller: Caller, response_id: str) -> dict[str, Any]:
+async def delete(broker: Engine, caller: Caller, response_id: str) -> dict[str, Any]:
     """`DELETE /v1/responses/{id}`: the deletion object, or 404."""
     if not await broker.responses.delete(caller.tenant, response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-async def list_input_items(broker: Broker, caller: Caller, response_id: str) -> dict[str, Any]:
+async def list_input_items(broker: Engine, caller: Caller, response_id: str) -> dict[str, Any]:
     """`GET /v1/responses/{id}/input_items`: the turn's input items as a list object, or 404."""
     items = (await _stored(broker, caller, response_id)).input_items
     return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
             "last_id": items[-1]["id"] if items else None, "has_more": False}
 
 
-async def _stored(broker: Broker, caller: Caller, response_id: str) -> StoredResponse:
+async def _stored(broker: Engine, caller: Caller, response_id: str) -> StoredResponse:
     stored = await broker.responses.get(caller.tenant, response_id)
     if stored is None:
         raise _not_found(response_id)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from mergebroker.broker.engine.ground.settings import ApiKeySettings, AuthSettings
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec
-from mergebroker.broker.engine.settings import ApiKeySettings, AuthSettings
 from mergebroker.errors import Forbidden, Unauthorized
 
 TENANT_HEADER = "X-Broker-Tenant"

@@ -16,9 +16,9 @@ from typing import Any
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, note_usage
 from mergebroker.broker.engine.chat.jobs import aged_rank
 from mergebroker.broker.engine.chat.service import ChatService
+from mergebroker.broker.engine.ground.settings import Settings
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.engine.limits.ratelimit import Reservation
-from mergebroker.broker.engine.settings import Settings
 from mergebroker.broker.engine.streams import HandledStream, Relay
 from mergebroker.clock import Clock
 from mergebroker.errors import DeadlineExceeded

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from mergebroker.broker.engine.telemetry_settings import TelemetrySettings
+from mergebroker.broker.engine.ground.telemetry_settings import TelemetrySettings
 from mergebroker.merge.pricing import PriceTable
 
 HARD_MAX_BATCH = 8

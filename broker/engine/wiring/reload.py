@@ -19,9 +19,9 @@ from typing import Any
 
 import structlog
 
-from mergebroker.broker.engine.broker import Broker
-from mergebroker.broker.engine.config import ConfigError
-from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.container import Engine
+from mergebroker.broker.engine.ground.config import ConfigError
+from mergebroker.broker.engine.ground.settings import Settings
 from mergebroker.clock import Clock, Sleep, monotonic
 
 log = structlog.get_logger(__name__)
@@ -104,11 +104,11 @@ class Reloader:
     """
 
     load: Callable[[], Settings]
-    current: Callable[[], Broker]
-    build: Callable[[Settings, Broker], Awaitable[Broker]]
-    swap: Callable[[Broker], None]
-    retire: Callable[[Broker, Broker], Awaitable[None]]
-    idle: Callable[[Broker], bool]
+    current: Callable[[], Engine]
+    build: Callable[[Settings, Engine], Awaitable[Engine]]
+    swap: Callable[[Engine], None]
+    retire: Callable[[Engine, Engine], Awaitable[None]]
+    idle: Callable[[Engine], bool]
     on_result: Callable[[ReloadResult], None] = lambda result: None
     clock: Clock = monotonic
     sleep: Sleep = asyncio.sleep
@@ -149,7 +149,7 @@ class Reloader:
         task.add_done_callback(self._retiring.discard)
         return ReloadResult("applied", tuple(diff))
 
-    async def _retire(self, old: Broker, new: Broker, timeout_s: float) -> None:
+    async def _retire(self, old: Engine, new: Engine, timeout_s: float) -> None:
         """Stop `old` once nothing runs on it (its open windows closed, its calls and streams done)."""
         deadline = self.clock() + timeout_s
         while not self._closing and self.clock() < deadline and not (self.idle(old) and await self._still_idle(old)):
@@ -157,7 +157,7 @@ class Reloader:
         await self.retire(old, new)
         log.info("engine_retired", idle=self.idle(old))
 
-    async def _still_idle(self, engine: Broker) -> bool:
+    async def _still_idle(self, engine: Engine) -> bool:
         await self.sleep(_IDLE_POLL_S)  # a request that took the old engine just before the swap gets to start
         return self.idle(engine)
 
@@ -171,7 +171,7 @@ class Reloader:
         await asyncio.gather(*self._retiring, return_exceptions=True)
 
 
-def engine_idle(engine: Broker) -> bool:
+def engine_idle(engine: Engine) -> bool:
     """Nothing in flight on `engine`: no job waits in its windows and no call is out on its pools."""
     waiting = sum(engine.queue.depth(t.name) for t in engine.settings.tiers)
     calling = sum(u.in_flight for u in engine.pools.upstreams)

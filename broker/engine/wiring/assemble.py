@@ -20,21 +20,17 @@ from mergebroker.breaker.policy import DegradationPolicy
 from mergebroker.breaker.shared_state import SharedBreakerState
 from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.accounting.ledger import Ledger
+from mergebroker.broker.engine.accounting.merge_economy import MergeEconomy, economy_for
 from mergebroker.broker.engine.accounting.store import open_store
-from mergebroker.broker.engine.broker import Broker
 from mergebroker.broker.engine.chat.dispatch import Dispatcher, MergeOptions, TierMergePolicy
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.merge_queue import MergeQueue, TierWindow
 from mergebroker.broker.engine.chat.service import ChatService
 from mergebroker.broker.engine.chat.shadow import ShadowRunner
 from mergebroker.broker.engine.chat.workers import LocalJobQueue
+from mergebroker.broker.engine.container import Engine
 from mergebroker.broker.engine.embeddings.service import build_embedding_service
-from mergebroker.broker.engine.limits.admission import Authenticator
-from mergebroker.broker.engine.limits.limiter import Limiter
-from mergebroker.broker.engine.limits.ratelimit import RateLimiter
-from mergebroker.broker.engine.limits.redis_limiter import RedisRateLimiter
-from mergebroker.broker.engine.merge_economy import MergeEconomy, economy_for
-from mergebroker.broker.engine.metrics import (
+from mergebroker.broker.engine.ground.metrics import (
     Metrics,
     PoolMetrics,
     breaker_listener,
@@ -42,11 +38,15 @@ from mergebroker.broker.engine.metrics import (
     merging_listener,
     preinitialise,
 )
+from mergebroker.broker.engine.ground.response_store import open_response_store
+from mergebroker.broker.engine.ground.settings import HTTP_PROVIDER_KINDS, ProviderSettings, Settings
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
+from mergebroker.broker.engine.limits.admission import Authenticator
+from mergebroker.broker.engine.limits.limiter import Limiter
+from mergebroker.broker.engine.limits.ratelimit import RateLimiter
+from mergebroker.broker.engine.limits.redis_limiter import RedisRateLimiter
 from mergebroker.broker.engine.native.calls import NativeCalls
-from mergebroker.broker.engine.response_store import open_response_store
-from mergebroker.broker.engine.settings import HTTP_PROVIDER_KINDS, ProviderSettings, Settings
-from mergebroker.broker.engine.tokens import count_text_tokens
-from mergebroker.broker.engine.upstreams import breaker_settings, build_upstreams
+from mergebroker.broker.engine.wiring.upstreams import breaker_settings, build_upstreams
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.embedder import BatchingEmbedder, CachingEmbedder
@@ -67,7 +67,7 @@ class QueueChoice(Protocol):
 
 
 async def assemble(settings: Settings, *, queue: QueueChoice | None = None, clock: Clock = monotonic,
-                   sleep: Sleep | None = None, keep: Broker | None = None) -> Broker:
+                   sleep: Sleep | None = None, keep: Engine | None = None) -> Engine:
     """Build and start every component; `clock` drives all time-based parts (tests inject a fake).
 
     `sleep` (default `clock.sleep`) is what retry backoffs and background loops wait with, for tests that
@@ -145,7 +145,7 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
         shared = SharedBreakerState(redis, clock=clock, sleep=clock.sleep)
         for b in breakers.values():
             shared.attach(b)
-    broker = Broker(settings, metrics, auth, pools, jobs, chat, embeddings, policy, breakers, host,
+    broker = Engine(settings, metrics, auth, pools, jobs, chat, embeddings, policy, breakers, host,
                     simulated_upstream=simulated, redis=redis, shared_breakers=shared, ledger=ledger,
                     shadow=shadow, embedder=embedder, limiter=limiter, providers=tuple(providers), clock=clock,
                     sleep=sleep, costs=costs, native=NativeCalls(settings, chat, pools, clock), chat_cache=cache,
@@ -156,7 +156,7 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
     return broker
 
 
-def _breaker(p: ProviderSettings, keep: Broker | None, metrics: Metrics, clock: Clock) -> CircuitBreaker:
+def _breaker(p: ProviderSettings, keep: Engine | None, metrics: Metrics, clock: Clock) -> CircuitBreaker:
     """`p`'s circuit breaker: the running one where a reload left its settings alone (an open breaker stays
     open), else a new one."""
     old = keep.breakers.get(p.name) if keep is not None else None
@@ -227,7 +227,7 @@ def _chat_cache(settings: Settings, redis: Any, clock: Clock) -> TwoLevelCache |
                                   ttl_s=settings.cache.ttl_s, clock=clock), l2)
 
 
-async def _start(broker: Broker, providers: list[ProviderSettings], *, fresh: bool = True) -> None:
+async def _start(broker: Engine, providers: list[ProviderSettings], *, fresh: bool = True) -> None:
     """Start what `assemble` built; `fresh` is False for a reload, whose kept parts already run."""
     await asyncio.to_thread(count_text_tokens, "load the tokenizer before the first request")
     broker.queue.start()
@@ -266,11 +266,11 @@ async def _load_model(host: SentenceModelHost) -> None:
     freeze_startup_objects()  # the model's objects too
 
 
-def _background(broker: Broker, coro: Any, name: str) -> None:
+def _background(broker: Engine, coro: Any, name: str) -> None:
     spawn(broker.background, coro, name)
 
 
-async def stop_engine(broker: Broker, *, successor: Broker | None = None) -> None:
+async def stop_engine(broker: Engine, *, successor: Engine | None = None) -> None:
     """Stop every part `assemble` started, in the order that lets each finish its work; the parts a reload's
     `successor` took over (`assemble(keep=broker)`) keep running."""
     await broker.queue.stop()

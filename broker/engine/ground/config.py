@@ -19,7 +19,7 @@ import yaml
 from pydantic import SecretStr, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from mergebroker.broker.engine.settings import Settings
+from mergebroker.broker.engine.ground.settings import Settings
 
 
 class ConfigError(Exception):

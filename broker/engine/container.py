@@ -1,4 +1,4 @@
-"""The running engine: the `Broker` container of every part `assemble` built, its readiness and its stats.
+"""The running engine: the `Engine` container of every part `assemble` built, its readiness and its stats.
 
 Every way in (HTTP, the library, a cluster worker, MCP) holds one; nothing here knows how it was reached.
 """
@@ -17,12 +17,12 @@ from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.service import ChatService
 from mergebroker.broker.engine.chat.shadow import ShadowRunner
 from mergebroker.broker.engine.embeddings.service import EmbeddingService
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.response_store import ResponseStore, SqliteResponseStore
+from mergebroker.broker.engine.ground.settings import ProviderSettings, Settings
 from mergebroker.broker.engine.limits.admission import Authenticator
 from mergebroker.broker.engine.limits.limiter import Limiter
-from mergebroker.broker.engine.metrics import Metrics
 from mergebroker.broker.engine.native.calls import NativeCalls
-from mergebroker.broker.engine.response_store import ResponseStore, SqliteResponseStore
-from mergebroker.broker.engine.settings import ProviderSettings, Settings
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.embedder import CachingEmbedder
@@ -31,7 +31,7 @@ from mergebroker.providers.pool import ProviderPools
 
 
 @dataclass
-class Broker:
+class Engine:
     """Everything a running broker holds; built once per app."""
 
     settings: Settings

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from mergebroker.broker.engine.tool_shapes import check_tool_choice, check_tools
+from mergebroker.broker.engine.ground.tool_shapes import check_tool_choice, check_tools
 from mergebroker.errors import InvalidRequest
 
 BROKER_FIELD = "broker"

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from mergebroker.broker.engine.accounting.costs import CostBook
-from mergebroker.broker.engine.settings import Settings
-from mergebroker.broker.engine.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.settings import Settings
+from mergebroker.broker.engine.ground.tokens import count_text_tokens
 from mergebroker.clock import Clock
 from mergebroker.merge.merge_cost import MemberTokens, MergeDecision, MergeLayout, MergePolicy, decide
 from mergebroker.merge.pricing import CacheStyle

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mergebroker.breaker.circuit import BreakerSettings, CircuitBreaker
-from mergebroker.broker.engine.settings import HTTP_PROVIDER_KINDS, ProviderSettings
+from mergebroker.broker.engine.ground.settings import HTTP_PROVIDER_KINDS, ProviderSettings
 from mergebroker.clock import Clock
 from mergebroker.providers.anthropic.provider import AnthropicProvider
 from mergebroker.providers.anthropic.structured import NATIVE_STRUCTURED_OUTPUT

@@ -1,0 +1,1 @@
+"""Wiring: `assemble` builds the engine from settings, `reload` swaps in a new one, `upstreams` builds the pools' parts."""
