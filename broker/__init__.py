@@ -4,7 +4,7 @@
     http/ mcp/ eval/ warm_cache.py   the ways in (HTTP, agents, evaluation, cache warming)
     library.py                 the in-process API (`Broker`), which MCP builds on
     cluster/  bulk/            cluster mode on Redis Streams; the Batch API
-    engine/                    what every way in shares, built by `engine.assemble`
+    engine/                    what every way in shares, built by `engine.wiring.assemble`
 
 `from mergebroker.broker import Broker` is the in-process library API (`mergebroker.broker.library`),
 loaded on first use so that importing a single module of the service does not build the whole engine.

@@ -13,7 +13,7 @@ from mergebroker.broker.engine.ground.metrics import Metrics
 
 
 class DispatchCounters:
-    """What dispatch counts, in its own words; the Prometheus families stay in `broker.engine.metrics`."""
+    """What dispatch counts, in its own words; the Prometheus families stay in `broker.engine.ground.metrics`."""
 
     def __init__(self, metrics: Metrics | None) -> None:
         self._metrics = metrics

@@ -1,6 +1,6 @@
 """Settings: the one `Settings` model and its nested sections, with their defaults and checks.
 
-They are loaded (YAML file, `MERGEBROKER_*` environment, CLI overrides, secrets) by `engine.config`.
+They are loaded (YAML file, `MERGEBROKER_*` environment, CLI overrides, secrets) by `engine.ground.config`.
 Components receive plain values from these models, never the models' sources.
 """
 
