@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the real agent clients (Codex CLI, Claude Code) into .agents/ for tests/test_real_agents.py, once per pin.
+# Installs the real agent clients (Codex CLI, Claude Code) into .agents/ for tests/system/test_real_agents.py, once per pin.
 # Usage: scripts/agent_clients.sh        prints the two binaries' paths (codex first, then claude)
 # Needs node >= 18 and npm. Both packages ship native binaries (platform packages pulled as optional dependencies);
 # after this install neither needs the network to start.
