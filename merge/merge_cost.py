@@ -37,7 +37,7 @@ from mergebroker.merge.pricing import ModelPrice, cost_usd
 
 REQUEST_TAG_TOKENS = 6
 """Input tokens one member's `<K42>...</K42>` block adds beyond its question (o200k_base, separator included;
-measured in tests/test_prompt.py)."""
+measured in tests/merge/test_prompt.py)."""
 RESPONSE_TAG_TOKENS = 7
 """Output tokens one `<K42>...</K42>` answer block adds beyond its answer: `merge.prompt.BLOCK_OVERHEAD_TOKENS`
 (repeated here because this module imports only pricing; a test keeps the two equal)."""

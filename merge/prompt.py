@@ -150,7 +150,7 @@ _PER_MEMBER_BODY_FIELDS = ("max_tokens", "max_completion_tokens", "user", "stop"
 BLOCK_OVERHEAD_TOKENS = 7
 """Output tokens a response block's tags cost beyond its answer, `TAG_SLACK_TOKENS` included: `<K42>`, `</K42>`
 and a newline are 6 under o200k_base for every ID `new_batch_ids` draws (the former `<response id="3fa9c1">`
-blocks cost 12); `response_tag_tokens` counts one block's exactly, tests/test_prompt.py measures the mean."""
+blocks cost 12); `response_tag_tokens` counts one block's exactly, tests/merge/test_prompt.py measures the mean."""
 TAG_SLACK_TOKENS = 1
 """Room for one more separator token than the block's own format (a model that puts a blank line between
 blocks)."""

@@ -74,7 +74,7 @@ class FakeProvider:
 
 # A merged call's blocks as `merge.prompt` writes them (`<K42>text</K42>`). Providers may not import merge
 # (`merge.prompt.request_blocks` is the one reader tests use), so this fake keeps its own one-line copy;
-# tests/test_prompt.py checks that it reads what `merge.prompt` writes.
+# tests/merge/test_prompt.py checks that it reads what `merge.prompt` writes.
 _BLOCK = re.compile(r"<([A-Za-z][0-9]{2,})>(.*?)</\1>", re.S)
 Merged = Callable[[list[tuple[str, str]]], dict[str, Any]]
 
