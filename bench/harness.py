@@ -91,9 +91,11 @@ async def _wait_http(url: str, timeout_s: float = 120.0) -> None:
     raise RuntimeError(f"{url} did not become ready")
 
 
-def _spawn(args: list[str], name: str) -> tuple[subprocess.Popen[bytes], Path]:
+def _spawn(args: list[str], name: str, *, pythonpath: Path | None = None) -> tuple[subprocess.Popen[bytes], Path]:
     log_path = Path(tempfile.mkdtemp(prefix=f"mb-bench-{name}-")) / "out.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
     proc = subprocess.Popen(args, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env=env)
     return proc, log_path
 
@@ -107,14 +109,28 @@ async def start_simulator(*options: str) -> Process:
     return p
 
 
-async def start_broker(config: dict[str, Any]) -> Process:
-    """`mergebroker serve` with `config` (a settings dict) on a free port; waits for /readyz."""
+def old_checkout_path(checkout: Path) -> Path:
+    """A PYTHONPATH directory that imports `mergebroker` from another checkout (e.g. a `git worktree` of an
+    older commit), its folders mapped as setup.py maps them: that version's broker, beside this one."""
+    root = Path(tempfile.mkdtemp(prefix="mb-old-"))
+    package = root / "mergebroker"
+    package.mkdir()
+    for item in (checkout / "core").iterdir():
+        (package / item.name).symlink_to(item.resolve())
+    for layer in ("merge", "breaker", "providers", "broker"):
+        (package / layer).symlink_to((checkout / layer).resolve())
+    return root
+
+
+async def start_broker(config: dict[str, Any], *, pythonpath: Path | None = None) -> Process:
+    """`mergebroker serve` with `config` (a settings dict) on a free port; waits for /readyz. Logging stays at
+    the config's (default: info, as users run it); `pythonpath` runs another checkout's broker."""
     port = free_port()
-    config = {**config, "server": {**config.get("server", {}), "port": port, "host": "127.0.0.1"},
-              "logging": {"level": "warning"}}
+    config = {**config, "server": {**config.get("server", {}), "port": port, "host": "127.0.0.1"}}
     path = Path(tempfile.mkdtemp(prefix="mb-bench-cfg-")) / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc, log = _spawn([sys.executable, "-m", "mergebroker.broker.cli", "serve", "--config", str(path)], "broker")
+    proc, log = _spawn([sys.executable, "-m", "mergebroker.broker.cli", "serve", "--config", str(path)], "broker",
+                       pythonpath=pythonpath)
     p = Process(proc, port, log)
     await _wait_http(p.url + "/readyz")
     return p

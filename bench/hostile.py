@@ -36,23 +36,19 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench.harness import Process, format_table, free_port, percentile, start_simulator, write_results
+from bench.harness import (
+    Process,
+    format_table,
+    free_port,
+    old_checkout_path,
+    percentile,
+    start_simulator,
+    write_results,
+)
 from bench.hostile_requests import VICTIMS, attacks, hostile_request, is_envelope
 from mergebroker.merge.distinctive import distinctive_tokens, squash
 
 KEYS = {"a": "key-tenant-a", "b": "key-tenant-b"}
-
-
-def _shim(checkout: Path) -> Path:
-    """A PYTHONPATH directory that imports `mergebroker` from `checkout` (its folders mapped as pyproject maps them)."""
-    root = Path(tempfile.mkdtemp(prefix="mb-old-"))
-    package = root / "mergebroker"
-    package.mkdir()
-    for item in (checkout / "core").iterdir():
-        (package / item.name).symlink_to(item)
-    for layer in ("merge", "breaker", "providers", "broker"):
-        (package / layer).symlink_to(checkout / layer)
-    return root
 
 
 async def start_broker(config: dict[str, Any], *, pythonpath: Path | None, nofile: int | None = None) -> Process:
@@ -246,7 +242,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     quick = args.quick
     targets: dict[str, Path | None] = {"new": None}
     if args.old_checkout:
-        targets = {"old": _shim(Path(args.old_checkout).resolve()), **targets}
+        targets = {"old": old_checkout_path(Path(args.old_checkout).resolve()), **targets}
     sim = await start_simulator()
     scenarios: dict[str, Callable[[Path | None], Awaitable[dict[str, Any]]]] = {
         "fuzz": lambda p: fuzz(sim, p, 1_000 if quick else args.fuzz),

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -38,6 +39,7 @@ from bench.harness import (
     format_table,
     latency_summary,
     median_of_measured,
+    old_checkout_path,
     open_loop,
     passthrough_config,
     processes_together,
@@ -54,6 +56,8 @@ from bench.harness import (
 TARGETS = ("direct", "proxy", "broker")
 TRACED = "broker_traced"
 """The broker with telemetry on (`--tracing`), compared with "broker" (off)."""
+OLD = "broker_old"
+"""Another checkout's broker (`--old-checkout`), the baseline a change is measured against side by side."""
 THROUGHPUT_RATIO_TARGET = 0.7
 ADDED_P99_TARGET_MS = 5.0
 TARGET_CONCURRENCY = 16
@@ -140,6 +144,11 @@ def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int,
     out["proxy_added_p99_ms"] = paired(lambda t: t["proxy"]["p99_ms"] - t["direct"]["p99_ms"])
     out["broker_vs_proxy_cpu"] = paired(lambda t: t["broker"]["cpu_ms_per_req"] / t["proxy"]["cpu_ms_per_req"]
                                         if t["proxy"]["cpu_ms_per_req"] else float("nan"))
+    if OLD in names:
+        out["old_vs_proxy_rps"] = paired(lambda t: t[OLD]["rps"] / t["proxy"]["rps"])
+        out["broker_vs_old_rps"] = paired(lambda t: t["broker"]["rps"] / t[OLD]["rps"])
+        out["broker_vs_old_cpu"] = paired(lambda t: t["broker"]["cpu_ms_per_req"] / t[OLD]["cpu_ms_per_req"])
+        out["old_added_p50_ms"] = paired(lambda t: t[OLD]["p50_ms"] - t["direct"]["p50_ms"])
     if TRACED in names:
         out["traced_vs_broker_rps"] = paired(lambda t: t[TRACED]["rps"] / t["broker"]["rps"])
         out["traced_added_p50_ms"] = paired(lambda t: t[TRACED]["p50_ms"] - t["broker"]["p50_ms"])
@@ -215,18 +224,22 @@ def traced_config(upstream: str, sink_url: str) -> dict[str, Any]:
             "telemetry": {"enabled": True, "endpoint": sink_url, "metrics_interval_s": 5.0}}
 
 
-async def run(plan: Plan, *, tracing: bool = False) -> dict[str, Any]:
-    """Start the simulator, the proxy and the broker (and a traced broker); run both parts; return the results."""
+async def run(plan: Plan, *, tracing: bool = False, old_checkout: Path | None = None) -> dict[str, Any]:
+    """Start the simulator, the proxy and the broker (and a traced broker, another checkout's broker); run both
+    parts; return the results."""
     started, probe = time.perf_counter(), cpu_probe_ms()
-    names = (*TARGETS, TRACED) if tracing else TARGETS
+    names = (*TARGETS, *((TRACED,) if tracing else ()), *((OLD,) if old_checkout else ()))
     async with OtlpSink() as sink, processes_together(start_simulator("--latency-base-ms", "0")) as (sim,):
         upstream = sim_base_url(sim)
         brokers = [start_broker(passthrough_config(upstream))]
         if tracing:
             brokers.append(start_broker(traced_config(upstream, sink.url)))
-        async with processes_together(start_proxy(upstream), *brokers) as (proxy, broker, *traced):
+        if old_checkout is not None:
+            brokers.append(start_broker(passthrough_config(upstream), pythonpath=old_checkout_path(old_checkout)))
+        async with processes_together(start_proxy(upstream), *brokers) as (proxy, broker, *others):
+            extra = [*((TRACED,) if tracing else ()), *((OLD,) if old_checkout else ())]
             targets = [Target("direct", upstream.removesuffix("/v1"), sim), Target("proxy", proxy.url, proxy),
-                       Target("broker", broker.url, broker), *(Target(TRACED, t.url, t) for t in traced)]
+                       Target("broker", broker.url, broker), *(Target(n, o.url, o) for n, o in zip(extra, others))]
             rows = []
             for round_no in range(plan.rounds):
                 for level, (concurrency, requests) in enumerate(zip(plan.concurrencies, plan.requests)):
@@ -265,6 +278,13 @@ def report(result: dict[str, Any]) -> str:
                  f"added p99 {t['added_p99_ms']:.2f} ms (<= {t['added_p99_target_ms']:g} ms: "
                  f"{'PASS' if t['added_p99_ok'] else 'FAIL'}); added p99 at equal load "
                  f"{t['equal_load_added_p99_ms']:.2f} ms"]
+    if OLD in names:
+        old = [{"conc": s["concurrency"], **{k: s[k] for k in ("old_vs_proxy_rps", "broker_vs_proxy_rps",
+                                                                "broker_vs_old_rps", "broker_vs_old_cpu",
+                                                                "old_added_p50_ms", "broker_added_p50_ms")}}
+               for s in result["summary"].values()]
+        lines += ["", "This checkout against the old one (broker_old), side by side (paired medians)",
+                  format_table(old, list(old[0]))]
     if TRACED in names:
         traced = [{"conc": s["concurrency"], **{k: s[k] for k in ("traced_vs_broker_rps", "traced_added_p50_ms",
                                                                    "traced_added_p99_ms", "traced_added_cpu_ms")}}
@@ -283,13 +303,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--open-rate", type=float, help="req/s offered to each target in the equal-load part")
     parser.add_argument("--tracing", action="store_true",
                         help="also run a broker with telemetry on (OTLP to an in-process sink), beside off")
+    parser.add_argument("--old-checkout", type=Path, help="also run that checkout's broker (e.g. a git worktree of "
+                        "an older commit) side by side, as the baseline")
     parser.add_argument("--out", default=None, help="JSON output file")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.rounds or args.open_rate:
         plan = Plan(plan.concurrencies, plan.requests, plan.warmup, args.rounds or plan.rounds,
                     args.open_rate or plan.open_rate, plan.open_s)
-    result = asyncio.run(run(plan, tracing=args.tracing))
+    result = asyncio.run(run(plan, tracing=args.tracing, old_checkout=args.old_checkout))
     default_out = "passthrough_tracing.json" if args.tracing else "passthrough.json"
     publish(result, report(result), args.out or str(results_path(default_out)))
     return 0

@@ -70,7 +70,8 @@ async def serve_broker(config: dict[str, Any]) -> tuple[web.AppRunner, str]:
     from mergebroker.broker.http.app import create_app
 
     settings = load_settings(None, environ={}, overrides=config)
-    configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
+    configure_logging(settings.logging.level, json_lines=settings.logging.json_lines,
+                      request_lines_per_s=settings.logging.request_lines_per_s)
     runner = web.AppRunner(create_app(settings), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -173,7 +173,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = settings_for_command(args.config, overrides=serve_overrides(args))
     if settings is None:
         return 2
-    configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
+    configure_logging(settings.logging.level, json_lines=settings.logging.json_lines,
+                      request_lines_per_s=settings.logging.request_lines_per_s)
     loop_factory = functools.partial(new_event_loop, settings.server.event_loop)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         structlog.get_logger(__name__).info("event_loop", kind=loop_kind(runner.get_loop()))

@@ -54,7 +54,8 @@ def run_worker(args: argparse.Namespace) -> int:
     if not settings.redis.url:
         print("mergebroker: a worker needs redis.url (the Redis its front-ends use)", file=sys.stderr)
         return 2
-    configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)
+    configure_logging(settings.logging.level, json_lines=settings.logging.json_lines,
+                      request_lines_per_s=settings.logging.request_lines_per_s)
     web.run_app(create_worker_app(settings), host=args.host or settings.server.host, port=args.metrics_port,
                 print=None, access_log=None)
     return 0

@@ -56,7 +56,8 @@ def run_mcp(args: argparse.Namespace) -> int:
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
-    configure_logging(settings.logging.level, json_lines=settings.logging.json_lines)  # stderr: stdout is MCP's
+    configure_logging(settings.logging.level, json_lines=settings.logging.json_lines,
+                      request_lines_per_s=settings.logging.request_lines_per_s)  # stderr: stdout is MCP's
     try:
         asyncio.run(serve(settings, api_key=os.environ.get(settings.mcp.api_key_env) or None, http_token=token))
     except KeyboardInterrupt:

@@ -16,6 +16,7 @@ import structlog
 
 from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.accounting.ledger import Ledger, LedgerRecord, saved_tokens
+from mergebroker.broker.engine.ground.logging import REQUEST_LOG
 from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.errors import BrokerError
 from mergebroker.token_usage import TokenUsage
@@ -65,6 +66,8 @@ def record_request(metrics: Metrics | None, ledger: Ledger | None, info: Request
         latency.observe(elapsed)
     if endpoint != "models" and (ledger is not None or info.costs is not None):
         _record(ledger, info, endpoint, status, elapsed)
+    if not REQUEST_LOG.admit(error=status >= 400 or info.stream_error is not None):
+        return
     log.info("request", endpoint=endpoint, status=sent_status or status, tenant=info.tenant, tier=info.tier,
              model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
              batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache,

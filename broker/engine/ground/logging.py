@@ -15,6 +15,8 @@ from typing import Any
 import orjson
 import structlog
 
+from mergebroker.clock import Clock, monotonic
+
 _SECRET_KEYS = frozenset({"api_key", "authorization", "password", "secret", "gateway_secret", "prompt", "messages",
                           "content", "input", "text"})
 
@@ -46,8 +48,52 @@ class UtcStamp:
         return event
 
 
-def configure_logging(level: str = "info", *, json_lines: bool = True) -> None:
-    """Configure structlog once for the process (JSON lines on stderr, or console rendering)."""
+class RequestLogSampler:
+    """Which requests get a `request` line: every error, and successful ones up to `per_s` a second (a token
+    bucket holding one second's worth); the skipped ones are counted in one `request_log_sampled` line at most
+    once a second. `per_s` None logs every request. At thousands of requests a second the line is a visible
+    share of the broker's CPU (12 us of roughly 500), and a log that size is read by sampling anyway."""
+
+    def __init__(self, per_s: float | None, *, clock: Clock = monotonic) -> None:
+        self._clock = clock
+        self.limit(per_s)
+
+    def limit(self, per_s: float | None) -> None:
+        """Write at most `per_s` successful requests' lines a second from now on (None: all of them)."""
+        self._per_s = per_s
+        self._tokens = per_s or 0.0
+        self._at = self._clock()
+        self._skipped = 0
+        self._report_at = self._at + 1.0
+
+    def admit(self, error: bool) -> bool:
+        """Whether this request's line is written; `error`: it failed (always written)."""
+        if self._per_s is None:
+            return True
+        now = self._clock()
+        self._tokens = min(self._per_s, self._tokens + (now - self._at) * self._per_s)
+        self._at = now
+        if self._skipped and now >= self._report_at:
+            structlog.get_logger("mergebroker.access").info("request_log_sampled", skipped=self._skipped,
+                                                            lines_per_s=self._per_s)
+            self._skipped, self._report_at = 0, now + 1.0
+        if error:
+            return True
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        self._skipped += 1
+        return False
+
+
+REQUEST_LOG = RequestLogSampler(None)
+"""This process's request-line sampler (every line until `configure_logging` says otherwise)."""
+
+
+def configure_logging(level: str = "info", *, json_lines: bool = True, request_lines_per_s: float | None = None) -> None:
+    """Configure structlog once for the process (JSON lines on stderr, or console rendering), and how many
+    `request` lines a second it writes (`RequestLogSampler`)."""
+    REQUEST_LOG.limit(request_lines_per_s)
     # JSON lines are rendered by orjson straight to bytes: the request log is written once per request, and
     # the standard library's encoder plus a text stream cost it 22 us a line where this costs 12 us.
     if json_lines:

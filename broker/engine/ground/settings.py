@@ -296,6 +296,10 @@ class EmbeddingSettings(_Strict):
 class LoggingSettings(_Strict):
     level: Literal["debug", "info", "warning", "error"] = "info"
     json_lines: bool = True
+    request_lines_per_s: float | None = Field(
+        100.0, ge=0, description="Most `request` lines logged per second (a burst of one second's worth); past it "
+        "successful requests are sampled and counted in one `request_log_sampled` line a second, errors are always "
+        "logged. null: every request; 0: errors only. The ledger and /metrics count every request either way.")
 
 
 class LedgerSettings(_Strict):

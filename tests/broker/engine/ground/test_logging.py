@@ -9,7 +9,8 @@ from datetime import datetime
 
 from structlog.testing import capture_logs
 
-from mergebroker.broker.engine.ground.logging import redact_secrets
+from mergebroker.broker.engine.ground.logging import RequestLogSampler, redact_secrets
+from mergebroker.clock import FakeClock
 from tests.conftest import provider_for
 
 API_KEY = "sk-test-never-logged-123456"
@@ -59,3 +60,22 @@ def test_json_lines_are_one_parseable_object_per_event_with_a_utc_timestamp():
     assert all(line["level"] == "info" and line["api_key"] == "[redacted]" and line["ratio"] == 0.5 for line in lines)
     stamps = [datetime.strptime(line["timestamp"], "%Y-%m-%dT%H:%M:%S.%fZ") for line in lines]
     assert stamps == sorted(stamps)
+
+
+def test_request_lines_are_sampled_past_the_rate_errors_always_written_and_the_skipped_counted():
+    """At 3 lines a second, a burst of 10 successes writes 3; an error still writes; a second later one
+    `request_log_sampled` line says how many were skipped, and the bucket has refilled."""
+    clock = FakeClock()
+    sampler = RequestLogSampler(3, clock=clock)
+    with capture_logs() as logged:
+        burst = [sampler.admit(error=False) for _ in range(10)]
+        assert burst == [True] * 3 + [False] * 7
+        assert sampler.admit(error=True)
+        clock.advance(1.0)
+        assert [sampler.admit(error=False) for _ in range(4)] == [True, True, True, False]
+    assert [(e["event"], e.get("skipped")) for e in logged] == [("request_log_sampled", 7)]
+
+
+def test_without_a_rate_every_request_is_written():
+    sampler = RequestLogSampler(None, clock=FakeClock())
+    assert all(sampler.admit(error=False) for _ in range(1000))
