@@ -37,8 +37,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import Process, format_table, set_faults, start_simulator, write_results
-from bench.hostile import _shim, start_broker
+from bench.harness import Process, format_table, old_checkout_path, set_faults, start_simulator, write_results
+from bench.hostile import start_broker
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 KEYS = {"a": "bulk-key-a", "b": "bulk-key-b"}
@@ -345,7 +345,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every chosen scenario, against the old checkout (if given) and this one."""
     targets: dict[str, Path | None] = {"new": None}
     if args.old_checkout:
-        targets = {"old": _shim(Path(args.old_checkout).resolve()), **targets}
+        targets = {"old": old_checkout_path(Path(args.old_checkout).resolve()), **targets}
     sim = await start_simulator("--answer-words", "40")
     results: dict[str, Any] = {}
     try:
