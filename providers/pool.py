@@ -29,7 +29,6 @@ from mergebroker.errors import (
     DeadlineExceeded,
     NotFound,
     UpstreamError,
-    UpstreamHTTPError,
     UpstreamTimeout,
     UpstreamUnavailable,
     UpstreamUnsupported,
@@ -83,9 +82,6 @@ class ProviderPools:
         self._clock = clock
         self._sleep = sleep or clock.sleep
         self._observer: PoolObserver = observer or NullObserver()
-        for u in upstreams:
-            if u.max_in_flight:
-                u._slots = asyncio.Semaphore(u.max_in_flight)
 
     def for_model(self, model: str) -> list[Upstream]:
         """The upstreams serving `model`, in configuration order (glob matching done once per model name)."""
@@ -261,7 +257,7 @@ class ProviderPools:
             raise DeadlineExceeded("The request's deadline passed before an upstream answered.")
         if u.breaker is not None:
             u.breaker.before_call(spec.tenant)  # refuse before queueing for a slot or spending rate budget
-        taken = await self._acquire(u, spec)
+        taken = await u.acquire(spec.tokens, spec.priority, spec.deadline, self._clock)
         sent = False
         span: tracing.AttemptSpan | None = None
         try:
@@ -282,8 +278,8 @@ class ProviderPools:
         except BaseException as exc:
             if span is not None:
                 span.failed(self._clock(), exc)
-            self._release(u)
-            self._give_back_unspent(u, exc, sent, taken)
+            u.release()
+            u.give_back_unspent(exc, sent, taken)
             raise
         if u.limiter is not None:
             used = TokenUsage.from_body(_reply_of(result))
@@ -295,9 +291,9 @@ class ProviderPools:
             else:
                 attempt_trace.reply_seen(span, result, self._clock())
         if spec.holds_slot:
-            return HeldStream(result, lambda: self._release(u),  # type: ignore[arg-type, return-value]
+            return HeldStream(result, u.release,  # type: ignore[arg-type, return-value]
                                on_broken=lambda exc: self._stream_broke(u, exc, spec.tenant))
-        self._release(u)
+        u.release()
         return result
 
     def _stream_broke(self, u: Upstream, exc: BaseException, tenant: str | None) -> None:
@@ -305,50 +301,6 @@ class ProviderPools:
         self._observer.called(u.name, "stream_broken", None)
         if u.breaker is not None and isinstance(exc, UpstreamError) and exc.retryable:
             u.breaker.record_failure(tenant)
-
-    @staticmethod
-    def _give_back_unspent(u: Upstream, exc: BaseException, sent: bool, taken: int) -> None:
-        """Return the budget of a failed call that cost the upstream nothing.
-
-        A call never sent (deadline passed in the wait, breaker refused after it) returns its request
-        and tokens; one the upstream refused as the caller's fault returns its tokens (nothing was
-        generated). Any other failure keeps the estimate: the upstream may have spent it.
-        """
-        if u.limiter is None:
-            return
-        if not sent or isinstance(exc, BreakerOpenError):  # the breaker refuses before anything is sent
-            u.limiter.refund(taken)
-        elif isinstance(exc, UpstreamHTTPError) and exc.caller_fault:
-            u.limiter.give_back(taken)
-
-    async def _acquire(self, u: Upstream, spec: _CallSpec) -> int:
-        """Take `u`'s rate budget and a concurrency slot, waiting at most until the request's deadline.
-
-        Returns the tokens taken from the upstream's budget (the estimate, capped at one bucket).
-        """
-        if u.limiter is None and u._slots is None:
-            u.in_flight += 1  # nothing to wait for: skip the timeout machinery on the hot path
-            return 0
-        taken: int | None = None
-        try:
-            async with self._clock.timeout_at(spec.deadline):
-                if u.limiter is not None:
-                    taken = await u.limiter.acquire(spec.tokens, spec.priority)
-                if u._slots is not None:
-                    await u._slots.acquire()
-        except BaseException as exc:
-            if taken is not None:
-                u.limiter.refund(taken)  # type: ignore[union-attr]
-            if isinstance(exc, TimeoutError):
-                raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.") from None
-            raise
-        u.in_flight += 1
-        return taken or 0
-
-    def _release(self, u: Upstream) -> None:
-        u.in_flight -= 1
-        if u._slots is not None:
-            u._slots.release()
 
     async def _guarded(self, u: Upstream, attempt: Attempt[T], timeout: float, *, deadline: float | None,
                        tenant: str | None = None, request_deadline: float | None = None) -> T:

@@ -12,7 +12,9 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from mergebroker.breaker.circuit import BreakerState, CircuitBreaker
+from mergebroker.breaker.circuit import BreakerOpenError, BreakerState, CircuitBreaker
+from mergebroker.clock import Clock
+from mergebroker.errors import DeadlineExceeded, UpstreamHTTPError
 from mergebroker.providers.base import Provider
 from mergebroker.providers.pacing import UpstreamLimiter
 
@@ -54,6 +56,52 @@ class Upstream:
     in_flight: int = 0
     _current_weight: int = 0
     _slots: asyncio.Semaphore | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight is not None:
+            self._slots = asyncio.Semaphore(self.max_in_flight)
+
+    async def acquire(self, tokens: int, priority: float, deadline: float, clock: Clock) -> int:
+        """Take this upstream's rate budget and a concurrency slot, waiting at most until `deadline`; the tokens
+        taken from its budget (the estimate, capped at one bucket). `release` gives the slot back."""
+        if self.limiter is None and self._slots is None:
+            self.in_flight += 1  # nothing to wait for: skip the timeout machinery on the hot path
+            return 0
+        taken: int | None = None
+        try:
+            async with clock.timeout_at(deadline):
+                if self.limiter is not None:
+                    taken = await self.limiter.acquire(tokens, priority)
+                if self._slots is not None:
+                    await self._slots.acquire()
+        except BaseException as exc:
+            if taken is not None and self.limiter is not None:
+                self.limiter.refund(taken)
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.") from None
+            raise
+        self.in_flight += 1
+        return taken or 0
+
+    def release(self) -> None:
+        """A call `acquire` admitted has ended (for a stream: its last chunk)."""
+        self.in_flight -= 1
+        if self._slots is not None:
+            self._slots.release()
+
+    def give_back_unspent(self, exc: BaseException, sent: bool, taken: int) -> None:
+        """Return the budget of a failed call that cost the upstream nothing.
+
+        A call never sent (deadline passed in the wait, breaker refused after it) returns its request
+        and tokens; one the upstream refused as the caller's fault returns its tokens (nothing was
+        generated). Any other failure keeps the estimate: the upstream may have spent it.
+        """
+        if self.limiter is None:
+            return
+        if not sent or isinstance(exc, BreakerOpenError):  # the breaker refuses before anything is sent
+            self.limiter.refund(taken)
+        elif isinstance(exc, UpstreamHTTPError) and exc.caller_fault:
+            self.limiter.give_back(taken)
 
     @property
     def name(self) -> str:
