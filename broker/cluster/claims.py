@@ -19,7 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+from redis.exceptions import RedisError
+
 from mergebroker.broker.cluster.partition import GROUP, Keys
+
+log = structlog.get_logger(__name__)
 
 # Claims the listed entries whose owner, idle time and marker are as planned; returns them as XCLAIM does.
 # ARGV: group, claimer, marker key prefix, then (entry ID, expected owner, min idle ms, 1 if a marker forbids).
@@ -69,6 +74,43 @@ def plan_claims(pending: Iterable[Pending], *, me: str, held: set[bytes], dead: 
         elif p.idle_ms >= claim_idle_ms:
             claims.append(Claim(p.entry_id, p.owner, claim_idle_ms, unless_sent=True))
     return claims
+
+
+HANDED_BACK_IDLE_MS = 86_400_000
+"""The idle time an entry handed back at stop is given: past any `claim_idle_ms`, so the next scan claims it."""
+
+# Hands back the listed entries if they are still this consumer's: claimed to itself with a large idle time,
+# so that the next owner's claim rule (idle past claim_idle_ms, no sent marker) takes them on its next scan.
+# ARGV: group, consumer, idle ms, then entry IDs. Returns how many were handed back.
+_HAND_BACK = """local n = 0
+for i = 4, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    n = n + 1
+  end
+end
+return n"""
+
+
+class HandBack:
+    """A stopping worker's side of a claim: entries it read but never sent upstream are made claimable now
+    (`HANDED_BACK_IDLE_MS`), only while they are still its own, checked inside Redis."""
+
+    def __init__(self, redis: Any, consumer_id: str) -> None:
+        self._id = consumer_id
+        self._script = redis.register_script(_HAND_BACK)
+
+    async def __call__(self, entries: dict[str, list[bytes]]) -> int:
+        """Hand back `entries` (entry IDs by stream); how many went back (0 for those on a Redis error: the idle
+        rule claims them later)."""
+        handed = 0
+        try:
+            for stream, ids in entries.items():
+                handed += int(await self._script(keys=[stream], args=[GROUP, self._id, HANDED_BACK_IDLE_MS, *ids]))
+        except RedisError as exc:
+            log.warning("cluster_hand_back_failed", error=type(exc).__name__)
+        return handed
 
 
 class Claimer:

@@ -9,7 +9,7 @@ worker merges exactly as a single broker does. Identical jobs from any front-end
 flight key).
 
 A job's merge window counts from when its front-end queued it, so cluster mode adds no hop to a window;
-a job that arrives after its window would have closed still gets `late_grace` for the rest of its
+a job that arrives after its window would have closed still gets `server_time.late_grace` for the rest of its
 backlog to join it, instead of leaving alone.
 
 Every entry held is heartbeated (`holds`), and fenced: a job not yet sent upstream is dropped once its
@@ -33,13 +33,13 @@ import structlog
 from redis.exceptions import RedisError, ResponseError
 
 from mergebroker import tracing
-from mergebroker.broker.cluster.claims import Claimer
+from mergebroker.broker.cluster.claims import Claimer, HandBack
 from mergebroker.broker.cluster.holds import FENCE_SHARE, HEARTBEAT, ClusterJob, Flight, Held, Holds, fence_drops
 from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.markers import SentMarkers
 from mergebroker.broker.cluster.outbox import Outbox
 from mergebroker.broker.cluster.partition import GROUP, Keys
-from mergebroker.broker.cluster.server_time import ServerClock
+from mergebroker.broker.cluster.server_time import ServerClock, window_anchor
 from mergebroker.broker.cluster.wire import WireJob, WireReply, decode_job, stream_pairs
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatOutcome, aged_rank
@@ -53,34 +53,7 @@ from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
 
-LATE_GRACE_S = 0.05
-HANDED_BACK_IDLE_MS = 86_400_000
-"""The idle time an entry handed back at stop is given: past any `claim_idle_ms`, so the next scan claims it."""
-
-# Hands back the listed entries if they are still this consumer's: claimed to itself with a large idle time,
-# so that the next owner's claim rule (idle past claim_idle_ms, no sent marker) takes them on its next scan.
-# ARGV: group, consumer, idle ms, then entry IDs. Returns how many were handed back.
-_HAND_BACK = """local n = 0
-for i = 4, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
-    n = n + 1
-  end
-end
-return n"""
 OUTCOMES = ("answered", "failed", "expired", "coalesced", "unreadable", "withdrawn", "fenced", "taken_over")
-
-
-def late_grace(window_s: float) -> float:
-    """How long a job that arrives after its window would have closed still waits for the rest of its backlog."""
-    return min(window_s / 2, LATE_GRACE_S)
-
-
-def window_anchor(now: float, queued: float, window_s: float) -> float:
-    """When the window of a job queued at `queued` (front-end time, on this clock) counts from: its queueing,
-    unless that leaves less than `late_grace`, and never in the future."""
-    return max(min(now, queued), now - window_s + late_grace(window_s))
 
 
 class StreamConsumer:
@@ -115,7 +88,7 @@ class StreamConsumer:
         self._claimer = Claimer(redis, keys, consumer_id, claim_idle_ms=settings.claim_idle_ms)
         self._markers = SentMarkers(redis, keys, consumer_id)
         self._heartbeat = redis.register_script(HEARTBEAT)
-        self._hand_back = redis.register_script(_HAND_BACK)
+        self._hand_back = HandBack(redis, consumer_id)
         self._dead: dict[str, float] = {}  # workers found dead -> when: their entries are claimed at once
 
     @property
@@ -410,13 +383,7 @@ class StreamConsumer:
         for h in drops:
             self._held.drop(h, "fenced")
             by_stream.setdefault(h.stream, []).append(h.entry_id)
-        handed = 0
-        try:
-            for stream, ids in by_stream.items():
-                handed += int(await self._hand_back(keys=[stream], args=[GROUP, self._id, HANDED_BACK_IDLE_MS,
-                                                                         *ids]))
-        except RedisError as exc:
-            log.warning("cluster_hand_back_failed", error=type(exc).__name__)
+        handed = await self._hand_back(by_stream)
         if drops:
             log.info("cluster_jobs_handed_back", count=handed, dropped=len(drops))
         return handed

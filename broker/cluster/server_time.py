@@ -6,7 +6,8 @@ and converts at the edge, so the rest of the code keeps one local clock.
 
 A sample is only as exact as its round trip is short (the reply may have waited anywhere in it), and on
 a busy host one round trip in many is slow: the offset used is the one from the fastest of the recent
-samples, so one slow sample cannot move a merge window or a deadline by milliseconds.
+samples, so one slow sample cannot move a merge window or a deadline by milliseconds. A job's merge window
+on a worker counts from its queueing at the front-end (`window_anchor`), converted the same way.
 """
 
 from __future__ import annotations
@@ -54,3 +55,17 @@ class ServerClock:
     def now_ms(self) -> int:
         """The server's time now, from the local clock and the last measured offset."""
         return self.to_server_ms(self._clock())
+
+
+LATE_GRACE_S = 0.05
+
+
+def late_grace(window_s: float) -> float:
+    """How long a job that arrives after its window would have closed still waits for the rest of its backlog."""
+    return min(window_s / 2, LATE_GRACE_S)
+
+
+def window_anchor(now: float, queued: float, window_s: float) -> float:
+    """When the window of a job queued at `queued` (front-end time, on this clock) counts from: its queueing,
+    unless that leaves less than `late_grace`, and never in the future."""
+    return max(min(now, queued), now - window_s + late_grace(window_s))

@@ -8,11 +8,11 @@ from redis.exceptions import ConnectionError, ResponseError
 from structlog.testing import capture_logs
 
 from mergebroker.broker.cluster.claims import Claim, Pending, plan_claims
-from mergebroker.broker.cluster.consumer import late_grace, window_anchor
 from mergebroker.broker.cluster.holds import Flight, Held, fence_drops, next_fence
 from mergebroker.broker.cluster.inflight import InFlight
 from mergebroker.broker.cluster.outage import Outage
 from mergebroker.broker.cluster.presence import DeathWatch
+from mergebroker.broker.cluster.server_time import late_grace, window_anchor
 from mergebroker.broker.cluster.wire import WireReply, decode_reply, encode_reply
 
 IDLE = 5000
