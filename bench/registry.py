@@ -48,6 +48,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("bursts", "hot-question bursts on the standard tier, on a quiet host and a busy one"),
     Benchmark("cluster_savings", "whether cluster mode keeps one replica's call savings"),
     Benchmark("embedding_backends", "the similarity model's backends: CPU per text and cosine drift"),
+    Benchmark("drain", "SIGTERM while 100 minute-long streams are open: how many finish whole, what new requests get"),
     Benchmark("hostile", "fuzzed requests, slowloris, a noisy tenant and exfiltration attempts"),
     Benchmark("hostile_bulk", "hostile bulk clients against the Batch API"),
     Benchmark("inbound_apis", "what the Responses and Messages APIs cost per request against chat"),
