@@ -407,3 +407,75 @@ async def test_a_cluster_client_waits_for_a_connection_rather_than_failing(clust
     finally:
         await client.aclose()
 
+
+
+# Cluster node failure
+
+
+@needs_binaries
+async def test_a_cluster_master_killed_under_traffic_costs_the_components_nothing(processes: Processes) -> None:
+    """Three masters with a replica each: SIGKILL the master holding the limiter's slot in the middle of
+    traffic. The cache and the limiter degrade without raising while its slots have no master, reach the
+    promoted replica by themselves, and limits are shared again."""
+    ports = [cluster_port() for _ in range(6)]
+    for port in ports:
+        processes.start(port, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                        "--cluster-node-timeout", "1000")
+    assert CLI is not None
+    subprocess.run([CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "1",
+                    "--cluster-yes"], capture_output=True, check=True, timeout=30)
+    wait_until_blocking(lambda: all("cluster_state:ok" in cli(p, "CLUSTER", "INFO") for p in ports), 20,
+                        "the cluster never reached cluster_state:ok")
+    # A replica still syncing cannot take over: its master's death would leave the slots without one.
+    wait_until_blocking(lambda: sum("master_link_status:up" in cli(p, "INFO", "replication") for p in ports) == 3,
+                        20, "the replicas never linked to their masters")
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports[:3])
+    client, other = make_redis_client(url), make_redis_client(url)
+    cache = RedisCache(client, prefix="c:", ttl_s=60, retry_after_s=0.2)
+    lim, lim2 = limiter(client, retry_after_s=0.2), limiter(other, retry_after_s=0.2)
+    roomy = [LimitSpec("tier:loop", rpm=1_000_000, tpm=None)]
+
+    async def one_round(i: int) -> bool:
+        """A cache write and read on a key of every node, and a limiter call; True when all reached Redis."""
+        await cache.set_many({f"k{i}-{n}": b"v" for n in range(6)})
+        hit = await cache.get_many([f"k{i}-{n}" for n in range(6)]) == [b"v"] * 6
+        await lim.reserve(roomy, 1)  # never refused: a lost slot means the local fallback
+        return hit and lim._down_until is None
+
+    try:
+        for i in range(10):
+            assert await one_round(i)
+        slot = int(cli(ports[0], "CLUSTER", "KEYSLOT", "{mb:rl}").strip())
+        processes.kill(_owner_of(ports, slot))
+        started = time.monotonic()
+        rounds = iter(range(10, 100_000))
+        await wait_until(lambda: one_round(next(rounds)), FAILOVER_S, "the components never reached the promoted "
+                         "replica", interval_s=0.05)
+        for i in range(10):  # steady again
+            assert await one_round(100_000 + i)
+        assert time.monotonic() - started < FAILOVER_S
+        tight = [LimitSpec("tier:after", rpm=5, tpm=None)]
+        assert await admitted(lim, tight, 3) + await admitted(lim2, tight, 3) == 5
+    finally:
+        await client.aclose()
+        await other.aclose()
+
+
+def _owner_of(ports: list[int], slot: int) -> int:
+    """The master serving `slot`."""
+    for port in ports:
+        for served in _slot_ranges(port):
+            low, _, high = served.partition("-")
+            if int(low) <= slot <= int(high or low):
+                return port
+    raise AssertionError(f"no master serves slot {slot}")
+
+
+def _slot_ranges(port: int) -> list[str]:
+    """The slot ranges ("0-5460") the node on `port` serves as a master."""
+    ranges = []
+    for line in cli(port, "CLUSTER", "NODES").splitlines():
+        fields = line.split()
+        if len(fields) > 8 and "myself" in fields[2] and "master" in fields[2]:
+            ranges += [f for f in fields[8:] if f[0].isdigit()]
+    return ranges
