@@ -29,7 +29,7 @@ class UpstreamLimiter:
         self._clock = clock
         self._requests = self._bucket(rpm, burst_s)
         self._tokens = self._bucket(tpm, burst_s)
-        self._waiters: list[tuple[int, int, asyncio.Future[None], int]] = []
+        self._waiters: list[tuple[float, int, asyncio.Future[None], int]] = []
         self._seq = itertools.count()
         self._timer: Timer | None = None
 

@@ -13,7 +13,7 @@ import email.utils
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.stop import stop_base
@@ -187,7 +187,8 @@ def _retrying(policy: RetryPolicy, deadline: float, clock: Clock, sleep: Sleep,
 
     def before_sleep(retry_state: RetryCallState) -> None:
         if on_retry is not None and retry_state.outcome is not None:
-            on_retry(retry_state.outcome.exception(), retry_state.upcoming_sleep)
+            # `retry_if_exception`: only a failed attempt is retried, so its outcome holds an exception.
+            on_retry(cast(BaseException, retry_state.outcome.exception()), retry_state.upcoming_sleep)
 
     return AsyncRetrying(
         sleep=sleep,

@@ -74,7 +74,8 @@ def mid_stream_error(event: bytes) -> UpstreamHTTPError | None:
     if not isinstance(error, dict):
         return None
     status = _MID_STREAM_STATUS.get(str(error.get("code")), _MID_STREAM_STATUS.get(str(error.get("type")), 500))
-    message = error.get("message") if isinstance(error.get("message"), str) else "the upstream broke the stream"
+    given = error.get("message")
+    message = given if isinstance(given, str) else "the upstream broke the stream"
     failed = UpstreamHTTPError(status, message, body={"error": error})
     if status == 529:  # overload, as Anthropic's 529 reads: retryable, and the caller may come back soon
         failed.status, failed.type, failed.code = 503, "service_unavailable", "upstream_overloaded"

@@ -18,6 +18,7 @@ walks a large batch's objects while they live.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import secrets
 import sqlite3
 import tempfile
@@ -70,7 +71,7 @@ class BatchService:
     """Owns the bulk jobs: their objects, their runs, and the clean-up of expired files."""
 
     def __init__(self, settings: Settings, *, store: BatchStore, files: FileService, runner: BulkRunner,
-                 metrics: Metrics, sleep: Sleep, wall: Clock = time.time, max_output_bytes: int | None = None,
+                 metrics: Metrics, sleep: Sleep, wall: Callable[[], float] = time.time, max_output_bytes: int | None = None,
                  on_line: LineHook | None = None, gc_policy: GcPolicy = PROCESS) -> None:
         self._on_line = on_line  # each line's answer, once: the usage ledger's account of it
         self._gc = gc_policy  # each running batch holds its lines, from before they are read until it ends
@@ -136,7 +137,7 @@ class BatchService:
         """Read the input's lines, then store the batch (its input pinned first); the row and the lines."""
         lines = await self.files.batch_lines(record)
         now = int(self._wall())
-        data = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": request.endpoint,
+        data: dict[str, Any] = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": request.endpoint,
                 "errors": None, "input_file_id": record.id, "completion_window": request.window,
                 "status": "in_progress", "output_file_id": None, "error_file_id": None, "created_at": now,
                 "in_progress_at": now, "expires_at": now + WINDOWS_S[request.window], "finalizing_at": None,
@@ -183,7 +184,7 @@ class BatchService:
                     return dict(row.data)
                 await self._changed.wait()
 
-    async def record(self, job: BulkJob, results: list[Result], call: CallShare | None = None) -> None:
+    async def record(self, job: BulkJob, results: builtins.list[Result], call: CallShare | None = None) -> None:
         """The runner's results (`call`: the upstream call that answered them): persisted at once, counted once
         per line."""
         if not results:
@@ -236,7 +237,7 @@ class BatchService:
                 return
         await self._run(row, lines)
 
-    async def _run(self, row: BatchRow, lines: list[BatchLine]) -> None:
+    async def _run(self, row: BatchRow, lines: builtins.list[BatchLine]) -> None:
         structlog.contextvars.clear_contextvars()  # this task's own copy: the creating request's IDs go
         structlog.contextvars.bind_contextvars(batch_id=row.id, tenant=row.tenant)
         self._rows[row.id] = row
@@ -276,8 +277,8 @@ class BatchService:
             return "cancelled"
         return "expired" if self._wall() >= row.data["expires_at"] else "completed"
 
-    async def _finish(self, row: BatchRow, custom_ids: list[str] | None, status: str,
-                      errors: list[dict[str, str]] | None = None) -> None:
+    async def _finish(self, row: BatchRow, custom_ids: builtins.list[str] | None, status: str,
+                      errors: builtins.list[dict[str, str]] | None = None) -> None:
         """Write the output and error files and set the final status, whatever fails on the way."""
         errors = list(errors or [])
         if row.data["status"] != "finalizing":
@@ -334,7 +335,7 @@ class BatchService:
 
 def build_batch_service(settings: Settings, *, pools: ProviderPools, providers: list[ProviderSettings],
                         limits: Limits, embedder: Embedder | None, merging_allowed: Callable[[str], bool],
-                        metrics: Metrics, clock: Clock, sleep: Sleep, wall: Clock = time.time,
+                        metrics: Metrics, clock: Clock, sleep: Sleep, wall: Callable[[], float] = time.time,
                         on_line: LineHook | None = None, gc_policy: GcPolicy = PROCESS,
                         costs: CostBook | None = None) -> BatchService | None:
     """The Batch API over `batches.dir` (see `BatchSettings`), or None when it is disabled; `on_line` hears of

@@ -140,7 +140,8 @@ def output_line(custom_id: str, status: int, body: dict[str, Any]) -> dict[str, 
     """One line of an output file (2xx) or error file (anything else) in OpenAI's batch output format."""
     error = None
     if status >= 300:
-        inner = body.get("error") if isinstance(body.get("error"), dict) else {}
+        found = body.get("error")
+        inner: dict[str, Any] = found if isinstance(found, dict) else {}
         error = {"code": inner.get("code") or inner.get("type"), "message": inner.get("message")}
     return {"id": "batch_req_" + secrets.token_hex(12), "custom_id": custom_id,
             "response": {"status_code": status, "request_id": "req_" + secrets.token_hex(12), "body": body},

@@ -96,7 +96,7 @@ class BulkRunner:
 
     def __init__(self, settings: Settings, *, pools: ProviderPools, store: BatchStore, batch_apis: dict[str, BatchApi],
                  limits: Limits, embedder: Embedder | None, merging_allowed: Callable[[str], bool], metrics: Metrics,
-                 clock: Clock, sleep: Sleep, wall: Clock, costs: CostBook | None = None) -> None:
+                 clock: Clock, sleep: Sleep, wall: Callable[[], float], costs: CostBook | None = None) -> None:
         self.settings = settings
         self.pools = pools
         self.store = store

@@ -124,7 +124,8 @@ def read_output(raw: bytes) -> dict[str, tuple[int, dict[str, Any]]]:
         try:
             data = json.loads(line)
             response = data.get("response") or {}
-            body = response.get("body") if isinstance(response.get("body"), dict) else {"error": data.get("error")}
+            given = response.get("body")
+            body: dict[str, Any] = given if isinstance(given, dict) else {"error": data.get("error")}
             found[str(data["custom_id"])] = (int(response.get("status_code") or 500), body)
         except (ValueError, KeyError, TypeError, AttributeError):
             continue

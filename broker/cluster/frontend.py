@@ -289,7 +289,12 @@ class ClusterQueue:
         settling: asyncio.Future[TokenUsage] = asyncio.get_running_loop().create_future()
         self._settling[cid] = settling
         timer = self._clock.call_at(deadline + SETTLE_GRACE_S, settling.cancel)
-        settling.add_done_callback(lambda _f: (timer.cancel(), self._settling.pop(cid, None)))
+
+        def settled(_f: asyncio.Future[TokenUsage]) -> None:
+            timer.cancel()
+            self._settling.pop(cid, None)
+
+        settling.add_done_callback(settled)
         return settling
 
     async def _trim(self, last_id: Any) -> None:

@@ -162,8 +162,8 @@ class Holds:
         waiting for just this reply, and no one else runs it), and no longer heartbeated.
         """
         by_stream: dict[str, list[bytes]] = {}
-        for (stream, entry_id), held in self._held.items():
-            if not held.lost:
+        for (stream, entry_id), entry in self._held.items():
+            if not entry.lost:
                 by_stream.setdefault(stream, []).append(entry_id)
         if not by_stream:
             return

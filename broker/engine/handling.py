@@ -49,7 +49,7 @@ def with_body_options(broker: Engine, info: RequestInfo, headers: Mapping[str, s
 
 def _tier_label(broker: Engine, requested: str | None) -> str:
     """A metric label for a tier named by an unauthenticated request: only configured names, never junk."""
-    return requested if any(t.name == requested for t in broker.settings.tiers) else "unknown"
+    return requested if requested is not None and any(t.name == requested for t in broker.settings.tiers) else "unknown"
 
 
 def model_not_found(model: str) -> NotFound:

@@ -10,7 +10,7 @@ The HTTP handlers and the library only move frames; none of them repeats this bo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any, Protocol
 
 import structlog
@@ -33,7 +33,8 @@ class Relay(Protocol):
     `usage` is what the relay read from the events itself (a native stream), else None.
     """
 
-    usage: TokenUsage | None
+    @property
+    def usage(self) -> TokenUsage | None: ...
 
     def start(self) -> list[bytes]: ...
 
@@ -108,7 +109,7 @@ class TranslatedRelay:
 class HandledStream:
     """A stream ready to send: `async for frame in stream` yields the caller's frames (see the module)."""
 
-    def __init__(self, info: RequestInfo, chunks: AsyncIterator[bytes], reservation: Reservation, relay: Relay, *,
+    def __init__(self, info: RequestInfo, chunks: AsyncIterable[bytes], reservation: Reservation, relay: Relay, *,
                  settled_usage: asyncio.Future[Any] | None = None, headers: dict[str, str] | None = None) -> None:
         self._info = info
         self._chunks = chunks

@@ -117,8 +117,11 @@ async def evaluate(ns: argparse.Namespace, requests: list[Any], *, api_key: str 
 
     try:
         with tqdm(unit="call", desc="eval", disable=ns.no_progress) as bar:
+            def advance(n: int) -> None:
+                bar.update(n)
+
             evaluator = Evaluator(chat, requests, seed=ns.seed, concurrency=max(1, ns.concurrency),
-                                  output_limit=shipped_output_limit, progress=bar.update)
+                                  output_limit=shipped_output_limit, progress=advance)
             bar.total = evaluator.total_calls(ns.batch_sizes)
             observation = await evaluator.run(ns.batch_sizes)
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from aiohttp import web
@@ -49,8 +49,11 @@ class GuardedSite(web.BaseSite):
     @property
     def port(self) -> int:
         """The bound port (useful when 0 was asked for)."""
-        if self._server is not None and self._server.sockets:
-            return int(self._server.sockets[0].getsockname()[1])
+        # aiohttp types it as an AbstractServer; it is the loop's `create_server` result (asyncio's or uvloop's),
+        # which has `sockets`.
+        server = cast("asyncio.Server | None", self._server)
+        if server is not None and server.sockets:
+            return int(server.sockets[0].getsockname()[1])
         return self._port
 
     async def start(self) -> None:

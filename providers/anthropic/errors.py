@@ -50,5 +50,6 @@ def to_error(status: int, body: Any, *, retry_after: float | None) -> UpstreamHT
 
 def stream_error(event: dict[str, Any]) -> UpstreamHTTPError:
     """The error of a stream's `error` event (its status read from the error's type)."""
-    error = event.get("error") if isinstance(event.get("error"), dict) else {}
+    found = event.get("error")
+    error: dict[str, Any] = found if isinstance(found, dict) else {}
     return to_error(_STREAM_ERROR_STATUS.get(str(error.get("type")), 500), event, retry_after=None)

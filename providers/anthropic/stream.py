@@ -83,7 +83,8 @@ class StreamTranslator:
         return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}])
 
     def _on_message_start(self, event: dict[str, Any]) -> list[bytes]:
-        message = event.get("message") if isinstance(event.get("message"), dict) else {}
+        found = event.get("message")
+        message: dict[str, Any] = found if isinstance(found, dict) else {}
         self._meta = {"id": str(message.get("id") or ""), "model": str(message.get("model") or "")}
         self._usage.update(message.get("usage") or {})
         # Text chunks differ only in their text: render the rest once (a third of the cost per chunk).

@@ -60,7 +60,8 @@ def to_output(response_format: Any, *, model: str, has_tools: bool,
         raise refuse("response_format.json_schema.schema", "the schema must be a JSON object")
     if any(fnmatch.fnmatchcase(model, pattern) for pattern in native):
         return {"output_config": {"format": {"type": "json_schema", "schema": schema}}}, ReplyShape(structured=True)
-    name = spec.get("name") if isinstance(spec.get("name"), str) and spec.get("name") else JSON_TOOL
+    given = spec.get("name")
+    name = given if isinstance(given, str) and given else JSON_TOOL
     return _forced_tool(name, schema, spec.get("description"), strict=spec.get("strict") is True, has_tools=has_tools)
 
 

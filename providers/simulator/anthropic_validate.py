@@ -24,8 +24,8 @@ import binascii
 import copy
 import functools
 import importlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 from mergebroker.providers.simulator.faults import is_int
 
@@ -204,7 +204,8 @@ def _sdk_validator(beta: bool = False, count: bool = False) -> Any:
     from pydantic import TypeAdapter
     from pydantic_core import SchemaValidator
 
-    return SchemaValidator(_strict(TypeAdapter(params).core_schema))
+    # A core schema is a TypedDict: a plain dict at run time.
+    return SchemaValidator(_strict(cast(dict[str, Any], TypeAdapter(params).core_schema)))
 
 
 def _strict(schema: dict[str, Any]) -> dict[str, Any]:
@@ -274,9 +275,9 @@ def _tagged(choices: list[Any], resolve: Any) -> dict[str, Any] | None:
     return None
 
 
-def _first_error(errors: list[dict[str, Any]], body: Any) -> str:
+def _first_error(errors: Sequence[Mapping[str, Any]], body: Any) -> str:
     """One readable "path: message" for the errors pydantic gives (the branch of a union with the fewest)."""
-    def path(error: dict[str, Any]) -> tuple[list[str], str | None]:
+    def path(error: Mapping[str, Any]) -> tuple[list[str], str | None]:
         shown, labels, node = [], [], body
         last = len(error["loc"]) - 1
         for at, part in enumerate(error["loc"]):

@@ -10,6 +10,7 @@ shows that flag and the counters (files uploaded, batches created, lines run).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import secrets
 import time
@@ -162,7 +163,7 @@ class SimulatedBatches:
             await asyncio.gather(*(one(line) for line in lines))
         self._finish(batch, outputs)
 
-    def _finish(self, batch: dict[str, Any], outputs: list[dict[str, Any]]) -> None:
+    def _finish(self, batch: dict[str, Any], outputs: builtins.list[dict[str, Any]]) -> None:
         good = [o for o in outputs if o["response"]["status_code"] == 200]
         bad = [o for o in outputs if o["response"]["status_code"] != 200]
         for key, rows in (("output_file_id", good), ("error_file_id", bad)):

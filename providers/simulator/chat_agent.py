@@ -61,12 +61,15 @@ def agent_reply(body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]], 
     results = _results(messages)
     if results:
         return _text(after_tools(results), max_tokens)
-    fmt = body.get("response_format") if isinstance(body.get("response_format"), dict) else {}
-    if fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
-        return _text(json.dumps(instance(fmt["json_schema"].get("schema") or {}, question)), max_tokens)
+    given = body.get("response_format")
+    fmt: dict[str, Any] = given if isinstance(given, dict) else {}
+    spec = fmt.get("json_schema")
+    if fmt.get("type") == "json_schema" and isinstance(spec, dict):
+        return _text(json.dumps(instance(spec.get("schema") or {}, question)), max_tokens)
     if fmt.get("type") == "json_object":
         return _text(json.dumps({"answer": answer_for(question, words)}), max_tokens)
-    offered = body.get("tools") if isinstance(body.get("tools"), list) else []
+    listed = body.get("tools")
+    offered: list[Any] = listed if isinstance(listed, list) else []
     tools = [{"name": t["function"]["name"], "schema": t["function"].get("parameters")}
              for t in offered if isinstance(t, dict) and t.get("type") == "function"
              and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)]
@@ -77,7 +80,7 @@ def agent_reply(body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]], 
                        seed=question)
     if not calls:
         return None
-    made = tuple({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    made: tuple[dict[str, Any], ...] = tuple({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                   "function": {"name": name, "arguments": json.dumps(value)}} for name, value in calls)
     tokens = sum(count_tokens(call["function"]["arguments"]) for call in made)
     return Reply("", "tool_calls", tokens, False, tool_calls=made)

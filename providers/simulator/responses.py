@@ -63,8 +63,9 @@ def responses_usage(usage: Mapping[str, Any], reasoning_tokens: int) -> dict[str
 def response_object(body: Mapping[str, Any], outcome: Outcome | None, usage: dict[str, Any] | None) -> dict[str, Any]:
     """The Response the API returns for `body`: its answer (none yet while in progress) and the request's settings
     echoed as OpenAI echoes them."""
-    reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {}
-    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    given_reasoning, given_text = body.get("reasoning"), body.get("text")
+    reasoning: dict[str, Any] = given_reasoning if isinstance(given_reasoning, dict) else {}
+    text: dict[str, Any] = given_text if isinstance(given_text, dict) else {}
     incomplete = outcome is not None and outcome.incomplete
     return {
         "id": new_id("resp"), "object": "response", "created_at": int(time.time()),

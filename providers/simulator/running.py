@@ -14,10 +14,12 @@ class Simulator(Protocol):
     """What a running simulator is read through: the server's Simulator, named by shape so this module sits below
     the server that builds it (an import back would be a cycle)."""
 
-    config: SimulatorConfig
     biller: Biller
     last_request_body: dict[str, Any] | None
     last_request: dict[str, Any] | None
+
+    @property
+    def config(self) -> SimulatorConfig: ...
 
     def stats_dict(self) -> dict[str, Any]: ...
 

@@ -95,7 +95,7 @@ class CostBook:
         price = self.price(model)
         if price is None or price.cache not in self._caches:
             return 0
-        breakpoints = ()
+        breakpoints: tuple[int, ...] = ()
         tokens = prompt_token_ids(messages)
         if price.cache is CacheStyle.ANTHROPIC:  # the broker puts a breakpoint after the system prompt
             system = [m for m in messages if m.get("role") == "system"]

@@ -87,7 +87,8 @@ def _add_missing_columns(conn: sqlite3.Connection) -> None:
 
 
 def _where(since_ts: float | None, tenant: str | None, placeholder: str) -> tuple[str, list[Any]]:
-    clauses, args = [], []
+    clauses: list[str] = []
+    args: list[Any] = []
     if since_ts is not None:
         args.append(since_ts)
         clauses.append(f"ts >= {placeholder.format(len(args))}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,7 @@ class ChatOutcome:
     settled_usage: asyncio.Future[TokenUsage] | None = field(default=None, compare=False, repr=False)
     # A streaming request's answer: SSE event bytes to relay (its own upstream stream, or its block of a
     # merged one, `broker.engine.chat.member_stream`); `body` is empty then.
-    stream: AsyncIterator[bytes] | None = field(default=None, compare=False, repr=False)
+    stream: AsyncIterable[bytes] | None = field(default=None, compare=False, repr=False)
     # The body's usage, read once here so nothing parses it back out of the JSON (None: none reported).
     usage: TokenUsage | None = field(default=None, compare=False)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 from mergebroker import jsonio
@@ -42,7 +42,7 @@ class MemberStream:
         self.sent_text = False  # some of the member's text has been released to it
         self.ended = False
         self._released: list[str] = []
-        self._relayed: AsyncIterator[bytes] | None = None
+        self._relayed: AsyncIterable[bytes] | None = None
 
     @property
     def released(self) -> str:
@@ -68,14 +68,14 @@ class MemberStream:
         """End the stream with one SSE error event."""
         self._end("error", exc)
 
-    def switch_to(self, chunks: AsyncIterator[bytes]) -> None:
+    def switch_to(self, chunks: AsyncIterable[bytes]) -> None:
         """Relay `chunks` (the member's own upstream stream) instead; only before any text was sent."""
         if self.sent_text:
             raise RuntimeError("switch_to after text was sent")
         self._relayed = chunks
         self._end("relay", chunks)
 
-    def resume_with(self, chunks: AsyncIterator[bytes]) -> None:
+    def resume_with(self, chunks: AsyncIterable[bytes]) -> None:
         """Continue from `chunks` (the member's own upstream stream, asked for its usage chunk), skipping
         the text already sent; for a member whose block broke off after some of its text was sent."""
         self._relayed = chunks
@@ -117,7 +117,7 @@ class MemberStream:
                 yield b"data: " + jsonio.dumps(value.body()) + b"\n\n"
                 return
 
-    async def _resumed(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _resumed(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         """The member's own answer from where its merged block left off (see the module docstring)."""
         sent, seen, finish_reason, usage = self.released, "", None, None
         async for chunk in chunks:

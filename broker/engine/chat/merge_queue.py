@@ -40,10 +40,12 @@ class Queued(Protocol):
     reached the broker (a window opened by it counts from then, which is earlier than now only for a job
     that travelled, e.g. through a cluster's Redis)."""
 
-    tier: str
     merge_key: str | None
     future: asyncio.Future
     enqueued_at: float
+
+    @property
+    def tier(self) -> str: ...
 
 
 T = TypeVar("T", bound=Queued)

@@ -99,8 +99,8 @@ class BatchPlanner:
     async def plan(self, tier: str, jobs: list[ChatJob]) -> list[list[ChatJob]]:
         """The batches to send for a released group of `tier`: lists of its jobs, one call each."""
         policy = self._tiers[tier]
-        model = jobs[0].model
-        if len(jobs) == 1 or not policy.merge or jobs[0].shape is None or not self._merging_allowed(model):
+        model, shape = jobs[0].model, jobs[0].shape
+        if len(jobs) == 1 or not policy.merge or shape is None or not self._merging_allowed(model):
             return [[j] for j in jobs]
         paused = [[j] for j in jobs if not self._guard.allows(j.caller.tenant, model)]  # only their own tenant's
         if paused:
@@ -113,7 +113,7 @@ class BatchPlanner:
             vectors = await self._vectors(tier, jobs, policy.similarity_budget_s)
             if vectors is None:
                 return [[j] for j in jobs]
-        system = None if policy.tagged_system else jobs[0].shape.system_prompt
+        system = None if policy.tagged_system else shape.system_prompt
         shared = count_text_tokens(system) if system else 0
         costs, budget = context_shares([j.reserved_tokens for j in jobs], window=self._context_window(model),
                                        shared=shared, header=self._header_tokens)

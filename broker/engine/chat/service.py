@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -53,7 +53,7 @@ class StreamStart:
     """A stream as it starts: the SSE events to relay, the outcome (provider, batch, the usage to come),
     the rate-limit reservation to settle, and the prompt's estimated tokens had it been sent alone."""
 
-    chunks: AsyncIterator[bytes]
+    chunks: AsyncIterable[bytes]
     outcome: ChatOutcome
     reservation: Reservation
     prompt_estimate: int = 0
@@ -187,7 +187,7 @@ class ChatService:
             await self._cache.set(key, json.dumps(outcome.body).encode())  # type: ignore[union-attr]
         return ChatResult(outcome, cache, reservation.headers(), prompt_tokens)
 
-    async def _share(self, flight: str, submit: Callable[[], asyncio.Future[ChatOutcome]],
+    async def _share(self, flight: str, submit: Callable[[], asyncio.Future[ChatOutcome] | Lead[ChatOutcome]],
                      deadline: float) -> tuple[ChatOutcome, bool]:
         """The outcome of the pending job for `flight` (or of a new one), and whether it was shared.
 

@@ -10,7 +10,7 @@ cache and in-flight coalescing are per tenant instead of shared by everyone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -130,7 +130,8 @@ class EmbeddingService:
             return reply, "miss", usage.prompt_tokens if usage is not None else tokens
         # The embeddings cache is shared by every tenant unless the operator scopes it (README, /v1/embeddings).
         scope = f"tenant:{caller.tenant}" if self._settings.embeddings.cache_scope == "tenant" else None
-        result = await self._batcher.embed(parsed.model, list(texts), dimensions=parsed.dimensions, scope=scope)
+        strings = cast(list[str], texts)  # all strings: checked above
+        result = await self._batcher.embed(parsed.model, list(strings), dimensions=parsed.dimensions, scope=scope)
         summary = "hit" if result.cached == len(texts) else ("coalesced" if result.coalesced else "miss")
         return _response_body(parsed, result), summary, result.prompt_tokens
 

@@ -10,6 +10,7 @@ import datetime
 import logging
 import sys
 import time
+from collections.abc import MutableMapping
 from typing import Any
 
 import orjson
@@ -21,7 +22,7 @@ _SECRET_KEYS = frozenset({"api_key", "authorization", "password", "secret", "gat
                           "content", "input", "text"})
 
 
-def redact_secrets(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+def redact_secrets(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: replace values of secret-looking keys."""
     for key in list(event):
         if key.lower() in _SECRET_KEYS:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from mergebroker.broker.engine.accounting.request_record import RequestInfo
 from mergebroker.broker.engine.apis.messages import (
@@ -38,7 +38,7 @@ from mergebroker.broker.engine.handling import (
 from mergebroker.broker.engine.inbound.messages_relay import NativeMessagesRelay
 from mergebroker.broker.engine.inbound.portable import dropped_header, portable
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.broker.engine.native.calls import NativeRequest
+from mergebroker.broker.engine.native.calls import NativeCalls, NativeRequest
 from mergebroker.broker.engine.streams import HandledStream, TranslatedRelay
 from mergebroker.errors import UpstreamUnsupported
 from mergebroker.providers.native_api import forwarded
@@ -80,12 +80,14 @@ async def _native(broker: Engine, info: RequestInfo, caller: Caller, request: Me
                   chat_body: dict[str, Any],
                   headers: Mapping[str, str]) -> MessagesAnswer | HandledStream:
     body = {k: v for k, v in request.body.items() if k != "broker"}
-    options = request.body.get("broker") if isinstance(request.body.get("broker"), dict) else {}
+    given = request.body.get("broker")
+    options: dict[str, Any] = given if isinstance(given, dict) else {}
     price_on_arrival(broker, info, chat_body)
     native = NativeRequest("messages", body, forwarded(headers), chat_body, timeout_s=options.get("timeout_s"))
+    calls = cast(NativeCalls, broker.native)  # wired (assemble.py) wherever a pool speaks a native API
     if request.stream:
-        return await broker.native.stream(info, caller, native, NativeMessagesRelay)
-    reply, answer_headers = await broker.native.complete(info, caller, native)
+        return await calls.stream(info, caller, native, NativeMessagesRelay)
+    reply, answer_headers = await calls.complete(info, caller, native)
     return MessagesAnswer(reply, answer_headers)
 
 

@@ -20,7 +20,7 @@ class NativeMessagesRelay:
         self._reader = StreamUsageReader()
 
     @property
-    def usage(self) -> TokenUsage | None:  # type: ignore[override]
+    def usage(self) -> TokenUsage | None:
         return self._reader.usage
 
     def start(self) -> list[bytes]:

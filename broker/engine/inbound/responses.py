@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from mergebroker.broker.engine.accounting.request_record import RequestInfo
 from mergebroker.broker.engine.apis.responses import (
@@ -44,7 +44,7 @@ from mergebroker.broker.engine.handling import (
 from mergebroker.broker.engine.inbound.portable import dropped_header, portable
 from mergebroker.broker.engine.inbound.responses_relay import NativeResponsesRelay
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.broker.engine.native.calls import NativeRequest
+from mergebroker.broker.engine.native.calls import NativeCalls, NativeRequest
 from mergebroker.broker.engine.streams import HandledStream, TranslatedRelay
 from mergebroker.errors import InvalidRequest, NotFound, UpstreamUnsupported
 from mergebroker.providers.native_api import forwarded
@@ -142,14 +142,16 @@ def _replayable(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def _native(broker: Engine, info: RequestInfo, caller: Caller, turn: _Turn,
                   headers: Mapping[str, str]) -> ResponsesAnswer | HandledStream:
-    options = turn.request.body.get("broker") if isinstance(turn.request.body.get("broker"), dict) else {}
+    given = turn.request.body.get("broker")
+    options: dict[str, Any] = given if isinstance(given, dict) else {}
     price_on_arrival(broker, info, turn.chat_body)
     native = NativeRequest("responses", _native_body(turn), forwarded(headers), turn.chat_body,
                            timeout_s=options.get("timeout_s"))
+    calls = cast(NativeCalls, broker.native)  # wired (assemble.py) wherever a pool speaks a native API
     if turn.request.stream:
-        return await broker.native.stream(info, caller, native,
-                                          lambda: NativeResponsesRelay(lambda r: _keep(broker, caller, turn, r)))
-    reply, answer_headers = await broker.native.complete(info, caller, native)
+        return await calls.stream(info, caller, native,
+                                  lambda: NativeResponsesRelay(lambda r: _keep(broker, caller, turn, r)))
+    reply, answer_headers = await calls.complete(info, caller, native)
     _keep(broker, caller, turn, reply)
     return ResponsesAnswer(reply, answer_headers)
 

@@ -124,11 +124,12 @@ async def assemble(settings: Settings, *, queue: QueueChoice | None = None, cloc
     jobs: JobQueue = LocalJobQueue(windows, dispatcher, size=settings.server.workers, metrics=metrics, clock=clock)
     if queue is not None:  # e.g. cluster mode: jobs go to the workers, the local queue is the fallback
         jobs = queue(jobs, metrics=metrics, clock=clock, sleep=sleep)
-    limiter: Limiter = RateLimiter(clock)
+    local = RateLimiter(clock)
+    limiter: Limiter = local
     if keep is not None and keep.limiter is not None:  # the counts carry over; the new limits apply to them
         limiter = keep.limiter
     elif redis is not None and settings.redis.share_limits:
-        limiter = RedisRateLimiter(redis, fallback=limiter, clock=clock)
+        limiter = RedisRateLimiter(redis, fallback=local, clock=clock)
     same_cache = keep is not None and (keep.settings.cache, keep.settings.merge.cache_version) == (
         settings.cache, settings.merge.cache_version)
     cache = keep.chat_cache if same_cache and keep is not None else _chat_cache(settings, redis, clock)

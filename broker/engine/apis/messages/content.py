@@ -121,7 +121,7 @@ def system_text(system: str | list[dict[str, Any]] | None) -> str:
 
 def block_types(messages: tuple[dict[str, Any], ...]) -> set[str]:
     """Every block type the checked messages use (string content counts as text)."""
-    kinds = set()
+    kinds: set[str] = set()
     for message in messages:
         content = message["content"]
         kinds.update(("text",) if isinstance(content, str) else (block["type"] for block in content))

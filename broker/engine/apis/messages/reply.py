@@ -23,7 +23,8 @@ def from_chat(reply: dict[str, Any], request: MessagesRequest, *, message_id: st
     """The Message for a chat completion `reply` to `request`."""
     choices = reply.get("choices") or [{}]
     choice = choices[0] if isinstance(choices[0], dict) else {}
-    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    found = choice.get("message")
+    message: dict[str, Any] = found if isinstance(found, dict) else {}
     content: list[dict[str, Any]] = []
     reasoning = reasoning_text(message)
     if request.thinking and reasoning:
@@ -33,7 +34,8 @@ def from_chat(reply: dict[str, Any], request: MessagesRequest, *, message_id: st
     if text or not calls:
         content.append({"type": "text", "text": text})
     for position, call in enumerate(calls):
-        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        given = call.get("function")
+        function: dict[str, Any] = given if isinstance(given, dict) else {}
         content.append(tool_use_block(call.get("id") or tool_use_id(message_id, position),
                                       function.get("name") or "", tool_input(function.get("arguments"))))
     return message_object(message_id, reply.get("model") or request.model, content,

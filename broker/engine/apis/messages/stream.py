@@ -104,7 +104,8 @@ class MessagesStream:
 
     def _call_delta(self, call: dict[str, Any], position: int) -> list[bytes]:
         index = call.get("index", position)
-        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        found = call.get("function")
+        function: dict[str, Any] = found if isinstance(found, dict) else {}
         frames = []
         if index not in self._calls:
             block = tool_use_block(call.get("id") or tool_use_id(self._id, self._blocks),
