@@ -86,7 +86,9 @@ async def test_redis_down_gives_fast_misses_one_warning_and_recovery(redis_serve
         fake_clock.advance(5)
         assert await cache.get("a") is None  # a probe, still down
         elapsed = time.monotonic() - started
-        assert elapsed < 0.3, elapsed
+        # Real time on purpose: the point is that no call waits out a socket timeout (0.5 s, the client's), so the
+        # bound is just under one of those, far above what four refused connections take on a loaded machine.
+        assert elapsed < 0.45, elapsed
         assert not cache.available
         assert len(events(logs, "redis_cache_unavailable")) == 1
         assert events(logs, "redis_cache_unavailable")[0]["log_level"] == "warning"
