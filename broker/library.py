@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass
 from typing import Any
 
-from mergebroker.broker.cluster.frontend import front_end_queue
+from mergebroker.broker.cluster.queue_choice import front_end_queue
 from mergebroker.broker.engine import handling
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
 from mergebroker.broker.engine.chat.service import CacheControl

@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -142,12 +143,47 @@ def connect(url: str, options: PoolOptions = PoolOptions()) -> RedisClient:
     kwargs = _connection_kwargs(options)
     if options.single_connection_client:
         client: Redis = Redis.from_url(url, single_connection_client=True, **_with_max(kwargs, options))
-        return client
-    if options.pool_timeout_s is not None:
+    elif options.pool_timeout_s is not None:
         pool = BlockingConnectionPool.from_url(url, timeout=options.pool_timeout_s, **_with_max(kwargs, options))
-        return Redis.from_pool(pool)
-    client = Redis.from_url(url, **_with_max(kwargs, options))
+        client = Redis.from_pool(pool)
+    else:
+        client = Redis.from_url(url, **_with_max(kwargs, options))
+    # `from_url` picks the connection class by scheme; ours is that class with writes to closed transports mapped.
+    client.connection_pool.connection_class = _MAPPED_CONNECTIONS[urlsplit(url).scheme.lower()]
     return client
+
+
+class _ClosedTransportMapped:
+    """A connection whose write to a transport the event loop already closed raises `ConnectionError`.
+
+    uvloop raises `RuntimeError("unable to perform operation on <TCPTransport closed=True ...>")` there where
+    asyncio's own loop raises `OSError`, which redis-py maps; unmapped, it escaped every owner's `RedisError`
+    handling when Redis was killed mid-write, and ended a cluster front-end's reply loop for good. Mapped, it
+    is the connection error it is: retried once on a new connection, then handled as Redis being away.
+    """
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except RuntimeError as exc:
+            raise RedisConnectionError(f"Error writing to a closed connection: {exc}") from exc
+
+
+class _MappedConnection(_ClosedTransportMapped, Connection):
+    pass
+
+
+class _MappedSSLConnection(_ClosedTransportMapped, SSLConnection):
+    pass
+
+
+class _MappedUnixConnection(_ClosedTransportMapped, UnixDomainSocketConnection):
+    pass
+
+
+_MAPPED_CONNECTIONS: dict[str, type[Connection] | type[UnixDomainSocketConnection]] = {
+    "redis": _MappedConnection, "rediss": _MappedSSLConnection, "unix": _MappedUnixConnection}
+"""The connection class for each plain URL scheme (what redis-py's `from_url` would pick, mapped)."""
 
 
 def has_hash_tag(key: str) -> bool:

@@ -21,7 +21,6 @@ which a reply stream cannot carry.
 from __future__ import annotations
 
 import asyncio
-import functools
 import uuid
 from collections.abc import Awaitable
 from dataclasses import replace
@@ -33,7 +32,6 @@ from redis.exceptions import RedisError
 
 from mergebroker import tracing
 from mergebroker.background import spawn
-from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.cluster.inflight import InFlight
 from mergebroker.broker.cluster.partition import Keys, flight_key, partition_of
 from mergebroker.broker.cluster.presence import absent_workers
@@ -41,9 +39,8 @@ from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.wire import WireJob, decode_reply, encode_job, next_stream_id, stream_pairs
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
-from mergebroker.broker.engine.ground.metrics import Metrics, preinitialise_cluster
-from mergebroker.broker.engine.ground.settings import ClusterSettings, Settings
-from mergebroker.broker.engine.wiring.assemble import QueueChoice
+from mergebroker.broker.engine.ground.metrics import Metrics
+from mergebroker.broker.engine.ground.settings import ClusterSettings
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import Overloaded
 from mergebroker.tasks import stop_loops
@@ -243,6 +240,10 @@ class ClusterQueue:
                 log.info("cluster_replies_failed", error=type(exc).__name__)
                 self._fall_back([], "redis")
                 continue
+            except Exception:  # noqa: BLE001 - a dead reply loop would leave every caller waiting out its deadline
+                log.exception("cluster_replies_crashed")
+                self._fall_back([], "redis")  # serve in-process; the probe brings the cluster back
+                continue
             for _stream, entries in stream_pairs(response):
                 for entry_id, fields in entries:
                     last_id = entry_id
@@ -385,21 +386,3 @@ _FALLBACK_MESSAGES = {
     "redis": "Redis is unreachable: merging in-process until it is back.",
     "no_workers": "No cluster worker is alive: merging in-process until one is back.",
 }
-
-
-def build_cluster_queue(settings: Settings, local: JobQueue, *, metrics: Metrics, clock: Clock = monotonic,
-                        sleep: Sleep = asyncio.sleep) -> ClusterQueue:
-    """The front-end's queue for `settings` (cluster mode on, `redis.url` set), with its own stream client."""
-    preinitialise_cluster(metrics)
-    c = settings.cluster
-    return ClusterQueue(make_stream_client(settings.redis.url or "", block_ms=c.block_ms), local,
-                        keys=Keys(c.prefix), settings=c, partitions=c.partitions, server_clock=ServerClock(clock),
-                        metrics=metrics, sleep=sleep, owns_client=True, clock=clock)
-
-
-def front_end_queue(settings: Settings) -> QueueChoice | None:
-    """How a way in (HTTP, the library) queues its jobs: through the cluster when cluster mode is on, else in
-    process (None). The in-process queue stays the cluster queue's fallback while Redis or workers are away."""
-    if not settings.cluster.enabled:
-        return None
-    return functools.partial(build_cluster_queue, settings)

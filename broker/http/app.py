@@ -20,7 +20,7 @@ from mergebroker import tracing
 from mergebroker.broker.bulk.batches import BatchService, build_batch_service
 from mergebroker.broker.bulk.runner import BulkJob, Limits
 from mergebroker.broker.bulk.settling import CallShare
-from mergebroker.broker.cluster.frontend import front_end_queue
+from mergebroker.broker.cluster.queue_choice import front_end_queue
 from mergebroker.broker.engine.accounting.request_record import record_bulk_line
 from mergebroker.broker.engine.container import Engine
 from mergebroker.broker.engine.ground.metrics import connections_listener, drain_listener, reload_listener

@@ -113,3 +113,34 @@ async def test_each_kind_builds_its_client_with_the_callers_pool() -> None:
     assert isinstance(cluster, RedisCluster)
     for client in (blocking, sentinel, single, cluster):
         await client.aclose()
+
+
+class _ClosedWriter:
+    """A stream writer over a transport the loop closed, as uvloop reports a write to it."""
+
+    def writelines(self, _data: object) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    async def drain(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    async def wait_closed(self) -> None:
+        return None
+
+
+async def test_a_write_to_a_closed_transport_is_a_connection_error_not_a_crash():
+    """What ended a cluster front-end's reply loop when Redis was killed: uvloop's RuntimeError on a closed
+    transport. Every plain client's connections raise redis' ConnectionError for it, which owners handle."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    for url in ("redis://127.0.0.1:1/0", "rediss://127.0.0.1:1/0", "unix:///tmp/nothing.sock"):
+        client = connect(url)
+        connection = client.connection_pool.make_connection()
+        connection._reader, connection._writer = object(), _ClosedWriter()  # connected, to a dead transport
+        connection.socket_timeout = None
+        with pytest.raises(RedisConnectionError):
+            await connection.send_packed_command(b"PING\r\n", check_health=False)
+        await client.aclose()
