@@ -124,9 +124,12 @@ class _Ticket:
 
 @dataclass
 class GuardedCall:
-    """What `guard()` yields: the body sets `allowance_s` once it knows the output it got (slow threshold)."""
+    """What `guard()` yields: the body sets `allowance_s` once it knows the output it got (slow threshold), or
+    `allowance`, which works it out only for a call slower than `slow_call_s` (reading the output costs more
+    than the whole check, and most calls are quick)."""
 
     allowance_s: float = 0.0
+    allowance: Callable[[], float] | None = None
 
 
 class _Guard:
@@ -151,7 +154,10 @@ class _Guard:
         if exc_type is not None:
             breaker._settle(self._ticket, classify(exc, elapsed, breaker._settings.slow_call_s))
             return
-        threshold = breaker._settings.slow_call_s + max(0.0, self._call.allowance_s)
+        threshold = breaker._settings.slow_call_s
+        if elapsed > threshold:  # only then can the allowance for its output change the verdict
+            call = self._call
+            threshold += max(0.0, call.allowance() if call.allowance is not None else call.allowance_s)
         breaker._settle(self._ticket, classify(None, elapsed, threshold))
 
 
@@ -186,6 +192,9 @@ class CircuitBreaker:
             self._callbacks.append(on_transition)
         self._open_s = settings.open_s
         self._open_until = 0.0
+        # pybreaker's state, mirrored on each change it announces: asking its storage costs several calls,
+        # and every attempt asks.
+        self._state = BreakerState.CLOSED
         self._probes = 0
         # Bumped on every transition: outcomes of calls admitted in an earlier state are ignored.
         self._epoch = 0
@@ -208,7 +217,7 @@ class CircuitBreaker:
     @property
     def state(self) -> BreakerState:
         """The current state; an open breaker whose open time has passed becomes half-open here."""
-        state = _BY_NAME[self._pb.current_state]
+        state = self._state
         if state is BreakerState.OPEN and self._clock() >= self._open_until:
             self._move(BreakerState.HALF_OPEN, {"cause": "open_elapsed", "open_s": self._open_s})
             state = BreakerState.HALF_OPEN
@@ -259,7 +268,7 @@ class CircuitBreaker:
 
         Exceptions from the body are re-raised untouched; `CancelledError` and caller-fault errors
         only free the probe slot, if any, and count as neither success nor failure. A success is slow
-        past `slow_call_s` plus the `allowance_s` the body set on the yielded `GuardedCall`.
+        past `slow_call_s` plus the allowance the body set on the yielded `GuardedCall`.
         """
         return _Guard(self, tenant)
 
@@ -283,7 +292,7 @@ class CircuitBreaker:
 
     def _admit(self, tenant: str | None) -> _Ticket:
         self.before_call(tenant)
-        if self._pb.current_state == pybreaker.STATE_HALF_OPEN:
+        if self._state is BreakerState.HALF_OPEN:
             self._probes += 1
             return _Ticket(self._epoch, probe=True, tenant=tenant)
         return _Ticket(self._epoch, probe=False, tenant=tenant)
@@ -335,6 +344,7 @@ class CircuitBreaker:
             self._announce(old, new, reason)
 
     def _on_state_change(self, old: str, new: str) -> None:
+        self._state = _BY_NAME[new]
         self._epoch += 1
         self._probes = 0
         if new == pybreaker.STATE_CLOSED:

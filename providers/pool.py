@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import structlog
@@ -319,8 +320,7 @@ class ProviderPools:
                 async with u.breaker.guard(tenant) as call:
                     result = await self._attempt(u, attempt, timeout, deadline)
                     # A stream replaying a whole reply waited for all of it: its output's time is expected.
-                    usage = TokenUsage.from_body(_reply_of(result))
-                    call.allowance_s = (usage.completion_tokens if usage else 0) / u.token_rate
+                    call.allowance = partial(_output_time, result, u.token_rate)
             outcome = "success"
             return result
         except BreakerOpenError:
@@ -360,6 +360,12 @@ class ProviderPools:
 def _reply_of(result: Any) -> Any:
     """The reply a call's result carries: a plain call's body, or the whole reply a stream replays (else None)."""
     return result if isinstance(result, dict) else getattr(result, "whole_reply", None)
+
+
+def _output_time(result: Any, token_rate: float) -> float:
+    """The time a reply's output tokens take at `token_rate`: expected, not slow (asked only of slow calls)."""
+    usage = TokenUsage.from_body(_reply_of(result))
+    return (usage.completion_tokens if usage else 0) / token_rate
 
 
 def _read_timeout(body: dict[str, Any], token_rate: float) -> float:

@@ -37,6 +37,7 @@ import pytest
 from prometheus_client.metrics import MetricWrapperBase
 from pydantic import BaseModel
 
+from mergebroker.broker.engine.ground.lockfree_metrics import LockFreeFamily
 from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.broker.engine.ground.schemas import ChatRequest
 from mergebroker.broker.engine.ground.settings import ProviderSettings, Settings
@@ -249,7 +250,7 @@ def exported_metrics() -> dict[str, set[str]]:
     """Exported metric name -> its label names, from a fresh `Metrics` (counters gain `_total`)."""
     found: dict[str, set[str]] = {}
     for family in vars(Metrics()).values():
-        if isinstance(family, MetricWrapperBase):
+        if isinstance(family, MetricWrapperBase | LockFreeFamily):
             suffix = "_total" if family._type == "counter" else ""
             found[family._name + suffix] = set(family._labelnames)
     return found

@@ -12,6 +12,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from mergebroker.broker.engine.ground.lockfree_metrics import LockFreeCounter, LockFreeHistogram
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 HOP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1)
 BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128)
@@ -31,40 +33,41 @@ class Metrics:
         self._request_series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         r = self.registry = CollectorRegistry()
         p = "mergebroker_"
-        # Foundation: requests and upstream calls.
-        self.requests = Counter(p + "requests", "Requests answered, by endpoint, tier and HTTP status.",
-                                ["endpoint", "tier", "status"], registry=r)
-        self.request_latency = Histogram(p + "request_latency_seconds", "Time from request to answer.",
-                                         ["endpoint", "tier"], buckets=LATENCY_BUCKETS, registry=r)
-        self.upstream_calls = Counter(p + "upstream_calls", "Upstream calls by provider and outcome.",
-                                      ["provider", "outcome"], registry=r)
-        self.upstream_latency = Histogram(p + "upstream_latency_seconds", "Upstream call latency.",
-                                          ["provider"], buckets=LATENCY_BUCKETS, registry=r)
-        self.retries = Counter(p + "retries", "Upstream retries by provider and reason.",
-                               ["provider", "reason"], registry=r)
+        # Foundation: requests and upstream calls. The families every request counts into are lock-free
+        # (`lockfree_metrics`): the same series, counted without prometheus_client's lock per increment.
+        self.requests = LockFreeCounter(p + "requests", "Requests answered, by endpoint, tier and HTTP status.",
+                                        ["endpoint", "tier", "status"], registry=r)
+        self.request_latency = LockFreeHistogram(p + "request_latency_seconds", "Time from request to answer.",
+                                                 ["endpoint", "tier"], buckets=LATENCY_BUCKETS, registry=r)
+        self.upstream_calls = LockFreeCounter(p + "upstream_calls", "Upstream calls by provider and outcome.",
+                                              ["provider", "outcome"], registry=r)
+        self.upstream_latency = LockFreeHistogram(p + "upstream_latency_seconds", "Upstream call latency.",
+                                                  ["provider"], buckets=LATENCY_BUCKETS, registry=r)
+        self.retries = LockFreeCounter(p + "retries", "Upstream retries by provider and reason.",
+                                       ["provider", "reason"], registry=r)
         # Tiers and queues.
         self.queue_depth = Gauge(p + "queue_depth", "Requests waiting in a tier's queue.", ["tier"], registry=r)
-        self.queue_wait = Histogram(p + "queue_wait_seconds", "Time a request waited before dispatch.",
-                                    ["tier"], buckets=LATENCY_BUCKETS, registry=r)
-        self.rejected = Counter(p + "rejected", "Requests refused, by tier and reason "
-                                "(rate_limited, queue_full, deadline, unauthorized, forbidden).",
-                                ["tier", "reason"], registry=r)
+        self.queue_wait = LockFreeHistogram(p + "queue_wait_seconds", "Time a request waited before dispatch.",
+                                            ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rejected = LockFreeCounter(p + "rejected", "Requests refused, by tier and reason "
+                                        "(rate_limited, queue_full, deadline, unauthorized, forbidden).",
+                                        ["tier", "reason"], registry=r)
         self.forced_flush = Counter(p + "forced_flush", "Windows flushed early because the queue was full.",
                                     ["tier"], registry=r)
         # Merge engine.
         self.merged_requests = Counter(p + "merged_requests", "Requests answered from a merged call.",
                                        ["tier"], registry=r)
-        self.batches = Counter(p + "batches", "Upstream dispatches (a batch of one is a passthrough).",
-                               ["tier"], registry=r)
-        self.batch_size = Histogram(p + "batch_size", "Members per dispatched batch.", ["tier"],
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.cache_events = Counter(p + "cache_events", "Chat response cache results (hit, miss, coalesced).",
-                                    ["result"], registry=r)
-        self.tokens_saved = Counter(p + "tokens_saved", "Estimated prompt tokens not sent thanks to merging.",
-                                    registry=r)
-        self.upstream_calls_saved = Counter(p + "upstream_calls_saved",
-                                            "Upstream calls not made thanks to merging, coalescing and caching.",
+        self.batches = LockFreeCounter(p + "batches", "Upstream dispatches (a batch of one is a passthrough).",
+                                       ["tier"], registry=r)
+        self.batch_size = LockFreeHistogram(p + "batch_size", "Members per dispatched batch.", ["tier"],
+                                            buckets=BATCH_BUCKETS, registry=r)
+        self.cache_events = LockFreeCounter(p + "cache_events", "Chat response cache results (hit, miss, coalesced).",
+                                            ["result"], registry=r)
+        self.tokens_saved = LockFreeCounter(p + "tokens_saved", "Estimated prompt tokens not sent thanks to merging.",
                                             registry=r)
+        self.upstream_calls_saved = LockFreeCounter(p + "upstream_calls_saved",
+                                                    "Upstream calls not made thanks to merging, coalescing and caching.",
+                                                    registry=r)
         self.split_fallback = Counter(p + "split_fallback", "Merged members re-sent alone, by reason.",
                                       ["reason"], registry=r)
         self.merge_skipped = Counter(p + "merge_skipped", "Requests of mergeable groups sent unmerged, by reason "

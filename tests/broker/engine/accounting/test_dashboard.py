@@ -10,6 +10,7 @@ import yaml
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from mergebroker.broker.engine.ground.lockfree_metrics import HistogramChild, LockFreeCounter, LockFreeHistogram
 from mergebroker.broker.engine.ground.metrics import Metrics
 from tests.helpers.paths import REPO
 
@@ -21,15 +22,15 @@ def exported_sample_names() -> set[str]:
     """Every sample name a broker's /metrics shows once each labelled family holds one series."""
     metrics = Metrics()
     for family in vars(metrics).values():
-        if not isinstance(family, Counter | Gauge | Histogram):
+        if not isinstance(family, Counter | Gauge | Histogram | LockFreeCounter | LockFreeHistogram):
             continue
         child = family.labels(*["x"] * len(family._labelnames)) if family._labelnames else family
-        if isinstance(child, Counter):
-            child.inc()
-        elif isinstance(child, Gauge):
+        if isinstance(child, Gauge):
             child.set(1)
-        else:
+        elif isinstance(child, Histogram | LockFreeHistogram | HistogramChild):
             child.observe(1)
+        else:
+            child.inc()
     text = metrics.render().decode()
     return {sample.name for fam in text_string_to_metric_families(text) for sample in fam.samples}
 
