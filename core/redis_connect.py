@@ -211,6 +211,16 @@ async def routed_to(client: RedisClient, key: str) -> dict[str, Any]:
         return {"target_nodes": client.get_node_from_key(key)}
 
 
+async def drop_connections(client: RedisClient) -> None:
+    """Close every idle pooled connection (the next command opens a fresh one): after an outage they are
+    stale. A cluster client keeps a pool per node, and finds its nodes again on the next command's error."""
+    if isinstance(client, RedisCluster):
+        for node in client.get_nodes():
+            await node.disconnect()
+        return
+    await client.connection_pool.disconnect()
+
+
 def _connection_kwargs(options: PoolOptions) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"decode_responses": options.decode_responses}
     for name, value in (("socket_timeout", options.socket_timeout_s),

@@ -86,7 +86,7 @@ class StreamConsumer:
         self._outbox = Outbox(keys)
         self._wrote = asyncio.Event()  # a write went through: room to read again
         self._claimer = Claimer(redis, keys, consumer_id, claim_idle_ms=settings.claim_idle_ms)
-        self._markers = SentMarkers(redis, keys, consumer_id)
+        self._markers = SentMarkers(redis, keys, consumer_id, clock=clock)
         self._heartbeat = redis.register_script(HEARTBEAT)
         self._hand_back = HandBack(redis, consumer_id)
         self._dead: dict[str, float] = {}  # workers found dead -> when: their entries are claimed at once
@@ -244,18 +244,20 @@ class StreamConsumer:
         for held in asked:
             if (held.stream, held.entry_id) in marked:
                 held.touched_at = max(held.touched_at, started)
+                held.noted = True
             else:
                 self._held.drop(held, outcome)
         self._held.arm()
         return bool(flight.entries)
 
     def _sent(self, flight: Flight) -> None:
-        """The engine is sending `flight` upstream: tell its entries' front-ends, and queue each entry's marker
-        (set again, harmlessly, where `_mark` wrote it; an entry that joined while `_mark` ran gets its own)."""
+        """The engine is sending `flight` upstream: an entry that joined while `_mark` ran gets its marker and
+        note now (`_mark` wrote those of the others)."""
         for held in flight.entries:
             if self._held.stale(held):  # the fence drops such jobs first: a bug if ever seen
                 log.warning("cluster_sent_after_fence", request_id=held.job.request_id)
-            self._outbox.sent(held, self._id, held.job.deadline_ms)
+            if not held.noted:
+                self._outbox.sent(held, self._id, held.job.deadline_ms)
 
     def _answered(self, key: str, flight: Flight, future: asyncio.Future[ChatOutcome]) -> None:
         """Reply to every entry of `flight`; bound to the flight itself, because a newer flight may own

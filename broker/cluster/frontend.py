@@ -7,12 +7,14 @@ job answered twice after a claim, or one whose caller left) is dropped and count
 
 Redis down, or no live worker (none renewed its liveness within `lease_ms`; `local_without_workers`):
 the front-end falls back to its in-process queue (`local`, today's merge windows and workers, without the
-similarity model), logs it and exports `cluster_fallback = 1`. Jobs sent and not yet answered move to
-the local queue too, except those a worker noted it sent upstream (`inflight`): they keep waiting for
-that worker's reply, so no job goes upstream twice; a sender found dead (`presence`) gives its jobs up.
-Entries of the jobs moved are deleted from their streams (once Redis answers again), so no worker runs
-them later. A probe every `fallback_probe_s` (more often while only workers are missing) returns the
-front-end to cluster mode once Redis answers again and a worker is alive.
+similarity model), logs it and exports `cluster_fallback = 1`. New jobs go to the local queue. Jobs sent
+and not yet answered are handed over (`inflight`): those a worker noted it sent upstream keep waiting for
+that worker's reply, so no job goes upstream twice, unless the sender is found dead (`presence`); the
+others wait until Redis answers, when the hand-over deletes their entries (no worker can mark them after
+that), reads the replies that came meanwhile (a worker's notes among them, `markers`), and moves what is
+still un-noted to the local queue. Where Redis stays away longer than `failover_wait_s` (a failover takes
+seconds), they are served locally regardless. A probe every `fallback_probe_s` (more often while only
+workers are missing) returns the front-end to cluster mode once Redis answers again and a worker is alive.
 
 Streaming jobs (a tier's `merge_streams`) always go to the local queue: their outcome is a live stream,
 which a reply stream cannot carry.
@@ -36,6 +38,7 @@ from mergebroker.broker.cluster.inflight import InFlight
 from mergebroker.broker.cluster.partition import Keys, flight_key, partition_of
 from mergebroker.broker.cluster.presence import absent_workers
 from mergebroker.broker.cluster.server_time import ServerClock
+from mergebroker.broker.cluster.settlements import Settlements
 from mergebroker.broker.cluster.wire import WireJob, decode_reply, encode_job, next_stream_id, stream_pairs
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome
@@ -43,14 +46,13 @@ from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.broker.engine.ground.settings import ClusterSettings
 from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import Overloaded
+from mergebroker.redis_connect import drop_connections
 from mergebroker.tasks import stop_loops
-from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
 
 REPLY_TTL_MS = 60_000  # a dead front-end's reply stream disappears after this; a live one renews it
 TRIM_EVERY = 256  # replies read between two trims of the reply stream (a trim costs a round trip)
-SETTLE_GRACE_S = 5.0  # how long past a job's deadline its early-released answer's usage may still arrive
 WITHDRAW_KEEP = 100_000  # entries to take back kept through an outage (each a few dozen bytes)
 WORKERS_PROBE_S = 0.25  # how often a front-end without live workers looks for one (a worker renews this often)
 
@@ -75,9 +77,10 @@ class ClusterQueue:
         self._metrics = metrics
         self._sleep = sleep
         self._reply_stream = keys.replies(frontend_id or uuid.uuid4().hex[:16])
+        self._reply_cursor: Any = "0-0"  # the last reply read (by the reply loop or a hand-over)
         self._inflight = InFlight()  # jobs sent and not answered
         self._withdrawn: list[tuple[str, Any]] = []  # entries of jobs served elsewhere or abandoned, to delete
-        self._settling: dict[str, asyncio.Future[TokenUsage]] = {}  # correlation ID -> usage to come
+        self._settlements = Settlements(clock)  # usage to come of answers released early
         self._outbox: list[ChatJob] = []
         self._outbox_ready = asyncio.Event()
         self._fallback = False
@@ -137,8 +140,7 @@ class ClusterQueue:
             job.fail(Overloaded("The broker is shutting down.", retry_after=1))
         self._outbox.clear()
         self._inflight.clear()
-        for settling in list(self._settling.values()):
-            settling.cancel()  # the ledger keeps the counted usage
+        self._settlements.cancel_all()  # the ledger keeps the counted usage
         await self._local.stop()
         try:
             await self._redis.delete(self._reply_stream)
@@ -228,13 +230,13 @@ class ClusterQueue:
                        traceparent=tracing.traceparent(job.trace_context))
 
     async def _reply_loop(self) -> None:
-        last_id, since_trim = "0-0", 0
+        since_trim = 0
         while not self._closed:
             if self._fallback:
                 await self._probe()
                 continue
             try:
-                response = await self._redis.xread({self._reply_stream: last_id}, count=512,
+                response = await self._redis.xread({self._reply_stream: self._reply_cursor}, count=512,
                                                    block=self._settings.block_ms)
             except RedisError as exc:
                 log.info("cluster_replies_failed", error=type(exc).__name__)
@@ -246,12 +248,12 @@ class ClusterQueue:
                 continue
             for _stream, entries in stream_pairs(response):
                 for entry_id, fields in entries:
-                    last_id = entry_id
+                    self._reply_cursor = entry_id
                     since_trim += 1
                     self._deliver(fields)
             if since_trim >= TRIM_EVERY or (since_trim and not response):  # many read, or idle now
                 since_trim = 0
-                await self._trim(last_id)
+                await self._trim(self._reply_cursor)
 
     def _deliver(self, fields: dict[bytes, bytes]) -> None:
         try:
@@ -263,9 +265,7 @@ class ClusterQueue:
             self._inflight.note(reply.correlation_id, reply.sent_by)
             return
         if reply.settled is not None:  # the reported usage of an answer released early, delivered before
-            settling = self._settling.pop(reply.correlation_id, None)
-            if settling is not None and not settling.done():
-                settling.set_result(reply.settled)
+            self._settlements.settle(reply.correlation_id, reply.settled)
             return
         awaited = self._inflight.pop(reply.correlation_id)
         if awaited is None or awaited.job.future.done():
@@ -276,27 +276,10 @@ class ClusterQueue:
         if reply.outcome is not None:
             outcome = reply.outcome
             if reply.settles:
-                outcome = replace(outcome, settled_usage=self._settles_later(reply.correlation_id, job.deadline))
+                outcome = replace(outcome, settled_usage=self._settlements.expect(reply.correlation_id, job.deadline))
             job.resolve(outcome)
         else:
             job.fail(reply.error)  # type: ignore[arg-type]
-
-    def _settles_later(self, cid: str, deadline: float) -> asyncio.Future[TokenUsage]:
-        """A future for the usage a `settled` message will bring (the ledger waits for it, as in-process).
-
-        The merged call ends by the job's deadline; past it and `SETTLE_GRACE_S`, the future is cancelled
-        and the ledger keeps the counted usage, so a worker that died mid-call leaves nothing waiting.
-        """
-        settling: asyncio.Future[TokenUsage] = asyncio.get_running_loop().create_future()
-        self._settling[cid] = settling
-        timer = self._clock.call_at(deadline + SETTLE_GRACE_S, settling.cancel)
-
-        def settled(_f: asyncio.Future[TokenUsage]) -> None:
-            timer.cancel()
-            self._settling.pop(cid, None)
-
-        settling.add_done_callback(settled)
-        return settling
 
     async def _trim(self, last_id: Any) -> None:
         """Drop what was read (later ones stay) and keep the stream's expiry renewed while this front-end lives."""
@@ -311,7 +294,8 @@ class ClusterQueue:
     def _fall_back(self, unsent: list[ChatJob], reason: str, dead: set[str] | frozenset[str] = frozenset()) -> None:
         """Serve `unsent`, and every awaited job no worker will answer (`InFlight.release`), from the local
         queue, and stay local until Redis is back and a worker alive (`reason`: "redis" or "no_workers")."""
-        released, entries = self._inflight.release(dead)
+        released, entries = self._inflight.release_noted_by(dead)
+        self._inflight.hold_unnoted(self._clock(), self._settings.failover_wait_s)  # until the hand-over
         moved = unsent + released + self._outbox
         if not self._fallback:
             self._fallback, self._fallback_reason = True, reason
@@ -326,7 +310,10 @@ class ClusterQueue:
         self._withdrawn.extend(entries)
         self._outbox_ready.set()
         self._outbox = []
-        for job in moved:
+        self._serve_locally(moved)
+
+    def _serve_locally(self, jobs: list[ChatJob]) -> None:
+        for job in jobs:
             if job.future.done():
                 continue
             try:
@@ -334,15 +321,36 @@ class ClusterQueue:
             except Overloaded as exc:
                 job.fail(exc)
 
+    async def _hand_over(self) -> None:
+        """Serve here the held jobs no worker sent upstream: delete their entries, then read the replies that
+        came meanwhile, in one round trip. A worker's mark and note are one script, so each job was either
+        noted before its deletion, and the note is read here (it keeps waiting for that worker's reply), or
+        can no longer be marked. Raises the client's error when Redis cannot be reached (nothing moved)."""
+        held = self._inflight.held()
+        if not held:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, entry_id in self._inflight.entries_of(held):
+            pipe.xdel(stream, entry_id)
+        pipe.xrange(self._reply_stream, min=next_stream_id(self._reply_cursor))
+        replies = (await pipe.execute())[-1]
+        for entry_id, fields in replies or []:
+            self._reply_cursor = entry_id
+            self._deliver(fields)
+        moved = self._inflight.release_unnoted(held)
+        log.info("cluster_handed_over", served_here=len(moved), awaiting_workers=len(self._inflight))
+        self._serve_locally(moved)
+
     async def _probe(self) -> None:
         await self._sleep(self._settings.fallback_probe_s if self._fallback_reason == "redis"
                           else min(self._settings.fallback_probe_s, WORKERS_PROBE_S))
         try:
             if self._fallback_reason == "redis":
-                await self._redis.connection_pool.disconnect()  # connections from before the outage are stale
+                await drop_connections(self._redis)  # connections from before the outage are stale
                 await self._redis.ping()
                 await self._server_clock.sync(self._redis)
                 self._fallback_reason = "no_workers"  # Redis is back; a worker must be too
+            await self._hand_over()
             if self._withdrawn and not await self._withdraw():
                 return
             dead = await self._dead_senders()
@@ -351,6 +359,9 @@ class ClusterQueue:
             if self._settings.local_without_workers and not await self._workers_alive():
                 return
         except RedisError:
+            overdue, entries = self._inflight.release_overdue(self._clock())  # Redis stays away: serve them here
+            self._withdrawn.extend(entries)
+            self._serve_locally(overdue)
             return
         self._fallback = False
         log.info("cluster_resumed", message="Redis and a worker are back: sending jobs to the cluster again.")

@@ -97,6 +97,7 @@ class Held:
     touched_at: float = 0.0  # local time of the last read, claim or heartbeat that reset its idle time
     flight: Flight | None = None
     lost: bool = False  # no longer this worker's in Redis, but sent before: still answered, never heartbeated
+    noted: bool = False  # marked, and its front-end told, by the marker script (`markers`)
 
 
 def fence_drops(held: Iterable[Held], now: float, fence_s: float) -> list[Held]:

@@ -1,8 +1,11 @@
 """The jobs a front-end has sent to the cluster and awaits, by correlation ID, and which of them went upstream.
 
-A worker notes every job it sends upstream (`WireReply.sent_by`). When the front-end has to serve its
-jobs itself (Redis lost, no live worker), `release` hands back only those no worker will answer: the
-ones never noted, and the ones noted by a worker found dead. A noted job of a live (or unknown) worker
+A worker notes every job it sends upstream (`WireReply.sent_by`), in the same script that marks it sent
+(`markers`). When the front-end has to serve its jobs itself (Redis lost, no live worker), it hands back
+only those no worker will answer: the ones noted by a worker found dead at once (`release_noted_by`); the
+ones never noted once it has made sure no worker can still note them (`hold_unnoted`, then the front-end's
+hand-over: it deletes their entries, reads its replies, and releases what is still un-noted), or once
+their wait runs out while Redis stays away (`release_overdue`). A noted job of a live (or unknown) worker
 keeps waiting for its reply, which comes when Redis is back; running it here too would send it upstream
 twice. Its caller's deadline still bounds the wait.
 """
@@ -24,6 +27,7 @@ class Awaited:
     sent_at: float  # local clock, for the hop metric
     entry: tuple[str, Any] | None = None  # (stream, entry ID) once the add went through
     sent_by: str | None = None  # the worker that sent it upstream, from its note
+    release_by: float | None = None  # held for a hand-over: served here by then at the latest (local clock)
 
 
 class InFlight:
@@ -62,11 +66,39 @@ class InFlight:
         """The workers whose answers are awaited for jobs they sent upstream."""
         return {a.sent_by for a in self._by_cid.values() if a.sent_by is not None}
 
-    def release(self, dead: Collection[str] = ()) -> tuple[list[ChatJob], list[tuple[str, Any]]]:
-        """Stop awaiting the jobs no worker will answer (never noted, or noted by a worker in `dead`): their
-        jobs, to serve elsewhere, and their entries, to take back from the streams."""
-        gone = [cid for cid, a in self._by_cid.items() if a.sent_by is None or a.sent_by in dead]
-        moved = [self._by_cid.pop(cid) for cid in gone]
+    def release_noted_by(self, dead: Collection[str]) -> tuple[list[ChatJob], list[tuple[str, Any]]]:
+        """Stop awaiting the jobs noted by a worker in `dead`: their jobs, to serve elsewhere, and their
+        entries, to take back from the streams."""
+        return self._release([cid for cid, a in self._by_cid.items() if a.sent_by is not None and a.sent_by in dead])
+
+    def hold_unnoted(self, now: float, wait_s: float) -> None:
+        """Un-noted jobs wait for a hand-over, for `wait_s` at most and half their remaining time at most (so
+        the local queue still has time to serve them)."""
+        for a in self._by_cid.values():
+            if a.sent_by is None and a.release_by is None:
+                a.release_by = now + max(0.0, min(wait_s, (a.job.deadline - now) / 2))
+
+    def held(self) -> list[str]:
+        """The correlation IDs of the jobs held for a hand-over and still un-noted."""
+        return [cid for cid, a in self._by_cid.items() if a.release_by is not None and a.sent_by is None]
+
+    def entries_of(self, cids: Collection[str]) -> list[tuple[str, Any]]:
+        """Where the jobs of `cids` still awaited were added (those whose add went through)."""
+        found = (self._by_cid.get(cid) for cid in cids)
+        return [a.entry for a in found if a is not None and a.entry is not None]
+
+    def release_unnoted(self, cids: Collection[str]) -> list[ChatJob]:
+        """Stop awaiting the jobs of `cids` still awaited and un-noted (their entries were taken back)."""
+        return self._release([cid for cid in cids if (a := self._by_cid.get(cid)) is not None and a.sent_by is None])[0]
+
+    def release_overdue(self, now: float) -> tuple[list[ChatJob], list[tuple[str, Any]]]:
+        """Stop awaiting the held, un-noted jobs whose wait ran out: served elsewhere, at the risk of a second
+        upstream call, rather than not at all."""
+        return self._release([cid for cid, a in self._by_cid.items()
+                              if a.sent_by is None and a.release_by is not None and a.release_by <= now])
+
+    def _release(self, cids: list[str]) -> tuple[list[ChatJob], list[tuple[str, Any]]]:
+        moved = [self._by_cid.pop(cid) for cid in cids]
         return [a.job for a in moved], [a.entry for a in moved if a.entry is not None]
 
     def cids(self) -> list[str]:

@@ -22,8 +22,10 @@ def build_cluster_queue(settings: Settings, local: JobQueue, *, metrics: Metrics
     """The front-end's queue for `settings` (cluster mode on, `redis.url` set), with its own stream client."""
     preinitialise_cluster(metrics)
     c = settings.cluster
+    keys = Keys(c.prefix)
     return ClusterQueue(make_stream_client(settings.redis.url or "", block_ms=c.block_ms), local,
-                        keys=Keys(c.prefix), settings=c, partitions=c.partitions, server_clock=ServerClock(clock),
+                        keys=keys, settings=c, partitions=c.partitions,
+                        server_clock=ServerClock(clock, node_key=keys.presence),
                         metrics=metrics, sleep=sleep, owns_client=True, clock=clock)
 
 

@@ -16,6 +16,7 @@ import collections
 from typing import Any
 
 from mergebroker.clock import Clock, monotonic
+from mergebroker.redis_connect import routed_to
 
 KEEP_SAMPLES = 16  # the recent samples the fastest is chosen from (with a sync per lease round: ~3 s)
 FIRST_SYNC_SAMPLES = 3
@@ -24,8 +25,11 @@ FIRST_SYNC_SAMPLES = 3
 class ServerClock:
     """Converts between local monotonic seconds and Redis server milliseconds."""
 
-    def __init__(self, clock: Clock = monotonic, *, keep: int = KEEP_SAMPLES) -> None:
+    def __init__(self, clock: Clock = monotonic, *, keep: int = KEEP_SAMPLES, node_key: str | None = None) -> None:
+        """`node_key`: a key of the node whose clock counts. In a Redis Cluster every node keeps its own, and
+        the deadlines (PXAT) of cluster mode's keys are checked by the clock of the node that holds them."""
         self._clock = clock
+        self._node_key = node_key
         self._offset_ms: float | None = None  # server ms - local ms
         self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=keep)  # (rtt, offset)
 
@@ -36,9 +40,10 @@ class ServerClock:
     async def sync(self, redis: Any) -> None:
         """Measure the offset with one `TIME` round trip (a few on the first sync); raises the client's error
         when Redis is down."""
+        routing = await routed_to(redis, self._node_key) if self._node_key else {}
         for _ in range(1 if self._samples else FIRST_SYNC_SAMPLES):
             before = self._clock()
-            seconds, micros = await redis.time()
+            seconds, micros = await redis.time(**routing)
             after = self._clock()
             server_ms = seconds * 1000 + micros / 1000
             self._samples.append(((after - before) * 1000, server_ms - (before + after) / 2 * 1000))

@@ -63,7 +63,7 @@ async def start_worker(settings: Settings, *, clock: Clock = monotonic, sleep: S
     c = settings.cluster
     redis = make_stream_client(settings.redis.url, block_ms=c.block_ms)
     keys = Keys(c.prefix)
-    server_clock = ServerClock(clock)
+    server_clock = ServerClock(clock, node_key=keys.presence)
     worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     leases = PartitionLeases(redis, keys, worker_id, partitions=c.partitions, lease_ms=c.lease_ms,
                              server_clock=server_clock, clock=clock,

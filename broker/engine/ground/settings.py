@@ -198,6 +198,11 @@ class ClusterSettings(_Strict):
     prefetch: int = Field(256, gt=0, description="Jobs a worker holds at once; the rest of the backlog stays in Redis.")
     block_ms: int = Field(1000, gt=0, description="Longest blocking read on the streams.")
     fallback_probe_s: float = Field(1.0, gt=0, description="How often a front-end in fallback checks for Redis.")
+    failover_wait_s: float = Field(15.0, ge=0, description="How long a front-end that lost Redis keeps its sent, "
+                                   "unanswered jobs waiting for Redis (a worker may have sent them upstream, and "
+                                   "its note is read once Redis is back) before serving them itself; at most half "
+                                   "of each job's remaining time. 0: served locally at once, at the risk of a "
+                                   "second upstream call.")
     local_without_workers: bool = Field(True, description="A front-end that sees no live worker (none renewed "
                                         "within lease_ms) merges in-process until one is back, checked every "
                                         "fallback_probe_s; off: jobs wait in Redis for a worker.")

@@ -145,13 +145,14 @@ async def test_a_front_end_that_loses_redis_serves_only_what_no_worker_sent(redi
     await node.write_notes()
     await wait_until(lambda: fe._inflight.senders() == {"w1"}, 10, "the reply loop never read the sent note")
     redis_server.stop()  # killed: the streams are lost with it
+    await wait_until(lambda: fe.in_fallback, 10, "the front-end never noticed", interval_s=0)
+    assert node.consumer.fence_all() == 1 and unsent_job.future.cancelled()  # the worker does not run the other
+    redis_server.start()  # back, empty: the hand-over finds no note for the other one, and serves it here
     local: FakeJobQueue = fe._local  # type: ignore[assignment]
     moved = await next_job(local)
     assert moved.request_id == "r-still in a window" and len(local.jobs) == 1  # the sent one is not run here too
-    assert node.consumer.fence_all() == 1 and unsent_job.future.cancelled()  # nor does the worker run the other
     answer(moved, "served by the front-end")
     assert content(await asyncio.wait_for(unsent_future, 10)) == "served by the front-end"
-    redis_server.start()  # back, empty
     answer(sent_job, "answered by the worker after the outage")
     await node.write()  # the worker's reply waited for Redis
     assert content(await asyncio.wait_for(sent_future, 30)) == "answered by the worker after the outage"

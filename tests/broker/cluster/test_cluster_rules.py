@@ -58,23 +58,29 @@ def test_a_jobs_window_counts_from_its_front_end_unless_that_leaves_less_than_th
     assert window_anchor(now=100.0, queued=100.2, window_s=0.25) == 100.0  # clock skew: never in the future
 
 
-async def test_losing_redis_a_front_end_serves_what_no_worker_sent_and_what_a_dead_one_sent():
+async def test_losing_redis_a_front_end_serves_what_a_dead_worker_sent_and_holds_the_rest_for_a_hand_over():
     from mergebroker.broker.engine.chat.jobs import ChatJob
     from mergebroker.broker.engine.limits.admission import Caller
 
-    def job(name: str) -> ChatJob:
+    def job(name: str, deadline: float = 1e9) -> ChatJob:
         return ChatJob(request_id=name, caller=Caller("t", "batch"), body={}, model="m", priority=0.0, shape=None,
-                       merge_key=None, prompt_tokens=1, max_tokens=1, deadline=1e9, enqueued_at=0.0)
+                       merge_key=None, prompt_tokens=1, max_tokens=1, deadline=deadline, enqueued_at=0.0)
 
     inflight = InFlight()
-    for cid in ("unsent", "sent-by-live", "sent-by-dead"):
-        inflight.add(cid, job(cid), 0.0)
+    for cid, deadline in (("unsent", 1e9), ("unsent-due-soon", 10.0), ("sent-by-live", 1e9), ("sent-by-dead", 1e9)):
+        inflight.add(cid, job(cid, deadline), 0.0)
         inflight.entry_added(cid, ("stream", cid))
     inflight.note("sent-by-live", "w1")
     inflight.note("sent-by-dead", "w2")
-    jobs, entries = inflight.release(dead={"w2"})
-    assert [j.request_id for j in jobs] == ["unsent", "sent-by-dead"]
-    assert entries == [("stream", "unsent"), ("stream", "sent-by-dead")]  # taken back from the streams
+    jobs, entries = inflight.release_noted_by({"w2"})
+    assert [j.request_id for j in jobs] == ["sent-by-dead"] and entries == [("stream", "sent-by-dead")]
+    inflight.hold_unnoted(now=0.0, wait_s=15.0)
+    assert inflight.held() == ["unsent", "unsent-due-soon"]  # a worker may still note them: not served yet
+    assert inflight.release_overdue(4.9) == ([], [])
+    jobs, entries = inflight.release_overdue(5.0)  # half its remaining time: the local queue has the other half
+    assert [j.request_id for j in jobs] == ["unsent-due-soon"] and entries == [("stream", "unsent-due-soon")]
+    assert inflight.entries_of(inflight.held()) == [("stream", "unsent")]
+    assert [j.request_id for j in inflight.release_unnoted(["unsent", "sent-by-live"])] == ["unsent"]
     assert inflight.cids() == ["sent-by-live"] and inflight.senders() == {"w1"}
 
 

@@ -307,21 +307,107 @@ async def test_an_expired_job_is_dropped_by_the_worker(redis, frontend):
     assert node.queue.jobs == [] and node.metrics.cluster_jobs.labels("expired")._value.get() == 1
 
 
-async def test_frontend_falls_back_to_local_merging_and_returns(redis_server, redis, frontend):
-    fe = frontend()
-    waiting = fe.submit(chat_job("in flight"))
-    await wait_until(lambda: len(fe._inflight), 10, "the send loop never sent it", interval_s=0)
-    redis_server.stop()
-    local: FakeJobQueue = fe._local  # type: ignore[assignment]
-    moved = await next_job(local)  # the job awaiting a reply moved to the local queue
-    assert fe.in_fallback and fe._metrics.cluster_fallback._value.get() == 1
-    answer(moved, "local")
-    assert (await waiting).body["choices"][0]["message"]["content"] == "local"
-    fe.submit(chat_job("while down"))
-    assert (await next_job(local, 1)).request_id == "r-while down"
-    redis_server.start()
-    await wait_until(lambda: not fe.in_fallback, 30, "the front-end never left its fallback", interval_s=0.05)
-    assert fe._metrics.cluster_fallback._value.get() == 0
+class ProbeSteps:
+    """A front-end's sleep between two fallback probes, released one probe at a time by the test."""
+
+    def __init__(self) -> None:
+        self._go = asyncio.Event()
+        self._parked = asyncio.Event()
+
+    async def sleep(self, _seconds: float) -> None:
+        self._parked.set()
+        await self._go.wait()
+        self._go.clear()
+
+    async def parked(self) -> None:
+        """Until the front-end waits for its next probe."""
+        await asyncio.wait_for(self._parked.wait(), 10)
+
+    async def probe(self, fe: ClusterQueue) -> None:
+        """Let one probe of `fe` run, and wait until it is done: it waits for the next, or left its fallback."""
+        self._parked.clear()
+        self._go.set()
+        await wait_until(lambda: self._parked.is_set() or not fe.in_fallback, 10, "the probe never ended",
+                         interval_s=0)
+
+
+def stepped_frontend(redis, settings: ClusterSettings = SETTINGS, clock: Clock = monotonic) -> tuple[ClusterQueue,
+                                                                                                     ProbeSteps]:
+    steps = ProbeSteps()
+    fe = ClusterQueue(redis, FakeJobQueue(), keys=KEYS, settings=settings, partitions=SETTINGS.partitions,
+                      server_clock=ServerClock(), metrics=Metrics(), frontend_id="f1", sleep=steps.sleep, clock=clock)
+    fe.start()
+    return fe, steps
+
+
+async def test_frontend_falls_back_to_local_merging_and_hands_over_its_sent_jobs_once_redis_is_back(redis_server,
+                                                                                                    redis):
+    fe, steps = stepped_frontend(redis)
+    try:
+        waiting = fe.submit(chat_job("in flight"))
+        await wait_until(lambda: fe._inflight.entries(), 10, "the send loop never sent it", interval_s=0)
+        redis_server.stop()
+        await steps.parked()  # its reply loop lost Redis
+        assert fe.in_fallback and fe._metrics.cluster_fallback._value.get() == 1
+        local: FakeJobQueue = fe._local  # type: ignore[assignment]
+        fe.submit(chat_job("while down"))
+        assert (await next_job(local)).request_id == "r-while down"  # new jobs are served here at once
+        await steps.probe(fe)
+        assert local.jobs[1:] == []  # a worker may have sent the one in flight: it waits while Redis is away
+        redis_server.start()
+        await steps.probe(fe)  # Redis is back, with no note from a worker: the hand-over serves it here
+        moved = await next_job(local, 1)
+        assert moved.request_id == "r-in flight"
+        answer(moved, "local")
+        assert (await waiting).body["choices"][0]["message"]["content"] == "local"
+        assert not fe.in_fallback and fe._metrics.cluster_fallback._value.get() == 0
+    finally:
+        await fe.stop()
+
+
+async def test_a_hand_over_serves_here_only_the_jobs_no_worker_sent_and_no_worker_can_send_them_after(redis):
+    fe, steps = stepped_frontend(redis)
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    try:
+        marked_future = fe.submit(chat_job("marked"))
+        fe.submit(chat_job("unmarked"))
+        await node.read_jobs(2)
+        by_id = {job.request_id: job for job in node.queue.jobs}
+        fe._fall_back([], "redis")  # as its reply loop does when a read fails: the jobs it sent are held
+        await steps.parked()
+        assert await by_id["r-marked"].before_send()  # the worker sends this one upstream: marked and noted
+        await steps.probe(fe)  # Redis answers: the hand-over
+        local: FakeJobQueue = fe._local  # type: ignore[assignment]
+        assert [job.request_id for job in local.jobs] == ["r-unmarked"]
+        assert not await by_id["r-unmarked"].before_send()  # taken back: the worker can no longer send it
+        answer(by_id["r-marked"], "from the worker")
+        await node.write()
+        assert (await asyncio.wait_for(marked_future, 10)).body["choices"][0]["message"]["content"] == "from the worker"
+        assert [job.request_id for job in local.jobs] == ["r-unmarked"]
+    finally:
+        await fe.stop()
+
+
+async def test_jobs_held_while_redis_stays_away_are_served_here_once_their_wait_runs_out(redis_server, redis):
+    clock = FakeClock()
+    fe, steps = stepped_frontend(redis, SETTINGS.model_copy(update={"failover_wait_s": 5.0}), clock)
+    try:
+        waiting = fe.submit(chat_job("in flight", clock=clock))
+        await wait_until(lambda: fe._inflight.entries(), 10, "the send loop never sent it", interval_s=0)
+        redis_server.stop()
+        await steps.parked()
+        local: FakeJobQueue = fe._local  # type: ignore[assignment]
+        clock.advance(4.9)
+        await steps.probe(fe)
+        assert local.jobs == []
+        clock.advance(0.2)
+        await steps.probe(fe)  # past failover_wait_s: served here rather than not at all
+        moved = await next_job(local)
+        answer(moved, "local")
+        assert (await waiting).body["choices"][0]["message"]["content"] == "local"
+    finally:
+        await fe.stop()
 
 
 async def test_with_no_live_worker_the_frontend_merges_locally_and_returns_when_one_renews(redis, frontend):

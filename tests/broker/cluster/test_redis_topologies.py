@@ -155,16 +155,8 @@ def cluster_url() -> Iterator[str]:
     if SERVER is None or CLI is None:
         pytest.skip("needs redis-server and redis-cli")
     running = Processes()
-    ports = [cluster_port() for _ in range(3)]
     try:
-        for port in ports:
-            running.start(port, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                          "--cluster-node-timeout", "2000")
-        assert CLI is not None
-        subprocess.run([CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0",
-                        "--cluster-yes"], capture_output=True, check=True, timeout=30)
-        wait_until_blocking(lambda: all("cluster_state:ok" in cli(p, "CLUSTER", "INFO") for p in ports), 15,
-                            "the cluster never reached cluster_state:ok")
+        ports = started_cluster(running, replicas=0, node_timeout_ms=2000)
         yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
     finally:
         running.stop_all()
@@ -417,18 +409,7 @@ async def test_a_cluster_master_killed_under_traffic_costs_the_components_nothin
     """Three masters with a replica each: SIGKILL the master holding the limiter's slot in the middle of
     traffic. The cache and the limiter degrade without raising while its slots have no master, reach the
     promoted replica by themselves, and limits are shared again."""
-    ports = [cluster_port() for _ in range(6)]
-    for port in ports:
-        processes.start(port, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                        "--cluster-node-timeout", "1000")
-    assert CLI is not None
-    subprocess.run([CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "1",
-                    "--cluster-yes"], capture_output=True, check=True, timeout=30)
-    wait_until_blocking(lambda: all("cluster_state:ok" in cli(p, "CLUSTER", "INFO") for p in ports), 20,
-                        "the cluster never reached cluster_state:ok")
-    # A replica still syncing cannot take over: its master's death would leave the slots without one.
-    wait_until_blocking(lambda: sum("master_link_status:up" in cli(p, "INFO", "replication") for p in ports) == 3,
-                        20, "the replicas never linked to their masters")
+    ports = replicated_cluster(processes)
     url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports[:3])
     client, other = make_redis_client(url), make_redis_client(url)
     cache = RedisCache(client, prefix="c:", ttl_s=60, retry_after_s=0.2)
@@ -446,7 +427,7 @@ async def test_a_cluster_master_killed_under_traffic_costs_the_components_nothin
         for i in range(10):
             assert await one_round(i)
         slot = int(cli(ports[0], "CLUSTER", "KEYSLOT", "{mb:rl}").strip())
-        processes.kill(_owner_of(ports, slot))
+        processes.kill(owner_of(ports, slot))
         started = time.monotonic()
         rounds = iter(range(10, 100_000))
         await wait_until(lambda: one_round(next(rounds)), FAILOVER_S, "the components never reached the promoted "
@@ -461,7 +442,30 @@ async def test_a_cluster_master_killed_under_traffic_costs_the_components_nothin
         await other.aclose()
 
 
-def _owner_of(ports: list[int], slot: int) -> int:
+def started_cluster(processes: Processes, *, replicas: int, node_timeout_ms: int) -> list[int]:
+    """Three masters with `replicas` replicas each, every slot assigned and the cluster state ok; their ports."""
+    ports = [cluster_port() for _ in range(3 * (1 + replicas))]
+    for port in ports:
+        processes.start(port, "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                        "--cluster-node-timeout", str(node_timeout_ms))
+    assert CLI is not None
+    subprocess.run([CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas",
+                    str(replicas), "--cluster-yes"], capture_output=True, check=True, timeout=30)
+    wait_until_blocking(lambda: all("cluster_state:ok" in cli(p, "CLUSTER", "INFO") for p in ports), 20,
+                        "the cluster never reached cluster_state:ok")
+    return ports
+
+
+def replicated_cluster(processes: Processes) -> list[int]:
+    """Three masters with a replica each, every slot assigned and every replica linked; their ports."""
+    ports = started_cluster(processes, replicas=1, node_timeout_ms=1000)
+    # A replica still syncing cannot take over: its master's death would leave the slots without one.
+    wait_until_blocking(lambda: sum("master_link_status:up" in cli(p, "INFO", "replication") for p in ports) == 3,
+                        20, "the replicas never linked to their masters")
+    return ports
+
+
+def owner_of(ports: list[int], slot: int) -> int:
     """The master serving `slot`."""
     for port in ports:
         for served in _slot_ranges(port):
