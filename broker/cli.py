@@ -167,7 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mergebroker.broker.engine.ground.config import load_settings, settings_for_command
     from mergebroker.broker.engine.ground.logging import configure_logging
     from mergebroker.broker.http.app import create_app
-    from mergebroker.broker.http.server import serve
+    from mergebroker.broker.http.server import http_parser_kind, serve
     from mergebroker.eventloop import loop_kind, new_event_loop
 
     settings = settings_for_command(args.config, overrides=serve_overrides(args))
@@ -177,7 +177,8 @@ def _serve(args: argparse.Namespace) -> int:
                       request_lines_per_s=settings.logging.request_lines_per_s)
     loop_factory = functools.partial(new_event_loop, settings.server.event_loop)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        structlog.get_logger(__name__).info("event_loop", kind=loop_kind(runner.get_loop()))
+        structlog.get_logger(__name__).info("event_loop", kind=loop_kind(runner.get_loop()),
+                                            http_parser=http_parser_kind())
         reload_from = functools.partial(load_settings, args.config, overrides=serve_overrides(args))
         runner.run(serve(create_app(settings, reload_from=reload_from), settings.server))
     return 0

@@ -13,7 +13,7 @@ import signal
 from typing import Any, cast
 
 import structlog
-from aiohttp import web
+from aiohttp import http_parser, web
 from aiohttp.web_protocol import RequestHandler
 
 from mergebroker.background import spawn
@@ -109,6 +109,12 @@ class AcceptErrorLog:
                   message="Out of file descriptors: not accepting for 1 s. Lower server.max_connections "
                           "or raise the open-file limit.")
         self.suppressed, self._next = 0, now + self._interval_s
+
+
+def http_parser_kind() -> str:
+    """`c` when aiohttp parses HTTP with its compiled parser, `python` when it fell back to the pure one (no
+    wheel for the platform, or AIOHTTP_NO_EXTENSIONS set): several times slower, so the start-up log says."""
+    return "c" if http_parser.HttpRequestParser.__module__ == "aiohttp._http_parser" else "python"
 
 
 def runner_for(app: web.Application, settings: ServerSettings) -> web.AppRunner:
