@@ -301,6 +301,7 @@ class _WaitingCluster(RedisCluster):
         self._free = asyncio.Semaphore(int(kwargs["max_connections"]))
         self._pool_timeout_s = pool_timeout_s
         self.loaded_scripts: set[str] = set()
+        self._scripts_loaded_on: frozenset[str] = frozenset()  # the primaries `loaded_scripts` holds for
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -322,6 +323,15 @@ class _WaitingCluster(RedisCluster):
         finally:
             _HOLDING.reset(token)
             self._free.release()
+
+    def forget_scripts_of_past_primaries(self) -> None:
+        """A promoted replica or a new shard has none of the scripts loaded on the old primaries: once the
+        primaries differ from those `loaded_scripts` were loaded on, each is loaded again before its first use
+        (rather than failing once with NoScriptError, which costs a worker its leases' round after a failover)."""
+        primaries = frozenset(node.name for node in self.get_primaries())
+        if primaries != self._scripts_loaded_on:
+            self.loaded_scripts.clear()
+            self._scripts_loaded_on = primaries
 
     async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
         with _as_redis_error():  # pipelines, `get_many` and `routed_to` start here too
@@ -364,6 +374,7 @@ class _WaitingPipeline(ClusterPipeline):
 
     async def _execute(self, allow_redirections: bool) -> list[Any]:
         async with self._waiting.slot():
+            self._waiting.forget_scripts_of_past_primaries()
             for script in self.scripts:
                 if script.sha not in self._waiting.loaded_scripts:
                     await self._waiting.script_load(script.script)  # on every primary

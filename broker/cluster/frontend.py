@@ -10,11 +10,11 @@ the front-end falls back to its in-process queue (`local`, today's merge windows
 similarity model), logs it and exports `cluster_fallback = 1`. New jobs go to the local queue. Jobs sent
 and not yet answered are handed over (`inflight`): those a worker noted it sent upstream keep waiting for
 that worker's reply, so no job goes upstream twice, unless the sender is found dead (`presence`); the
-others wait until Redis answers, when the hand-over deletes their entries (no worker can mark them after
-that), reads the replies that came meanwhile (a worker's notes among them, `markers`), and moves what is
-still un-noted to the local queue. Where Redis stays away longer than `failover_wait_s` (a failover takes
-seconds), they are served locally regardless. A probe every `fallback_probe_s` (more often while only
-workers are missing) returns the front-end to cluster mode once Redis answers again and a worker is alive.
+others wait for Redis, when the hand-over deletes their entries (no worker can mark them after that), reads
+the replies that came meanwhile (with the workers' notes, `markers`) and moves the un-noted ones to the local
+queue; past `failover_wait_s` without Redis they are served locally regardless. A probe every
+`fallback_probe_s` (more often while only workers are missing) returns to cluster mode once Redis answers
+again and a worker is alive.
 
 Streaming jobs (a tier's `merge_streams`) always go to the local queue: their outcome is a live stream,
 which a reply stream cannot carry.
@@ -36,7 +36,7 @@ from mergebroker import tracing
 from mergebroker.background import spawn
 from mergebroker.broker.cluster.inflight import InFlight
 from mergebroker.broker.cluster.partition import Keys, flight_key, partition_of
-from mergebroker.broker.cluster.presence import absent_workers
+from mergebroker.broker.cluster.presence import DeathWatch, absent_workers
 from mergebroker.broker.cluster.server_time import ServerClock
 from mergebroker.broker.cluster.settlements import Settlements
 from mergebroker.broker.cluster.wire import WireJob, decode_reply, encode_job, next_stream_id, stream_pairs
@@ -79,6 +79,7 @@ class ClusterQueue:
         self._reply_stream = keys.replies(frontend_id or uuid.uuid4().hex[:16])
         self._reply_cursor: Any = "0-0"  # the last reply read (by the reply loop or a hand-over)
         self._inflight = InFlight()  # jobs sent and not answered
+        self._deaths = DeathWatch()  # senders missing from Redis, dead once missing for its confirmation window
         self._withdrawn: list[tuple[str, Any]] = []  # entries of jobs served elsewhere or abandoned, to delete
         self._settlements = Settlements(clock)  # usage to come of answers released early
         self._outbox: list[ChatJob] = []
@@ -313,9 +314,7 @@ class ClusterQueue:
         self._serve_locally(moved)
 
     def _serve_locally(self, jobs: list[ChatJob]) -> None:
-        for job in jobs:
-            if job.future.done():
-                continue
+        for job in (j for j in jobs if not j.future.done()):
             try:
                 self._local.submit(job)
             except Overloaded as exc:
@@ -381,9 +380,11 @@ class ClusterQueue:
             await self._sleep(self._settings.fallback_probe_s)
 
     async def _dead_senders(self) -> set[str]:
-        """Workers that sent awaited jobs upstream and died since (`presence`): those jobs are served here."""
+        """Workers that sent awaited jobs upstream and died since (`presence`, confirmed over `DeathWatch`'s
+        window: right after a failover no worker is registered yet), whose jobs are served here."""
         senders = self._inflight.senders()
-        return senders & await absent_workers(self._redis, self._keys, me="") if senders else set()
+        absent = senders & await absent_workers(self._redis, self._keys, me="") if senders else set()
+        return self._deaths.observe(absent, self._clock())
 
     async def _workers_alive(self) -> bool:
         """Whether some worker renewed its liveness (`PartitionLeases`) within the last `lease_ms`."""

@@ -389,6 +389,28 @@ async def test_a_hand_over_serves_here_only_the_jobs_no_worker_sent_and_no_worke
         await fe.stop()
 
 
+async def test_a_sender_missing_from_redis_is_dead_to_a_front_end_only_once_it_stays_missing_past_the_window(redis):
+    # Right after a failover the new master knows no worker's connection until each registers again: a sent
+    # job served locally on that first look would go upstream twice.
+    clock = FakeClock()
+    fe, _steps = stepped_frontend(redis, clock=clock)
+    node = Node(redis, "w1", FakeClock())
+    await node.leases.renew()
+    try:
+        fe.submit(chat_job("sent"))  # its deadline on the real clock: the worker reads it in Redis time
+        await node.read_jobs(1)
+        assert await node.queue.jobs[0].before_send()  # marked and noted: w1 sent it upstream
+        await wait_until(lambda: fe._inflight.senders() == {"w1"}, 10, "the note never arrived", interval_s=0)
+        await redis.hset(KEYS.presence, "w1", 10**9)  # registered under a connection this Redis does not have
+        assert await fe._dead_senders() == set()  # missing on the first look: its jobs keep waiting for it
+        clock.advance(0.4)
+        assert await fe._dead_senders() == set()
+        clock.advance(0.2)  # missing past the confirmation window: dead, so its jobs are served elsewhere
+        assert await fe._dead_senders() == {"w1"}
+    finally:
+        await fe.stop()
+
+
 async def test_jobs_held_while_redis_stays_away_are_served_here_once_their_wait_runs_out(redis_server, redis):
     clock = FakeClock()
     fe, steps = stepped_frontend(redis, SETTINGS.model_copy(update={"failover_wait_s": 5.0}), clock)
