@@ -260,7 +260,9 @@ def _sentinel_client(target: RedisTarget, options: PoolOptions) -> Redis:
     sentinel_kwargs: dict[str, Any] = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
     if target.sentinel_password:
         sentinel_kwargs["password"] = target.sentinel_password
-    sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    # redis-py types this constructor from 8.2 on and left it untyped before: called as Any, it checks on both.
+    make_sentinel: Any = Sentinel
+    sentinel = make_sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)
     kwargs.update(db=target.db, username=target.username, password=target.password, is_master=True)
     pool: SentinelConnectionPool
     if options.pool_timeout_s is not None:

@@ -34,7 +34,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from mergebroker import tracing
 from mergebroker.broker.cluster.claims import Claimer, HandBack
-from mergebroker.broker.cluster.holds import FENCE_SHARE, HEARTBEAT, ClusterJob, Flight, Held, Holds, fence_drops
+from mergebroker.broker.cluster.holds import FENCE_SHARE, HEARTBEAT, ClusterJob, Flight, Held, Holds, Key, fence_drops
 from mergebroker.broker.cluster.leases import PartitionLeases
 from mergebroker.broker.cluster.markers import SentMarkers
 from mergebroker.broker.cluster.outbox import Outbox
@@ -46,12 +46,14 @@ from mergebroker.broker.engine.chat.jobs import ChatOutcome, aged_rank
 from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.broker.engine.ground.settings import ClusterSettings, TierSettings
 from mergebroker.broker.engine.limits.admission import Caller
-from mergebroker.clock import Clock, monotonic
+from mergebroker.clock import Clock, Sleep, monotonic
 from mergebroker.errors import BrokerError
 from mergebroker.merge.shape import merge_shape
 from mergebroker.token_usage import TokenUsage
 
 log = structlog.get_logger(__name__)
+
+CONFIRM_RETRY_S = 0.1  # how often a worker asks again whether a mark whose reply was lost went through
 
 OUTCOMES = ("answered", "failed", "expired", "coalesced", "unreadable", "withdrawn", "fenced", "taken_over")
 
@@ -61,7 +63,8 @@ class StreamConsumer:
 
     def __init__(self, redis: Any, queue: JobQueue, *, keys: Keys, settings: ClusterSettings,
                  tiers: list[TierSettings], leases: PartitionLeases, server_clock: ServerClock, consumer_id: str,
-                 aging_per_s: float, metrics: Metrics, clock: Clock = monotonic) -> None:
+                 aging_per_s: float, metrics: Metrics, clock: Clock = monotonic,
+                 sleep: Sleep = asyncio.sleep) -> None:
         self._redis = redis
         self._queue = queue
         self._keys = keys
@@ -75,6 +78,7 @@ class StreamConsumer:
         self._aging = aging_per_s
         self._metrics = metrics
         self._clock = clock
+        self._sleep = sleep
         self._jobs = {o: metrics.cluster_jobs.labels(o) for o in OUTCOMES}
         self._held = Holds(clock=clock, fence_s=settings.claim_idle_ms * FENCE_SHARE / 1000,
                            count=lambda outcome: self._jobs[outcome].inc())
@@ -235,8 +239,9 @@ class StreamConsumer:
         try:
             marked = await self._markers.mark(asked)  # also a touch: their idle time starts again
         except RedisError as exc:
+            # The script may have run before the reply was lost: what it wrote decides (`SentMarkers.confirm`).
             log.warning("cluster_marker_failed", request_id=flight.job.request_id, error=type(exc).__name__)
-            marked, outcome = set(), "fenced"
+            marked, outcome = await self._confirmed_marks(flight, asked), "fenced"
         else:
             outcome = "taken_over"
         finally:
@@ -250,11 +255,25 @@ class StreamConsumer:
         self._held.arm()
         return bool(flight.entries)
 
+    async def _confirmed_marks(self, flight: Flight, asked: list[Held]) -> set[Key]:
+        """The entries of `asked` a mark whose reply was lost did mark, looked up once Redis answers (tried
+        every `CONFIRM_RETRY_S`); none once the job's deadline has passed (its front-end answered by then)."""
+        while self._clock() < flight.job.deadline:
+            try:
+                marked = await self._markers.confirm(asked)
+            except RedisError:
+                await self._sleep(CONFIRM_RETRY_S)
+                continue
+            log.info("cluster_marker_confirmed", request_id=flight.job.request_id, marked=len(marked),
+                     asked=len(asked))
+            return marked
+        return set()
+
     def _sent(self, flight: Flight) -> None:
         """The engine is sending `flight` upstream: an entry that joined while `_mark` ran gets its marker and
         note now (`_mark` wrote those of the others)."""
         for held in flight.entries:
-            if self._held.stale(held):  # the fence drops such jobs first: a bug if ever seen
+            if self._held.stale(held) and not held.noted:  # the fence drops such jobs first: a bug if ever seen
                 log.warning("cluster_sent_after_fence", request_id=held.job.request_id)
             if not held.noted:
                 self._outbox.sent(held, self._id, held.job.deadline_ms)

@@ -8,7 +8,9 @@ Each successful touch (read, claim, heartbeat) is remembered locally (`Held.touc
 The fence: a job not yet sent upstream is never sent once none of its entries was touched for
 `FENCE_SHARE` of `claim_idle_ms`, because from `claim_idle_ms` on another worker may claim it. Those
 entries are dropped unanswered and unacknowledged (`fence_drops`): whoever claims them (maybe this worker)
-runs them. A job already sent is kept and answered: its sent marker stops the others from running it.
+runs them. A job already sent is kept and answered: its sent marker stops the others from running it. So
+is a marked entry whose job has not gone yet (a mark confirmed after Redis came back, `markers`, is older
+than the fence by the local clock): its front-end waits for this worker's reply.
 The fence also closes at once when the worker loses Redis (`StreamConsumer.fence_all`), since the
 front-ends then serve what no worker has sent.
 
@@ -99,16 +101,22 @@ class Held:
     lost: bool = False  # no longer this worker's in Redis, but sent before: still answered, never heartbeated
     noted: bool = False  # marked, and its front-end told, by the marker script (`markers`)
 
+    @property
+    def fenced_off(self) -> bool:
+        """Whether the fence may no longer drop it: marked (a live owner's marked entry is never claimed, and
+        its front-end waits for this worker's reply), or its job sent or being marked."""
+        return self.noted or (self.flight is not None and self.flight.fenced_off)
+
 
 def fence_drops(held: Iterable[Held], now: float, fence_s: float) -> list[Held]:
     """The entries to drop at the fence: untouched for `fence_s`, of jobs not sent upstream (pure)."""
-    return [h for h in held if not h.lost and h.flight is not None and not h.flight.fenced_off
+    return [h for h in held if not h.lost and h.flight is not None and not h.fenced_off
             and now - h.touched_at >= fence_s]
 
 
 def next_fence(held: Iterable[Held], fence_s: float) -> float | None:
     """When the earliest unsent entry reaches the fence, or None when none is waiting."""
-    times = [h.touched_at for h in held if not h.lost and h.flight is not None and not h.flight.fenced_off]
+    times = [h.touched_at for h in held if not h.lost and h.flight is not None and not h.fenced_off]
     return min(times) + fence_s if times else None
 
 
@@ -160,7 +168,9 @@ class Holds:
         An entry no longer pending was deleted by its front-end, whose callers all left (or Redis lost
         it); one another worker owns now was claimed while this one was silent. Either way its job is
         dropped here if it has not been sent upstream. A sent one is still answered (its front-end may be
-        waiting for just this reply, and no one else runs it), and no longer heartbeated.
+        waiting for just this reply, and no one else runs it), and no longer heartbeated; so is one being
+        marked, once its mark went through (a front-end's hand-over deletes a marked entry too, and then
+        waits for its reply).
         """
         by_stream: dict[str, list[bytes]] = {}
         for (stream, entry_id), entry in self._held.items():
@@ -183,8 +193,8 @@ class Holds:
                     continue
                 if entry_id in kept:
                     held.touched_at = max(held.touched_at, started)
-                elif held.flight is not None and held.flight.sent:
-                    held.lost = True
+                elif held.flight is not None and held.fenced_off:
+                    held.lost = True  # sent, or being marked: the marking script's verdict stands
                 else:
                     self.drop(held, "taken_over" if entry_id in taken else "withdrawn")
         self.arm()

@@ -15,6 +15,12 @@ or after it, and refused. Where the master has replicas, the script is followed 
 `REPLICA_WAIT_MS`: a lagging replica delays a call that long at most, and the call goes anyway). In a Redis
 Cluster both go to the node that holds cluster mode's slot, as does the ROLE that counts its replicas.
 
+A mark whose reply is lost (the connection dropped, or the master died, mid-call) may or may not have run:
+the worker then looks its markers up once Redis answers again (`confirm`) instead of guessing. Guessing
+either way breaks a promise: dropping a job whose note was written (and replicated) leaves its front-end
+waiting for a reply that never comes, and sending one whose mark was lost sends it twice, since its
+front-end serves it too.
+
 The marker outlives the job's deadline by `MARKER_GRACE_MS`, then expires.
 """
 
@@ -80,6 +86,14 @@ class SentMarkers:
                                          for stream, group in by_stream.items()))
         return {key for marked in results for key in marked}
 
+    async def confirm(self, entries: list[Held]) -> set[Key]:
+        """The (stream, entry ID) pairs of `entries` whose marker holds this worker's ID now: after a mark
+        whose reply was lost, the ones it wrote. Marker and note come from one script, replicated as one, so an
+        entry found marked has its note on the master that answers now, and one not found has neither (its
+        front-end serves it itself). Raises the client's error when Redis cannot be reached."""
+        values = await self._redis.mget([self._keys.sent(h.stream, h.entry_id) for h in entries])
+        return {(h.stream, h.entry_id) for h, value in zip(entries, values) if _text(value) == self._id}
+
     async def _mark_stream(self, stream: str, entries: list[Held], replicas: int) -> set[Key]:
         args: list[Any] = [GROUP, self._id, self._keys.sent_prefix(stream), REPLY_MAXLEN]
         for held in entries:
@@ -115,4 +129,8 @@ class SentMarkers:
 
 
 def _is_master(kind: Any) -> bool:
-    return (kind.decode() if isinstance(kind, bytes) else str(kind)) == "master"
+    return _text(kind) == "master"
+
+
+def _text(value: Any) -> str | None:
+    return value.decode() if isinstance(value, bytes) else None if value is None else str(value)

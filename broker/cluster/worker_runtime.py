@@ -70,7 +70,8 @@ async def start_worker(settings: Settings, *, clock: Clock = monotonic, sleep: S
                              on_change=lambda _p, event: broker.metrics.cluster_lease_changes.labels(event).inc())
     consumer = StreamConsumer(redis, broker.queue, keys=keys, settings=c, tiers=settings.tiers, leases=leases,
                               server_clock=server_clock, consumer_id=worker_id,
-                              aging_per_s=settings.server.aging_per_s, metrics=broker.metrics, clock=clock)
+                              aging_per_s=settings.server.aging_per_s, metrics=broker.metrics, clock=clock,
+                              sleep=sleep)
     presence = Presence(make_presence_client(settings.redis.url, worker_id), keys, worker_id)
     cluster = ClusterWorker(redis, consumer, leases, keys=keys, settings=c, metrics=broker.metrics, sleep=sleep,
                             clock=clock, presence=presence, worker_id=worker_id)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from mergebroker.broker.cluster.client import make_stream_client
 from mergebroker.broker.cluster.consumer import StreamConsumer
@@ -365,17 +366,36 @@ async def test_frontend_falls_back_to_local_merging_and_hands_over_its_sent_jobs
         await fe.stop()
 
 
-async def test_a_hand_over_serves_here_only_the_jobs_no_worker_sent_and_no_worker_can_send_them_after(redis):
+@dataclass
+class HeldForHandOver:
+    """Two jobs a front-end sent and a worker read, held by the front-end as Redis is lost (`held_for_hand_over`)."""
+
+    fe: ClusterQueue
+    steps: ProbeSteps
+    node: Node
+    first: asyncio.Future  # the first job's future at the front-end
+    by_id: dict[str, ChatJob]  # the jobs as the worker read them
+
+
+async def held_for_hand_over(redis, first: str, second: str) -> HeldForHandOver:
+    """Jobs `first` and `second` sent by a stepped front-end and read by worker w1 (on a fake clock); then the
+    front-end falls back, as its reply loop does when a read fails, holding them for a hand-over. The caller
+    stops `.fe`."""
     fe, steps = stepped_frontend(redis)
     node = Node(redis, "w1", FakeClock())
     await node.leases.renew()
+    first_future = fe.submit(chat_job(first))
+    fe.submit(chat_job(second))
+    await node.read_jobs(2)
+    fe._fall_back([], "redis")
+    await steps.parked()
+    return HeldForHandOver(fe, steps, node, first_future, {job.request_id: job for job in node.queue.jobs})
+
+
+async def test_a_hand_over_serves_here_only_the_jobs_no_worker_sent_and_no_worker_can_send_them_after(redis):
+    held = await held_for_hand_over(redis, "marked", "unmarked")
+    fe, steps, node, marked_future, by_id = held.fe, held.steps, held.node, held.first, held.by_id
     try:
-        marked_future = fe.submit(chat_job("marked"))
-        fe.submit(chat_job("unmarked"))
-        await node.read_jobs(2)
-        by_id = {job.request_id: job for job in node.queue.jobs}
-        fe._fall_back([], "redis")  # as its reply loop does when a read fails: the jobs it sent are held
-        await steps.parked()
         assert await by_id["r-marked"].before_send()  # the worker sends this one upstream: marked and noted
         await steps.probe(fe)  # Redis answers: the hand-over
         local: FakeJobQueue = fe._local  # type: ignore[assignment]
@@ -385,6 +405,54 @@ async def test_a_hand_over_serves_here_only_the_jobs_no_worker_sent_and_no_worke
         await node.write()
         assert (await asyncio.wait_for(marked_future, 10)).body["choices"][0]["message"]["content"] == "from the worker"
         assert [job.request_id for job in local.jobs] == ["r-unmarked"]
+    finally:
+        await fe.stop()
+
+
+async def test_a_mark_whose_reply_was_lost_is_looked_up_so_its_job_is_neither_left_unanswered_nor_sent_twice(redis):
+    # The master dies mid-mark: for one job the script ran (and its note survived on the new master), for the
+    # other it never ran. The worker cannot tell from the error; what Redis holds once it answers decides.
+    held = await held_for_hand_over(redis, "ran", "never ran")
+    fe, steps, node, ran_future, by_id = held.fe, held.steps, held.node, held.first, held.by_id
+    markers = node.consumer._markers
+    mark, confirm = markers.mark, markers.confirm
+    handed_over, confirming = asyncio.Event(), []
+
+    async def ran_then_lost(entries):
+        await mark(entries)
+        raise RedisConnectionError("the master died before its reply")
+
+    async def never_ran(entries):
+        raise RedisConnectionError("the master died first")
+
+    async def after_the_hand_over(entries):
+        confirming.append(entries)
+        await handed_over.wait()  # Redis answers again: the front-end's probe and the worker race
+        return await confirm(entries)
+
+    try:
+        markers.confirm = after_the_hand_over
+        markers.mark = ran_then_lost
+        ran = asyncio.ensure_future(by_id["r-ran"].before_send())
+        await wait_until(lambda: len(confirming) == 1, 10, "the lost mark was never looked up", interval_s=0)
+        markers.mark = never_ran
+        not_ran = asyncio.ensure_future(by_id["r-never ran"].before_send())
+        await wait_until(lambda: len(confirming) == 2, 10, "the lost mark was never looked up", interval_s=0)
+        await steps.probe(fe)  # the hand-over deletes both entries and reads the one note
+        local: FakeJobQueue = fe._local  # type: ignore[assignment]
+        assert [job.request_id for job in local.jobs] == ["r-never ran"]  # served here, once
+        await node.consumer.heartbeat_once()  # both entries gone: the marks' verdict decides, not the heartbeat
+        node.clock.advance(SETTINGS.claim_idle_ms / 1000)  # Redis took a while: past the fence, by the local clock
+        handed_over.set()
+        assert await asyncio.wait_for(ran, 10)  # it was marked and noted: the worker sends it
+        assert not await asyncio.wait_for(not_ran, 10)  # not marked: the front-end serves it, so the worker does not
+        for _ in range(3):
+            await asyncio.sleep(0)  # a fence due now would fire here
+        assert not by_id["r-ran"].future.done() and node.consumer.held == 1  # marked: out of the fence's reach
+        answer(by_id["r-ran"], "from the worker")
+        await node.write()
+        assert (await asyncio.wait_for(ran_future, 10)).body["choices"][0]["message"]["content"] == "from the worker"
+        assert [job.request_id for job in local.jobs] == ["r-never ran"]
     finally:
         await fe.stop()
 
