@@ -36,6 +36,7 @@ RedisClient = Redis | RedisCluster
 
 SENTINEL_PORT = 26379
 REDIS_PORT = 6379
+SINGLE_WAIT_S = 5.0  # how long a single-connection client's second caller waits for the connection (Sentinel)
 _SECRET_PARAMS = ("password", "sentinel_password")
 
 
@@ -265,12 +266,18 @@ def _sentinel_client(target: RedisTarget, options: PoolOptions) -> Redis:
     sentinel = make_sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)
     kwargs.update(db=target.db, username=target.username, password=target.password, is_master=True)
     pool: SentinelConnectionPool
-    if options.pool_timeout_s is not None:
+    if options.single_connection_client:
+        # A pool of one instead: redis-py's single-connection client reconnects on its send path, which skips
+        # the Sentinel lookup and dials the address it had, so after a failover it called the dead master
+        # forever (redis-py 8.2). Taking the connection from the pool each time looks the master up.
+        pool = _BlockingSentinelPool(service, sentinel, timeout=options.pool_timeout_s or SINGLE_WAIT_S,
+                                     **{**kwargs, "max_connections": 1})
+    elif options.pool_timeout_s is not None:
         pool = _BlockingSentinelPool(service, sentinel, timeout=options.pool_timeout_s,
                                      **_with_max(kwargs, options))
     else:
         pool = _SentinelPool(service, sentinel, **_with_max(kwargs, options))
-    client = Redis(connection_pool=pool, single_connection_client=options.single_connection_client)
+    client = Redis(connection_pool=pool)
     client.auto_close_connection_pool = True  # as `from_pool`: the client owns its pool (and its Sentinel)
     return client
 

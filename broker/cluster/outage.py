@@ -41,7 +41,8 @@ class Outage:
             log.debug("cluster_redis_still_unreachable", role=self._role, loop=loop, error=type(exc).__name__)
             return
         self.down = True
-        log.warning("cluster_redis_unreachable", role=self._role, loop=loop, error=type(exc).__name__)
+        log.warning("cluster_redis_unreachable", role=self._role, loop=loop, error=type(exc).__name__,
+                    detail=str(exc)[:200])
         if self._on_start is not None:
             self._on_start()
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from redis.exceptions import RedisError
 
 from mergebroker.breaker.circuit import BreakerState, CircuitBreaker
 from mergebroker.breaker.shared_state import SharedBreakerState
@@ -233,6 +234,36 @@ async def test_a_sentinel_failover_costs_the_components_nothing(sentinel_set: Se
         await store.close()
         await client.aclose()
         await other.aclose()
+
+
+@needs_binaries
+async def test_a_workers_presence_connection_follows_a_sentinel_failover_to_the_new_master(
+        sentinel_set: SentinelSet) -> None:
+    """The one named connection that says a worker is alive reconnects to the promoted replica and registers
+    there: a presence stuck on the dead master reads as an outage every period (the worker fencing its jobs
+    each time) and, to the others, as a dead worker."""
+    client = make_redis_client(sentinel_set.url)
+    presence = Presence(make_presence_client(sentinel_set.url, "w1"), KEYS, "w1")
+    try:
+        await presence.refresh()
+        sentinel_set.processes.kill(sentinel_set.master)
+        await wait_until(lambda: sentinel_set.master_port() == sentinel_set.replica, FAILOVER_S,
+                         "the sentinels never promoted the replica", interval_s=0.1)
+
+        async def registered_there() -> bool:
+            try:
+                await presence.refresh()
+            except RedisError:
+                return False
+            return await absent_workers(client, KEYS, me="") == set()
+
+        await wait_until(registered_there, FAILOVER_S, "the presence connection never reached the new master",
+                         interval_s=0.1)
+        names = [c.get("name") for c in await client.client_list()]
+        assert "w1" in names  # on the new master, under its name
+    finally:
+        await presence.aclose()
+        await client.aclose()
 
 
 @needs_binaries
