@@ -374,7 +374,14 @@ class HeldForHandOver:
     steps: ProbeSteps
     node: Node
     first: asyncio.Future  # the first job's future at the front-end
+    first_text: str
     by_id: dict[str, ChatJob]  # the jobs as the worker read them
+
+    async def first_answered_by_the_worker(self) -> str:
+        """The worker answers the first job and writes the answer: the content its caller got."""
+        answer(self.by_id["r-" + self.first_text], "from the worker")
+        await self.node.write()
+        return (await asyncio.wait_for(self.first, 10)).body["choices"][0]["message"]["content"]
 
 
 async def held_for_hand_over(redis, first: str, second: str) -> HeldForHandOver:
@@ -389,21 +396,19 @@ async def held_for_hand_over(redis, first: str, second: str) -> HeldForHandOver:
     await node.read_jobs(2)
     fe._fall_back([], "redis")
     await steps.parked()
-    return HeldForHandOver(fe, steps, node, first_future, {job.request_id: job for job in node.queue.jobs})
+    return HeldForHandOver(fe, steps, node, first_future, first, {job.request_id: job for job in node.queue.jobs})
 
 
 async def test_a_hand_over_serves_here_only_the_jobs_no_worker_sent_and_no_worker_can_send_them_after(redis):
     held = await held_for_hand_over(redis, "marked", "unmarked")
-    fe, steps, node, marked_future, by_id = held.fe, held.steps, held.node, held.first, held.by_id
+    fe, steps, by_id = held.fe, held.steps, held.by_id
     try:
         assert await by_id["r-marked"].before_send()  # the worker sends this one upstream: marked and noted
         await steps.probe(fe)  # Redis answers: the hand-over
         local: FakeJobQueue = fe._local  # type: ignore[assignment]
         assert [job.request_id for job in local.jobs] == ["r-unmarked"]
         assert not await by_id["r-unmarked"].before_send()  # taken back: the worker can no longer send it
-        answer(by_id["r-marked"], "from the worker")
-        await node.write()
-        assert (await asyncio.wait_for(marked_future, 10)).body["choices"][0]["message"]["content"] == "from the worker"
+        assert await held.first_answered_by_the_worker() == "from the worker"
         assert [job.request_id for job in local.jobs] == ["r-unmarked"]
     finally:
         await fe.stop()
@@ -413,7 +418,7 @@ async def test_a_mark_whose_reply_was_lost_is_looked_up_so_its_job_is_neither_le
     # The master dies mid-mark: for one job the script ran (and its note survived on the new master), for the
     # other it never ran. The worker cannot tell from the error; what Redis holds once it answers decides.
     held = await held_for_hand_over(redis, "ran", "never ran")
-    fe, steps, node, ran_future, by_id = held.fe, held.steps, held.node, held.first, held.by_id
+    fe, steps, node, by_id = held.fe, held.steps, held.node, held.by_id
     markers = node.consumer._markers
     mark, confirm = markers.mark, markers.confirm
     handed_over, confirming = asyncio.Event(), []
@@ -449,9 +454,7 @@ async def test_a_mark_whose_reply_was_lost_is_looked_up_so_its_job_is_neither_le
         for _ in range(3):
             await asyncio.sleep(0)  # a fence due now would fire here
         assert not by_id["r-ran"].future.done() and node.consumer.held == 1  # marked: out of the fence's reach
-        answer(by_id["r-ran"], "from the worker")
-        await node.write()
-        assert (await asyncio.wait_for(ran_future, 10)).body["choices"][0]["message"]["content"] == "from the worker"
+        assert await held.first_answered_by_the_worker() == "from the worker"
         assert [job.request_id for job in local.jobs] == ["r-never ran"]
     finally:
         await fe.stop()
