@@ -55,6 +55,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("non_streaming", "merged calls to upstreams that do not stream, beside one that does"),
     Benchmark("profile_broker", "where the request path's CPU goes (cProfile or a sampler)"),
     Benchmark("components", "the passthrough request's CPU by component at concurrency 1 and 64, beside the proxy's"),
+    Benchmark("engine_glue", "the broker's own work per chat request, in-process over an instant upstream (no HTTP)"),
     Benchmark("simulator_billing", "what OpenAI-style billing and its prompt cache do to the simulator's bill"),
     Benchmark("proxy_baseline", "a minimal aiohttp reverse proxy, the floor passthrough is measured against",
               process=True),
