@@ -9,6 +9,10 @@ mostly mirrors its throughput).
 
     python -m bench.passthrough [--quick] [--tracing] [--out FILE]
 
+`--lone` adds a broker at its defaults (merging, cache and the default tiers on) and gives every request its own
+system prompt and temperature 0, so nothing can merge and each answer is looked up in and written to the cache:
+the lone-request path, reported against the passthrough broker (issue 36: within 10% of it).
+
 `--tracing` adds a fourth target: a second broker with telemetry on (traces and GenAI metrics over OTLP to an
 in-process sink that only counts what it receives), reported beside the broker with telemetry off.
 
@@ -58,6 +62,9 @@ TRACED = "broker_traced"
 """The broker with telemetry on (`--tracing`), compared with "broker" (off)."""
 OLD = "broker_old"
 """Another checkout's broker (`--old-checkout`), the baseline a change is measured against side by side."""
+LONE = "broker_defaults"
+"""The broker at its defaults with nothing to merge (`--lone`), compared with "broker" (passthrough)."""
+LONE_RATIO_TARGET = 0.9
 THROUGHPUT_RATIO_TARGET = 0.7
 ADDED_P99_TARGET_MS = 5.0
 TARGET_CONCURRENCY = 16
@@ -88,20 +95,26 @@ class Target:
     server: Process
 
 
-def body_for(run_id: str) -> Callable[[int], tuple[dict[str, Any], dict[str, str], str]]:
-    """Distinct prompts per run and index, so nothing could coalesce even if caching were on."""
+def body_for(run_id: str, *, lone: bool = False) -> Callable[[int], tuple[dict[str, Any], dict[str, str], str]]:
+    """Distinct prompts per run and index, so nothing could coalesce even if caching were on. `lone`: each with
+    its own system prompt (no two may share a call) and temperature 0 (each is looked up in and written to the
+    cache)."""
     def make(i: int) -> tuple[dict[str, Any], dict[str, str], str]:
         text = f"passthrough {run_id} request {i}: what is {i} squared?"
+        if lone:
+            return {"model": "sim-small", "temperature": 0, "messages": [
+                {"role": "system", "content": f"You answer arithmetic, case {run_id}-{i}."},
+                {"role": "user", "content": text}]}, {}, ""
         return {"model": "sim-small", "messages": [{"role": "user", "content": text}]}, {}, ""
 
     return make
 
 
 async def closed_run(target: Target, sim: Process, concurrency: int, requests: int, warmup: int,
-                     round_no: int) -> dict[str, Any]:
+                     round_no: int, *, lone: bool = False) -> dict[str, Any]:
     """One measured closed-loop run against one target."""
     run_id = uuid.uuid4().hex[:8]
-    send = chat_request(target.url, body_for(run_id))
+    send = chat_request(target.url, body_for(run_id, lone=lone))
     await closed_loop(send, concurrency=concurrency, total=warmup)  # warm code paths and connection pools
     own, upstream = CpuWindow(target.server), CpuWindow(sim)
     samples, wall = await closed_loop(send, concurrency=concurrency, total=requests)
@@ -154,14 +167,18 @@ def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int,
         out["traced_added_p50_ms"] = paired(lambda t: t[TRACED]["p50_ms"] - t["broker"]["p50_ms"])
         out["traced_added_p99_ms"] = paired(lambda t: t[TRACED]["p99_ms"] - t["broker"]["p99_ms"])
         out["traced_added_cpu_ms"] = paired(lambda t: t[TRACED]["cpu_ms_per_req"] - t["broker"]["cpu_ms_per_req"])
+    if LONE in names:
+        out["lone_vs_broker_rps"] = paired(lambda t: t[LONE]["rps"] / t["broker"]["rps"])
+        out["lone_added_p50_ms"] = paired(lambda t: t[LONE]["p50_ms"] - t["broker"]["p50_ms"])
+        out["lone_vs_broker_cpu"] = paired(lambda t: t[LONE]["cpu_ms_per_req"] / t["broker"]["cpu_ms_per_req"])
     return out
 
 
-async def equal_load(targets: list[Target], rate: float, duration_s: float) -> dict[str, Any]:
+async def equal_load(targets: list[Target], rate: float, duration_s: float, *, lone: bool = False) -> dict[str, Any]:
     """The same Poisson rate offered to every target; latency and added latency vs direct."""
     result: dict[str, Any] = {"rate": rate, "duration_s": duration_s}
     for target in targets:
-        send = chat_request(target.url, body_for(uuid.uuid4().hex[:8]))
+        send = chat_request(target.url, body_for(uuid.uuid4().hex[:8], lone=lone))
         own = CpuWindow(target.server)
         samples, wall = await open_loop(send, rate=rate, duration_s=duration_s)
         sent = len(samples)
@@ -224,11 +241,13 @@ def traced_config(upstream: str, sink_url: str) -> dict[str, Any]:
             "telemetry": {"enabled": True, "endpoint": sink_url, "metrics_interval_s": 5.0}}
 
 
-async def run(plan: Plan, *, tracing: bool = False, old_checkout: Path | None = None) -> dict[str, Any]:
+async def run(plan: Plan, *, tracing: bool = False, old_checkout: Path | None = None,
+              lone: bool = False) -> dict[str, Any]:
     """Start the simulator, the proxy and the broker (and a traced broker, another checkout's broker); run both
     parts; return the results."""
     started, probe = time.perf_counter(), cpu_probe_ms()
-    names = (*TARGETS, *((TRACED,) if tracing else ()), *((OLD,) if old_checkout else ()))
+    extra = (*((TRACED,) if tracing else ()), *((OLD,) if old_checkout else ()), *((LONE,) if lone else ()))
+    names = (*TARGETS, *extra)
     async with OtlpSink() as sink, processes_together(start_simulator("--latency-base-ms", "0")) as (sim,):
         upstream = sim_base_url(sim)
         brokers = [start_broker(passthrough_config(upstream))]
@@ -236,17 +255,19 @@ async def run(plan: Plan, *, tracing: bool = False, old_checkout: Path | None = 
             brokers.append(start_broker(traced_config(upstream, sink.url)))
         if old_checkout is not None:
             brokers.append(start_broker(passthrough_config(upstream), pythonpath=old_checkout_path(old_checkout)))
+        if lone:
+            brokers.append(start_broker({"providers": [{"name": "sim", "base_url": upstream}]}))
         async with processes_together(start_proxy(upstream), *brokers) as (proxy, broker, *others):
-            extra = [*((TRACED,) if tracing else ()), *((OLD,) if old_checkout else ())]
             targets = [Target("direct", upstream.removesuffix("/v1"), sim), Target("proxy", proxy.url, proxy),
                        Target("broker", broker.url, broker), *(Target(n, o.url, o) for n, o in zip(extra, others))]
             rows = []
             for round_no in range(plan.rounds):
                 for level, (concurrency, requests) in enumerate(zip(plan.concurrencies, plan.requests)):
                     for target in rotated(targets, round_no + level):
-                        rows.append(await closed_run(target, sim, concurrency, requests, plan.warmup, round_no))
+                        rows.append(await closed_run(target, sim, concurrency, requests, plan.warmup, round_no,
+                                                     lone=lone))
             summary = {str(c): summarize_concurrency(rows, c, names) for c in plan.concurrencies}
-            loaded = await equal_load(rotated(targets, plan.rounds), plan.open_rate, plan.open_s)
+            loaded = await equal_load(rotated(targets, plan.rounds), plan.open_rate, plan.open_s, lone=lone)
     return {"plan": asdict(plan), "names": list(names), "runs": rows, "summary": summary, "equal_load": loaded,
             "targets": {**verdict(summary), "equal_load_added_p99_ms": loaded["broker_added_p99_ms"]},
             "otlp_sink": {"exports": sink.exports, "bytes": sink.bytes} if tracing else None,
@@ -285,6 +306,12 @@ def report(result: dict[str, Any]) -> str:
                for s in result["summary"].values()]
         lines += ["", "This checkout against the old one (broker_old), side by side (paired medians)",
                   format_table(old, list(old[0]))]
+    if LONE in names:
+        lone = [{"conc": s["concurrency"], **{k: s[k] for k in ("lone_vs_broker_rps", "lone_added_p50_ms",
+                                                                 "lone_vs_broker_cpu")}}
+                for s in result["summary"].values()]
+        lines += ["", f"Lone requests at the defaults (broker_defaults) against passthrough (broker); target "
+                      f"throughput >= {LONE_RATIO_TARGET}x (paired medians)", format_table(lone, list(lone[0]))]
     if TRACED in names:
         traced = [{"conc": s["concurrency"], **{k: s[k] for k in ("traced_vs_broker_rps", "traced_added_p50_ms",
                                                                    "traced_added_p99_ms", "traced_added_cpu_ms")}}
@@ -305,13 +332,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also run a broker with telemetry on (OTLP to an in-process sink), beside off")
     parser.add_argument("--old-checkout", type=Path, help="also run that checkout's broker (e.g. a git worktree of "
                         "an older commit) side by side, as the baseline")
+    parser.add_argument("--lone", action="store_true", help="also run a broker at its defaults (merging, cache, "
+                        "tiers) on requests that cannot merge, against passthrough")
     parser.add_argument("--out", default=None, help="JSON output file")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.rounds or args.open_rate:
         plan = Plan(plan.concurrencies, plan.requests, plan.warmup, args.rounds or plan.rounds,
                     args.open_rate or plan.open_rate, plan.open_s)
-    result = asyncio.run(run(plan, tracing=args.tracing, old_checkout=args.old_checkout))
+    result = asyncio.run(run(plan, tracing=args.tracing, old_checkout=args.old_checkout, lone=args.lone))
     default_out = "passthrough_tracing.json" if args.tracing else "passthrough.json"
     publish(result, report(result), args.out or str(results_path(default_out)))
     return 0

@@ -12,10 +12,15 @@ For independent (Poisson) traffic at rate r this converges to r whatever the req
 for a sequential client it stays 0, because its next request comes after the answer. Bursts show up as
 a high rate at once (many arrivals while the first is pending). Both sums decay with `half_life_s`,
 so the estimate follows the traffic of the last minute or so; their ratio survives a quiet spell, so a
-quiet tenant keeps being sent at once. A group with no history yet waits, as a fixed window would: the
-first requests of a burst then merge, and a sequential client pays one window before it is known. A
-newcomer waits when `rate x window` (the expected partners within its window) reaches `min_partners`;
+quiet tenant keeps being sent at once. A newcomer waits when `rate x window` (the expected partners within its window) reaches `min_partners`;
 one that finds its group's window already open always joins it (that costs nothing).
+
+A group with no history yet is judged by its family's (the tier's) new groups: the same rate, pooled over
+the first request of every new group of the family while it is pending (arrivals of its group that overlap
+it, over its pending time). Where new groups do find partners (a burst of a new question), a new group
+waits and its first requests merge; where they do not (every request has its own system prompt: a session
+id, the date, a user's profile), a new group is sent at once instead of paying a whole window each time.
+Before the family has any evidence, a new group waits, as a fixed window would.
 
 `WindowEstimator` is synchronous and takes the time as an argument: the queue calls `arrive` and
 `depart` and acts on the answer.
@@ -42,6 +47,8 @@ class _Overlap:
     pending: int = 0
     updated: float = 0.0
     seen: bool = False  # some pending time has been observed: the ratio means something
+    family: Hashable = None
+    first_pending: bool = False  # its first request is pending and counted in its family's new-group pool
 
 
 def expected_partners(arrivals: float, exposure_s: float, window_s: float) -> float:
@@ -66,14 +73,26 @@ class WindowEstimator:
         self._tau = half_life_s / math.log(2)
         self._max_groups = max_groups
         self._groups: collections.OrderedDict[Hashable, _Overlap] = collections.OrderedDict()
+        self._new_groups: dict[Hashable, _Overlap] = {}  # family -> the pool of its new groups' first requests
 
-    def arrive(self, group: Hashable, now: float, *, window_s: float, min_partners: float) -> bool:
-        """Record an arrival; True when it should wait `window_s` for partners, False to send it at once."""
-        state = self._state(group, now)
+    def arrive(self, group: Hashable, now: float, *, window_s: float, min_partners: float,
+               family: Hashable = None) -> bool:
+        """Record an arrival; True when it should wait `window_s` for partners, False to send it at once.
+
+        `family` (a tier) pools the evidence of its new groups, which judges a group with no history."""
+        state = self._state(group, now, family)
+        if state.first_pending:  # an arrival overlapping a new group's first request: evidence for the family
+            pool = self._pool(state.family, now)
+            pool.arrivals += 1
         state.arrivals += state.pending  # every pending request of the group sees this arrival
         state.pending += 1
         if not state.seen and state.arrivals == 0:
-            return True  # no history: behave as a fixed window until there is some
+            pool = self._pool(family, now)
+            pool.pending += 1
+            state.first_pending = True
+            if not pool.seen and pool.arrivals == 0:
+                return True  # no evidence anywhere yet: behave as a fixed window until there is some
+            return expected_partners(pool.arrivals, pool.exposure_s, window_s) >= min_partners
         return expected_partners(state.arrivals, state.exposure_s, window_s) >= min_partners
 
     def depart(self, group: Hashable, now: float) -> None:
@@ -83,6 +102,8 @@ class WindowEstimator:
             return
         self._advance(state, now)
         state.pending -= 1
+        if state.pending == 0:
+            self._end_first(state, now)
 
     def expected(self, group: Hashable, now: float, window_s: float) -> float:
         """The current expected partners of `group` within `window_s` (for stats and tests)."""
@@ -95,16 +116,30 @@ class WindowEstimator:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def _state(self, group: Hashable, now: float) -> _Overlap:
+    def _state(self, group: Hashable, now: float, family: Hashable) -> _Overlap:
         state = self._groups.get(group)
         if state is None:
-            state = self._groups[group] = _Overlap(updated=now)
+            state = self._groups[group] = _Overlap(updated=now, family=family)
             if len(self._groups) > self._max_groups:
-                self._groups.popitem(last=False)
+                _, forgotten = self._groups.popitem(last=False)
+                self._end_first(forgotten, now)  # its departures will be ignored: leave the pool now
         else:
             self._groups.move_to_end(group)
             self._advance(state, now)
         return state
+
+    def _pool(self, family: Hashable, now: float) -> _Overlap:
+        pool = self._new_groups.get(family)
+        if pool is None:
+            pool = self._new_groups[family] = _Overlap(updated=now)
+        self._advance(pool, now)
+        return pool
+
+    def _end_first(self, state: _Overlap, now: float) -> None:
+        """The group's first request is no longer pending (the group has none): it leaves its family's pool."""
+        if state.first_pending:
+            state.first_pending = False
+            self._pool(state.family, now).pending -= 1
 
     def _advance(self, state: _Overlap, now: float) -> None:
         """Decay both sums to `now` and add the exposure the pending requests gathered meanwhile."""

@@ -144,7 +144,8 @@ class MergeQueue(Generic[T]):
         Every arrival feeds its group's estimate, and its answer (or departure) ends its pending time.
         """
         group = (tier.name, item.merge_key)
-        wait = self._estimator.arrive(group, self._clock(), window_s=tier.window_s, min_partners=tier.min_partners)
+        wait = self._estimator.arrive(group, self._clock(), window_s=tier.window_s, min_partners=tier.min_partners,
+                                      family=tier.name)
         item.future.add_done_callback(functools.partial(self._departed, group))
         if item.merge_key in self._open[tier.name]:
             decision, wait = "join", True  # an open window costs nothing more to join

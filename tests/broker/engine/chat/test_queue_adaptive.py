@@ -77,3 +77,25 @@ async def test_a_fixed_window_always_waits(fake_clock):
         assert q.pick().items == [item]
         answer(item)
         await settle()
+
+
+async def test_requests_that_each_open_their_own_group_are_sent_at_once_after_the_first(fake_clock):
+    """Every request its own merge key (e.g. a system prompt with a session id): no partner ever comes, so after
+    the tier's first new group has shown it, none pays the window (it added a whole window to each before)."""
+    metrics = Metrics()
+    q = adaptive_queue(fake_clock, metrics)
+    first = Item(merge_key="session 0")
+    q.submit(first)
+    assert q.pick() is None  # the tier knows nothing of its new groups yet: it waits like a fixed window
+    fake_clock.advance(0.051)
+    assert q.pick().items == [first]
+    answer(first)
+    await settle()
+    for i in range(1, 6):
+        item = Item(merge_key=f"session {i}")
+        q.submit(item)
+        assert q.pick().items == [item]  # released at once
+        fake_clock.advance(0.002)
+        answer(item)
+        await settle()
+    assert decisions(metrics) == {"wait": 1, "skip": 5, "join": 0}

@@ -73,3 +73,35 @@ def test_expected_partners(arrivals, exposure, expected):
 def test_half_life_must_be_positive():
     with pytest.raises(ValueError):
         WindowEstimator(half_life_s=0)
+
+
+def test_new_groups_that_never_find_a_partner_stop_paying_a_window_each():
+    """Each request its own group (its own system prompt): only the family's first new group waits."""
+    estimator = WindowEstimator()
+    now, waits = 0.0, []
+    for i in range(50):
+        waits.append(estimator.arrive(("std", f"key {i}"), now, window_s=WINDOW_S, min_partners=0.1, family="std"))
+        now += WINDOW_S if waits[-1] else 0.002  # a waiting one is pending for its window, then answered
+        estimator.depart(("std", f"key {i}"), now)
+        now += 0.001
+    assert waits[0] and not any(waits[1:])
+    # Another family has no evidence of its own yet: its first new group waits as before.
+    assert estimator.arrive(("batch", "key 0"), now, window_s=WINDOW_S, min_partners=0.1, family="batch")
+
+
+def test_new_groups_still_wait_where_new_groups_find_partners():
+    """A family whose new questions come in bursts keeps waiting for a new group's partners."""
+    estimator = WindowEstimator()
+    now, firsts = 0.0, []
+    for i in range(30):
+        group = ("std", f"hot question {i}")
+        firsts.append(estimator.arrive(group, now, window_s=WINDOW_S, min_partners=0.1, family="std"))
+        for _ in range(3):  # its partners come within 5 ms of it, while it is pending
+            now += 0.005
+            assert estimator.arrive(group, now, window_s=WINDOW_S, min_partners=0.1, family="std")
+        now += WINDOW_S
+        for _ in range(4):
+            estimator.depart(group, now)
+        now += 0.2
+    assert all(firsts)
+
