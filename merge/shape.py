@@ -7,13 +7,11 @@ no audio or images. Everything else goes upstream on its own.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mergebroker.merge.fingerprint import canonical_stop, canonical_value
+from mergebroker.merge.fingerprint import canonical_stop, canonical_value, json_digest
 
 # Body fields whose presence (non-null, non-false) makes a request unmergeable.
 _BLOCKING_FIELDS = (
@@ -47,8 +45,9 @@ class MergeShape:
 
 def merge_shape(body: Mapping[str, Any]) -> MergeShape | None:
     """Return the request's `MergeShape` when it is a single-turn text request, else None."""
-    if any(_is_set(body.get(field)) for field in _BLOCKING_FIELDS):
-        return None
+    for field in _BLOCKING_FIELDS:  # a loop, not any(): this runs on every mergeable request
+        if _is_set(body.get(field)):
+            return None
     if body.get("n") not in (None, 1):
         return None
     if body.get("modalities") not in (None, ["text"]):
@@ -90,8 +89,7 @@ def compatibility_key(
     canonical["stop"] = canonical_stop(body.get("stop"))
     if include_system:
         canonical["system"] = shape.system_prompt
-    payload = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+    return json_digest(canonical)
 
 
 def _plain_message(message: Mapping[str, Any]) -> bool:

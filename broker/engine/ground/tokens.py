@@ -122,12 +122,26 @@ def _tool_call_tokens(tool_calls: Any) -> int:
     return total
 
 
+_ROLE_TOKENS: dict[str, int] = {}
+_ROLES_KEPT = 64  # roles come from a handful of names; a caller inventing more is simply counted each time
+
+
+def _role_tokens(role: str) -> int:
+    """`count_text_tokens(role)`, remembered: every message names one of a few roles."""
+    found = _ROLE_TOKENS.get(role)
+    if found is None:
+        found = count_text_tokens(role)
+        if len(_ROLE_TOKENS) < _ROLES_KEPT:
+            _ROLE_TOKENS[role] = found
+    return found
+
+
 def estimate_prompt_tokens(messages: Sequence[Mapping[str, Any]]) -> int:
     """Prompt tokens of a chat request: 3 per message plus its role, content and name, plus 3 priming."""
     total = REPLY_PRIMING_TOKENS
     for message in messages:
         total += TOKENS_PER_MESSAGE
-        total += count_text_tokens(str(message.get("role") or ""))
+        total += _role_tokens(str(message.get("role") or ""))
         total += _content_tokens(message.get("content"))
         name = message.get("name")
         if isinstance(name, str) and name:
