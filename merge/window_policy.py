@@ -95,6 +95,22 @@ class WindowEstimator:
             return expected_partners(pool.arrivals, pool.exposure_s, window_s) >= min_partners
         return expected_partners(state.arrivals, state.exposure_s, window_s) >= min_partners
 
+    def would_wait(self, group: Hashable, now: float, *, window_s: float, min_partners: float,
+                   family: Hashable = None) -> bool:
+        """What `arrive` would answer for an arrival now, recording nothing (so a caller can ask first, then
+        record the arrival where the request goes)."""
+        state = self._groups.get(group)
+        if state is None or (not state.seen and state.arrivals + state.pending == 0):
+            pool = self._new_groups.get(family)
+            if pool is None:
+                return True
+            self._advance(pool, now)  # only brings its sums to now: no event is recorded
+            if not pool.seen and pool.arrivals == 0:
+                return True
+            return expected_partners(pool.arrivals, pool.exposure_s, window_s) >= min_partners
+        self._advance(state, now)
+        return expected_partners(state.arrivals + state.pending, state.exposure_s, window_s) >= min_partners
+
     def depart(self, group: Hashable, now: float) -> None:
         """A request of `group` got its answer (or left): it no longer watches for arrivals."""
         state = self._groups.get(group)

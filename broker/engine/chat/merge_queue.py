@@ -138,6 +138,22 @@ class MergeQueue(Generic[T]):
         else:
             self._add_to_window(tier, item)
 
+    def take_alone(self, item: T) -> bool:
+        """For a caller that can send `item` itself: True when `submit` would release it alone at once (it
+        sends alone, or its adaptive tier expects no partner and no window of its group is open), with its
+        arrival recorded as `submit` records it; the caller then sends it and this queue never holds it.
+        False records nothing: the caller submits it."""
+        if self.sends_alone(item):
+            return True
+        tier = self._tiers[item.tier]
+        if self._closed or not tier.adaptive or item.merge_key in self._open[tier.name]:
+            return False
+        if self._estimator.would_wait((tier.name, item.merge_key), self._clock(), window_s=tier.window_s,
+                                      min_partners=tier.min_partners, family=tier.name):
+            return False
+        self._worth_waiting(tier, item)  # records the arrival: it answers False, as asked just now
+        return True
+
     def _worth_waiting(self, tier: TierWindow, item: T) -> bool:
         """Adaptive windows: whether `item` should wait for partners (see `merge.window_policy`).
 

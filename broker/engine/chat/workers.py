@@ -82,6 +82,10 @@ class WorkerPool:
         self._spawn(group)
         return True
 
+    def has_room(self) -> bool:
+        """Whether a dispatch could start now (a place in `max_dispatching` is free)."""
+        return self._room > 0
+
     def run_now(self, job: ChatJob) -> Awaitable[None] | None:
         """The run of `job` alone, for its caller's task to await, when there is room in dispatch; else None.
 
@@ -166,16 +170,17 @@ class LocalJobQueue:
         return job.extend_deadline(deadline)
 
     def run_now(self, job: ChatJob) -> Awaitable[None] | None:
-        """A job that never waits in a window runs in its caller's task while no released group waits for a
-        worker.
+        """A job that does not wait in a window (it cannot merge, or its adaptive window expects no partner)
+        runs in its caller's task while no released group waits for a worker and dispatch has room.
 
         Queueing it would only hand it to a dispatch task one loop step later, through the windows and
         the planner, for the same lone call. When groups wait, it queues behind them in priority order.
         """
         queue = self.merge_queue
-        if job.stream or job.before_send is not None or not queue.sends_alone(job) or not queue.idle():
+        if job.stream or job.before_send is not None or not queue.idle() or not self._workers.has_room():
             return None
-        return self._workers.run_now(job)
+        # Asked last: a job it lets go alone is recorded as having arrived, and then it must be run here.
+        return self._workers.run_now(job) if queue.take_alone(job) else None
 
     def depth(self, tier: str) -> int:
         """Jobs of `tier` not yet taken by a worker."""

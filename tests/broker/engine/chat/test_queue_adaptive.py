@@ -99,3 +99,29 @@ async def test_requests_that_each_open_their_own_group_are_sent_at_once_after_th
         answer(item)
         await settle()
     assert decisions(metrics) == {"wait": 1, "skip": 5, "join": 0}
+
+
+async def test_a_request_its_window_would_send_at_once_is_let_go_to_its_caller_and_counted_once(fake_clock):
+    """`take_alone`: what `submit` would release alone at once is handed back to the caller to send in its own
+    task (no dispatch task, no hop through the queue); what would wait is left to `submit`, with nothing
+    recorded, so every arrival counts once either way."""
+    metrics = Metrics()
+    q = adaptive_queue(fake_clock, metrics)
+    first = Item(merge_key="session 0")
+    assert not q.take_alone(first)  # no evidence yet: it would wait
+    assert decisions(metrics) == {"wait": 0, "skip": 0, "join": 0}
+    q.submit(first)
+    fake_clock.advance(0.051)
+    assert q.pick().items == [first]
+    answer(first)
+    await settle()
+    alone = Item(merge_key="session 1")
+    assert q.take_alone(alone)
+    assert q.pick() is None and q.depth("std") == 0  # the queue does not hold it: its caller sends it
+    assert decisions(metrics) == {"wait": 1, "skip": 1, "join": 0}
+    partner = Item(merge_key="session 1")  # arrives while the first of its group is pending
+    assert not q.take_alone(partner)
+    assert decisions(metrics) == {"wait": 1, "skip": 1, "join": 0}
+    q.submit(partner)
+    assert q.pick() is None  # it waits for partners in its window, as submit decides
+    assert decisions(metrics) == {"wait": 2, "skip": 1, "join": 0}
