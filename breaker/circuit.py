@@ -17,7 +17,6 @@ from __future__ import annotations
 import enum
 import sys
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,22 +132,23 @@ class GuardedCall:
 
 
 class _Guard:
-    """`CircuitBreaker.guard()`'s context: a plain class, as it runs around every upstream call
-    (a generator-based context manager costs several times more)."""
+    """`CircuitBreaker.guard()`'s context: a plain class, as it runs around every upstream call (a
+    generator-based context manager costs several times more). It works as `with` as well as `async with`:
+    admitting and settling never wait, and the plain form spares the two coroutines of the async one."""
 
     __slots__ = ("_breaker", "_tenant", "_ticket", "_call", "_started")
 
     def __init__(self, breaker: CircuitBreaker, tenant: str | None) -> None:
         self._breaker, self._tenant = breaker, tenant
 
-    async def __aenter__(self) -> GuardedCall:
+    def __enter__(self) -> GuardedCall:
         breaker = self._breaker
         self._ticket = breaker._admit(self._tenant)
         self._call = GuardedCall()
         self._started = breaker._clock()
         return self._call
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
         breaker = self._breaker
         elapsed = breaker._clock() - self._started
         if exc_type is not None:
@@ -159,6 +159,12 @@ class _Guard:
             call = self._call
             threshold += max(0.0, call.allowance() if call.allowance is not None else call.allowance_s)
         breaker._settle(self._ticket, classify(None, elapsed, threshold))
+
+    async def __aenter__(self) -> GuardedCall:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.__exit__(exc_type, exc, tb)
 
 
 class _Relay(pybreaker.CircuitBreakerListener):
@@ -172,7 +178,8 @@ class _Relay(pybreaker.CircuitBreakerListener):
 
 
 class CircuitBreaker:
-    """The breaker of one provider. Use `async with breaker.guard(): await call()` around each attempt.
+    """The breaker of one provider. Use `with breaker.guard(): await call()` (or `async with`) around each
+    attempt.
 
     Closed: every call is admitted and its outcome recorded; when the window holds at least `min_calls`
     and the error or slow ratio is over its threshold, the breaker opens. Open: calls are refused with
@@ -263,7 +270,7 @@ class CircuitBreaker:
         if state is BreakerState.HALF_OPEN and self._probes >= self._settings.half_open_probes:
             raise BreakerOpenError(PROBE_BUSY_RETRY_S, self._name)
 
-    def guard(self, tenant: str | None = None) -> AbstractAsyncContextManager[GuardedCall]:
+    def guard(self, tenant: str | None = None) -> _Guard:
         """Admit one call for `tenant` (or raise `BreakerOpenError`), then record how the awaited body ended.
 
         Exceptions from the body are re-raised untouched; `CancelledError` and caller-fault errors

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -206,12 +207,9 @@ class ProviderPools:
         upstreams = self.for_model(model)
         if not upstreams:
             raise NotFound(f"The model '{model}' does not exist.", param="model", code="model_not_found")
-
-        async def one_round() -> tuple[T, str]:
-            return await self._failover(model, upstreams, attempt, spec)
-
-        return await call_with_retries(one_round, policy=self._retry, deadline=spec.deadline, clock=self._clock,
-                                       sleep=self._sleep, on_retry=self._count_retry)
+        return await call_with_retries(partial(self._failover, model, upstreams, attempt, spec), policy=self._retry,
+                                       deadline=spec.deadline, clock=self._clock, sleep=self._sleep,
+                                       on_retry=self._count_retry)
 
     def _count_retry(self, exc: BaseException, _wait_s: float) -> None:
         self._observer.retried(getattr(exc, "provider", "pool"), retry_reason(exc))
@@ -224,11 +222,9 @@ class ProviderPools:
         its provider) for the retry loop; a caller fault is raised at once, except a field one kind of
         upstream cannot carry (`UpstreamUnsupported`): that moves on too, and is raised last. When no
         upstream could even be tried (breakers open, or a half-open one busy with its probe) the round
-        ends with `UpstreamUnavailable`, which is never retried.
+        ends with `UpstreamUnavailable`, which is never retried; when every breaker is open that is the
+        fast-fail rule's answer, reached without trying any.
         """
-        retry_after = self.fast_fail_after(model)
-        if retry_after is not None:
-            raise UpstreamUnavailable(retry_after)
         failure: UpstreamError | None = None
         unsupported: UpstreamUnsupported | None = None
         refusals: list[float] = []
@@ -254,15 +250,15 @@ class ProviderPools:
 
         While tracing is on, the call has its own CLIENT span (current while it goes out: its `traceparent`),
         ended with the reply, the failure, or (a stream) the stream's end."""
-        if remaining(spec.deadline, self._clock) <= 0:
+        if spec.deadline - self._clock() <= 0:
             raise DeadlineExceeded("The request's deadline passed before an upstream answered.")
-        if u.breaker is not None:
+        if u.breaker is not None and u.waits_for_room:
             u.breaker.before_call(spec.tenant)  # refuse before queueing for a slot or spending rate budget
         taken = await u.acquire(spec.tokens, spec.priority, spec.deadline, self._clock)
         sent = False
         span: tracing.AttemptSpan | None = None
         try:
-            left, read_timeout = remaining(spec.deadline, self._clock), spec.read_timeout(u)
+            left, read_timeout = spec.deadline - self._clock(), spec.read_timeout(u)
             if left <= 0:
                 raise DeadlineExceeded("The request's deadline passed while waiting for an upstream slot.")
             sent = True
@@ -305,20 +301,33 @@ class ProviderPools:
 
     async def _guarded(self, u: Upstream, attempt: Attempt[T], timeout: float, *, deadline: float | None,
                        tenant: str | None = None, request_deadline: float | None = None) -> T:
-        """The call inside `u`'s breaker. `deadline` is set when the request's deadline, not the read
-        timeout, bounds it: a timeout then is the caller's budget running out, and says nothing about
-        the upstream's health, so it leaves as `DeadlineExceeded` (neither success nor failure).
-        A call cancelled once `request_deadline` has come (its caller's own timer, which may fire in the
-        same loop turn as this one's) is counted as the deadline's too, not as a caller that left.
-        A reply's output tokens at `u.token_rate` are time it was expected to take (not slow)."""
+        """The call inside `u`'s breaker (its one admission check of this attempt where taking the slot never
+        waits). `deadline` is set when the request's deadline, not the read timeout, bounds it: a timeout
+        then is the caller's budget running out, and says nothing about the upstream's health, so it leaves
+        as `DeadlineExceeded` (neither success nor failure). A call cancelled once `request_deadline` has
+        come (its caller's own timer, which may fire in the same loop turn as this one's) is counted as the
+        deadline's too, not as a caller that left. A reply's output tokens at `u.token_rate` are time it was
+        expected to take (not slow)."""
         started = self._clock()
         outcome = "error"
         try:
-            if u.breaker is None:
-                result = await self._attempt(u, attempt, timeout, deadline)
-            else:
-                async with u.breaker.guard(tenant) as call:
-                    result = await self._attempt(u, attempt, timeout, deadline)
+            with u.breaker.guard(tenant) if u.breaker is not None else _UNGUARDED as call:
+                try:
+                    if deadline is None:
+                        result = await attempt(u, timeout)
+                    else:
+                        # The provider's own timeout runs on real time; the deadline is also kept on the injected
+                        # clock, which ends the call the moment the deadline passes there (a fake clock's `advance`).
+                        async with self._clock.timeout_at(deadline):
+                            result = await attempt(u, timeout)
+                except TimeoutError:
+                    raise DeadlineExceeded("The request's deadline passed before the upstream answered.") from None
+                except UpstreamTimeout as exc:
+                    # Only when the deadline has really come: a connect timeout firing earlier is the upstream's.
+                    if deadline is not None and remaining(deadline, self._clock) <= DEADLINE_SLACK_S:
+                        raise DeadlineExceeded("The request's deadline passed before the upstream answered.") from exc
+                    raise
+                if call is not None:
                     # A stream replaying a whole reply waited for all of it: its output's time is expected.
                     call.allowance = partial(_output_time, result, u.token_rate)
             outcome = "success"
@@ -337,24 +346,14 @@ class ProviderPools:
             outcome = "deadline" if due else "cancelled"
             raise
         finally:
-            latency = None if outcome == "breaker_open" else self._clock() - started
-            self._observer.called(u.name, outcome, latency)
+            if outcome != "breaker_open":
+                self._observer.called(u.name, outcome, self._clock() - started)
+            elif u.waits_for_room:  # refused after waiting for room; a refusal without a wait is a pre-check's
+                self._observer.called(u.name, outcome, None)
 
-    async def _attempt(self, u: Upstream, attempt: Attempt[T], timeout: float, deadline: float | None) -> T:
-        try:
-            if deadline is None:
-                return await attempt(u, timeout)
-            # The provider's own timeout runs on real time; the deadline is also kept on the injected clock,
-            # which ends the call the moment the deadline passes there (a fake clock's `advance`, too).
-            async with self._clock.timeout_at(deadline):
-                return await attempt(u, timeout)
-        except TimeoutError:
-            raise DeadlineExceeded("The request's deadline passed before the upstream answered.") from None
-        except UpstreamTimeout as exc:
-            # Only when the deadline has really come: a connect timeout firing earlier is the upstream's.
-            if deadline is not None and remaining(deadline, self._clock) <= DEADLINE_SLACK_S:
-                raise DeadlineExceeded("The request's deadline passed before the upstream answered.") from exc
-            raise
+
+_UNGUARDED = nullcontext(None)
+"""The breaker's place around a call to an upstream that has none."""
 
 
 def _reply_of(result: Any) -> Any:

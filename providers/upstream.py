@@ -61,10 +61,16 @@ class Upstream:
         if self.max_in_flight is not None:
             self._slots = asyncio.Semaphore(self.max_in_flight)
 
+    @property
+    def waits_for_room(self) -> bool:
+        """Whether `acquire` may wait (a declared rate or a concurrency cap): without either, it takes its
+        slot at once, and nothing can change between a breaker check before it and one after."""
+        return self.limiter is not None or self._slots is not None
+
     async def acquire(self, tokens: int, priority: float, deadline: float, clock: Clock) -> int:
         """Take this upstream's rate budget and a concurrency slot, waiting at most until `deadline`; the tokens
         taken from its budget (the estimate, capped at one bucket). `release` gives the slot back."""
-        if self.limiter is None and self._slots is None:
+        if not self.waits_for_room:
             self.in_flight += 1  # nothing to wait for: skip the timeout machinery on the hot path
             return 0
         taken: int | None = None

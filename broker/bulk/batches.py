@@ -39,6 +39,7 @@ from mergebroker.broker.bulk.runner import BulkJob, BulkRunner, Limits, Result
 from mergebroker.broker.bulk.settling import CallShare
 from mergebroker.broker.bulk.store import BatchRow, BatchStore, FileRecord
 from mergebroker.broker.engine.accounting.costs import CostBook
+from mergebroker.broker.engine.ground.logging import bind_log_context, clear_log_context
 from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.broker.engine.ground.settings import ProviderSettings, Settings
 from mergebroker.broker.engine.limits.admission import Caller
@@ -238,8 +239,8 @@ class BatchService:
         await self._run(row, lines)
 
     async def _run(self, row: BatchRow, lines: builtins.list[BatchLine]) -> None:
-        structlog.contextvars.clear_contextvars()  # this task's own copy: the creating request's IDs go
-        structlog.contextvars.bind_contextvars(batch_id=row.id, tenant=row.tenant)
+        clear_log_context()  # this task's own copy: the creating request's IDs go
+        bind_log_context(batch_id=row.id, tenant=row.tenant)
         self._rows[row.id] = row
         custom_ids = [line.custom_id for line in lines]
         if row.data["status"] == "finalizing":  # stopped while writing its files: write them again

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
 from mergebroker.broker.engine.apis.messages import anthropic_error
+from mergebroker.broker.engine.ground.logging import bind_log_context
 from mergebroker.broker.http.drain import DRAIN, Drain
 from mergebroker.broker.http.keys import BROKER, SETTINGS_MAX_BODY
 from mergebroker.broker.http.server import CONNECTIONS
@@ -51,7 +52,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     info = request[INFO] = RequestInfo(request_id, broker_request_id, started)
     # aiohttp runs each request in a task of its own, whose context is a copy: what is bound here stays
     # with this request, so nothing needs clearing first.
-    structlog.contextvars.bind_contextvars(request_id=request_id, broker_request_id=broker_request_id)
+    bind_log_context(request_id=request_id, broker_request_id=broker_request_id)
     app = request.app
     guard = app.get(CONNECTIONS)
     if guard is not None:

@@ -41,6 +41,7 @@ from mergebroker.broker.engine.chat.stream_usage import (
 )
 from mergebroker.broker.engine.chat.stream_usage import settle as settle_future
 from mergebroker.broker.engine.chat.streamed_members import StreamedMembers
+from mergebroker.broker.engine.ground.logging import bind_log_context, unbind_log_context
 from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.broker.engine.ground.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.clock import Clock, monotonic
@@ -181,7 +182,7 @@ class Dispatcher:
             await self._run_streamed(tier, call, by_id, members, prompt_estimate, batch_id)
             return
         started = self._clock()
-        structlog.contextvars.bind_contextvars(batch_id=batch_id)
+        bind_log_context(batch_id=batch_id)
         try:
             tenants = {j.caller.tenant for j in jobs}  # blame goes to one tenant only (breaker.blame)
             with tracing.merged_call(batch_id, (j.trace_context for j in jobs)):  # linked to every member
@@ -205,7 +206,7 @@ class Dispatcher:
                 log.exception("merged_reply_unreadable", batch_id=batch_id)
                 settlement = every_member(members, BAD_REPLY)
         finally:
-            structlog.contextvars.unbind_contextvars("batch_id")
+            unbind_log_context("batch_id")
         # Every member's outcome but its own body: each answer is its own completion, cut out of the reply.
         shared = ChatOutcome({}, provider, self._clock() - started, batch_size=len(by_id), batch_id=batch_id)
         retry_alone = self._execute(tier, reply, shared, by_id, settlement)
@@ -241,7 +242,7 @@ class Dispatcher:
                 self._on_merged_answer(job, text, len(by_id))
             self._count.early_released(tier)
 
-        structlog.contextvars.bind_contextvars(batch_id=batch_id)
+        bind_log_context(batch_id=batch_id)
         try:
             with tracing.merged_call(batch_id, (j.trace_context for j in by_id.values())):
                 reply = await stream_blocks(self._pools, call, members, self._settling, on_verdict,
@@ -257,7 +258,7 @@ class Dispatcher:
         else:
             self._streamed_to_the_end(tier, by_id, members, answers, reply, counted, settled, streams)
         finally:
-            structlog.contextvars.unbind_contextvars("batch_id")
+            unbind_log_context("batch_id")
             settle_usage(settled, {i: counted.usage(i, text) for i, text in answers.items()})  # never left open
             if streams is not None:
                 streams.settle_rest(counted.usage)

@@ -23,7 +23,7 @@ import collections
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import structlog
 
@@ -103,6 +103,7 @@ class MergeQueue(Generic[T]):
         self.hand_off: Callable[[Callable[[], ReleasedGroup[T] | None]], bool] | None = None
         """Set by the worker pool: dispatches the best released group at once (given `pick`), or says False."""
         self._estimator = WindowEstimator()
+        self._decisions: dict[tuple[str, str], Any] = {}  # window_decisions' children by (tier, decision)
         self._closed = False
         if metrics is not None:
             # Read when scraped rather than set on every submit and take: no per-request work.
@@ -168,7 +169,11 @@ class MergeQueue(Generic[T]):
         else:
             decision = "wait" if wait else "skip"
         if self._metrics is not None:
-            self._metrics.window_decisions.labels(tier.name, decision).inc()
+            counter = self._decisions.get((tier.name, decision))
+            if counter is None:  # `labels()` costs more than the count itself: each child is looked up once
+                counter = self._decisions[(tier.name, decision)] = self._metrics.window_decisions.labels(tier.name,
+                                                                                                        decision)
+            counter.inc()
         return wait
 
     def _departed(self, group: tuple[str, str | None], _future: asyncio.Future) -> None:

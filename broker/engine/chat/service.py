@@ -10,7 +10,6 @@ scope, fingerprint and merge key follow its tier's `merge.mergeable.UnitRules`, 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterable, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -18,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from mergebroker import tracing
+from mergebroker import jsonio, tracing
 from mergebroker.broker.engine.chat.job_queue import JobQueue
 from mergebroker.broker.engine.chat.jobs import ChatJob, ChatOutcome, aged_rank
 from mergebroker.broker.engine.chat.stream_usage import MeteredStream, caller_wants_usage, with_usage_requested
@@ -152,7 +151,7 @@ class ChatService:
             if cached is not None:
                 self._count_cache("hit")
                 self._metrics.upstream_calls_saved.inc()
-                outcome = ChatOutcome(json.loads(cached), None, 0.0)
+                outcome = ChatOutcome(jsonio.loads(cached), None, 0.0)
                 return ChatResult(outcome, "hit", reservation.headers(), prompt_tokens)
 
         # A follower shares the leader's job: its tier (window, priority) and its merge opt-out must match.
@@ -184,7 +183,7 @@ class ChatService:
         if shared:
             self._metrics.upstream_calls_saved.inc()
         if cacheable and cache_control.write and cacheable_reply(outcome.body, body):
-            await self._cache.set(key, json.dumps(outcome.body).encode())  # type: ignore[union-attr]
+            await self._cache.set(key, jsonio.dumps(outcome.body))  # type: ignore[union-attr]
         return ChatResult(outcome, cache, reservation.headers(), prompt_tokens)
 
     async def _share(self, flight: str, submit: Callable[[], asyncio.Future[ChatOutcome] | Lead[ChatOutcome]],

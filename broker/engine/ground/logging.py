@@ -6,11 +6,13 @@ never logged: `redact_secrets` drops any key that looks like a secret as a last 
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import logging
 import sys
 import time
-from collections.abc import MutableMapping
+import types
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import orjson
@@ -22,11 +24,55 @@ _SECRET_KEYS = frozenset({"api_key", "authorization", "password", "secret", "gat
                           "content", "input", "text"})
 
 
+_NOTHING_BOUND: Mapping[str, Any] = types.MappingProxyType({})
+_LOG_CONTEXT: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("mergebroker_log_context",
+                                                                                   default=_NOTHING_BOUND)
+"""The keys every event of the current task carries (`request_id`, `batch_id`...): one variable holding a
+mapping that is replaced, never changed in place, so a task's copy of the context keeps its own."""
+
+
+def bind_log_context(**values: Any) -> None:
+    """Add `values` to every event logged from this task (and the tasks it starts) from now on.
+
+    One context variable for all keys: structlog's own contextvars keep one variable per key, and its merge
+    processor walks every variable of the context on every event (a visible share of the request line)."""
+    _LOG_CONTEXT.set({**_LOG_CONTEXT.get(), **values})
+
+
+def unbind_log_context(*keys: str) -> None:
+    """Stop adding `keys` to this task's events."""
+    bound = _LOG_CONTEXT.get()
+    if any(key in bound for key in keys):
+        _LOG_CONTEXT.set({k: v for k, v in bound.items() if k not in keys})
+
+
+def clear_log_context() -> None:
+    """Nothing bound for this task from now on (a task that must not carry its creator's keys)."""
+    _LOG_CONTEXT.set(_NOTHING_BOUND)
+
+
+def merge_log_context(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: the task's bound keys, where the event does not name them itself."""
+    for key, value in _LOG_CONTEXT.get().items():
+        event.setdefault(key, value)
+    return event
+
+
+_SECRET_BY_KEY: dict[str, bool] = {}
+"""Whether each key seen is secret-looking: event keys are names in the code, so they are few and each is
+lowered once, not on every event."""
+
+
 def redact_secrets(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: replace values of secret-looking keys."""
-    for key in list(event):
-        if key.lower() in _SECRET_KEYS:
-            event[key] = "[redacted]"
+    for key in event:
+        secret = _SECRET_BY_KEY.get(key)
+        if secret is None:
+            secret = key.lower() in _SECRET_KEYS
+            if len(_SECRET_BY_KEY) < 10_000:  # a key made of data (a dict splatted into an event) stays bounded
+                _SECRET_BY_KEY[key] = secret
+        if secret:
+            event[key] = "[redacted]"  # a value replaced, no key added: iterating on is safe
     return event
 
 
@@ -106,7 +152,7 @@ def configure_logging(level: str = "info", *, json_lines: bool = True, request_l
         renderer, factory = structlog.dev.ConsoleRenderer(), structlog.PrintLoggerFactory(file=sys.stderr)
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
+            merge_log_context,
             *stamp,
             redact_secrets,
             structlog.processors.format_exc_info,

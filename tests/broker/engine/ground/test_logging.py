@@ -79,3 +79,26 @@ def test_request_lines_are_sampled_past_the_rate_errors_always_written_and_the_s
 def test_without_a_rate_every_request_is_written():
     sampler = RequestLogSampler(None, clock=FakeClock())
     assert all(sampler.admit(error=False) for _ in range(1000))
+
+
+def test_bound_keys_reach_every_event_of_the_task_and_its_children_but_never_override_an_events_own():
+    """`bind_log_context` (what the middleware binds a request's IDs with): a child task starts with its
+    creator's keys and binds its own without touching the creator's; an event's own key wins; an unbound
+    key is gone from later events (run in a child: configuring is process-wide)."""
+    code = ("import asyncio, structlog\n"
+            "from mergebroker.broker.engine.ground.logging import configure_logging, bind_log_context, "
+            "unbind_log_context\n"
+            "configure_logging('info'); log = structlog.get_logger('t')\n"
+            "async def child():\n"
+            "    bind_log_context(request_id='r2'); log.info('child')\n"
+            "async def main():\n"
+            "    bind_log_context(request_id='r1', batch_id='b1')\n"
+            "    await asyncio.create_task(child())\n"
+            "    log.info('own', request_id='mine')\n"
+            "    unbind_log_context('batch_id'); log.info('after')\n"
+            "asyncio.run(main())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, check=True)
+    lines = {line["event"]: line for line in map(json.loads, done.stderr.decode().splitlines())}
+    assert (lines["child"]["request_id"], lines["child"]["batch_id"]) == ("r2", "b1")
+    assert (lines["own"]["request_id"], lines["own"]["batch_id"]) == ("mine", "b1")
+    assert lines["after"]["request_id"] == "r1" and "batch_id" not in lines["after"]
