@@ -29,6 +29,7 @@ NON_ANSWER_FIELDS = frozenset({
 })
 # Fields canonicalised apart from the rest: the messages, stop, and the two names of the token limit.
 _SPECIAL_FIELDS = frozenset({"messages", "stop", "max_tokens", "max_completion_tokens"})
+_NOT_FIELDS = NON_ANSWER_FIELDS | _SPECIAL_FIELDS
 
 
 def normalize_text(text: str, *, lowercase: bool, collapse_whitespace: bool = True) -> str:
@@ -41,20 +42,30 @@ def normalize_text(text: str, *, lowercase: bool, collapse_whitespace: bool = Tr
 def chat_fingerprint(body: Mapping[str, Any], *, lowercase: bool = True, collapse_whitespace: bool = True,
                      cache_version: str = "1") -> str:
     """Return the hex SHA-256 key of a chat completion body (see the module docstring for the rule)."""
-    text = partial(normalize_text, lowercase=lowercase, collapse_whitespace=collapse_whitespace)
-    # Body fields sit under their own key, so a field named like one of ours ("kind") cannot collide.
-    fields = {name: canonical_value(value) for name, value in body.items()
-              if name not in NON_ANSWER_FIELDS and name not in _SPECIAL_FIELDS}
-    max_tokens = token_budget(body, 0) or None  # the one rule: the same budget, however the body names it
+    # Body fields sit under their own key, so a field named like one of ours ("kind") cannot collide. Nulls
+    # are left out as they are met (an absent field equals a null one) rather than dropped in a second pass:
+    # this runs on every request.
+    fields = {}
+    for name, value in body.items():
+        if name in _NOT_FIELDS:
+            continue
+        if type(value) not in _PLAIN:
+            value = canonical_value(value)
+        if value is not None:
+            fields[name] = value
     canonical: dict[str, Any] = {
         "kind": "chat",
         "cache_version": cache_version,
-        "fields": _drop_nulls(fields),
-        "max_tokens": canonical_value(max_tokens),
-        "stop": canonical_stop(body.get("stop")),
-        "messages": [_canonical_message(m, text) for m in body.get("messages") or []],
+        "fields": fields,
+        "messages": [_canonical_message(m, lowercase, collapse_whitespace) for m in body.get("messages") or []],
     }
-    return _digest(canonical)
+    max_tokens = token_budget(body, 0)  # the one rule: the same budget, however the body names it
+    if max_tokens:
+        canonical["max_tokens"] = max_tokens
+    stop = canonical_stop(body.get("stop"))
+    if stop is not None:
+        canonical["stop"] = stop
+    return json_digest(canonical)
 
 
 def embedding_fingerprint(
@@ -77,13 +88,27 @@ def embedding_fingerprint(
     return _digest(canonical)
 
 
-def _canonical_message(message: Any, text: Callable[[str], str]) -> Any:
+def _canonical_message(message: Any, lowercase: bool, collapse_whitespace: bool) -> Any:
     if type(message) is not dict and not isinstance(message, Mapping):
         return canonical_value(message)
     # Every message field counts (role, name, tool-call state, vendor fields); only the text is normalised.
-    out = {k if type(k) is str else str(k): canonical_value(v) for k, v in message.items()}
-    out["content"] = _canonical_content(message.get("content"), text)
-    return _drop_nulls(out)
+    out = {}
+    for key, value in message.items():
+        if type(value) not in _PLAIN:
+            value = canonical_value(value)
+        if value is not None:
+            out[key if type(key) is str else str(key)] = value
+    content = message.get("content")
+    if type(content) is str:
+        out["content"] = normalize_text(content, lowercase=lowercase, collapse_whitespace=collapse_whitespace)
+        return out
+    content = _canonical_content(content, partial(normalize_text, lowercase=lowercase,
+                                                  collapse_whitespace=collapse_whitespace))
+    if content is None:
+        out.pop("content", None)
+    else:
+        out["content"] = content
+    return out
 
 
 def _canonical_content(content: Any, text: Callable[[str], str]) -> Any:
