@@ -56,6 +56,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("profile_broker", "where the request path's CPU goes (cProfile or a sampler)"),
     Benchmark("components", "the passthrough request's CPU by component at concurrency 1 and 64, beside the proxy's"),
     Benchmark("engine_glue", "the broker's own work per chat request, in-process over an instant upstream (no HTTP)"),
+    Benchmark("instructions", "instructions per request of the broker and the minimal proxy under callgrind (exact, "
+              "unmoved by a busy host)"),
     Benchmark("simulator_billing", "what OpenAI-style billing and its prompt cache do to the simulator's bill"),
     Benchmark("proxy_baseline", "a minimal aiohttp reverse proxy, the floor passthrough is measured against",
               process=True),
