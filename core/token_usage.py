@@ -18,7 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mergebroker.frozen_init import direct_init
 
+
+@direct_init  # built on every request
 @dataclass(frozen=True)
 class TokenUsage:
     """Prompt and completion tokens of one answer, with the prompt's cached and cache-written parts."""

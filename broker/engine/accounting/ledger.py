@@ -40,6 +40,7 @@ from typing import Literal, Protocol
 import structlog
 
 from mergebroker import clock
+from mergebroker.frozen_init import direct_init
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +50,7 @@ Endpoint = Literal["chat", "responses", "messages", "count_tokens", "embeddings"
 # shadow: a merge-quality check call; batch: one line of a Batch API job (its request_id is the line's)
 
 
+@direct_init  # built on every request
 @dataclass(frozen=True)
 class LedgerRecord:
     """What one answered request cost and saved; see the module docstring for the token rules."""

@@ -11,6 +11,7 @@ import structlog
 
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import BrokerError, Overloaded
+from mergebroker.frozen_init import direct_init
 from mergebroker.merge.shape import MergeShape
 from mergebroker.token_usage import TokenUsage
 from mergebroker.tracing import TraceContext
@@ -33,6 +34,7 @@ def aged_rank(priority: int, enqueued_at: float, aging_per_s: float) -> float:
     return priority / aging_per_s - enqueued_at
 
 
+@direct_init  # built on every request
 @dataclass(frozen=True)
 class ChatOutcome:
     """What a caller receives: its own completion body plus how it was produced."""

@@ -30,6 +30,7 @@ from mergebroker.broker.engine.limits.limiter import Limiter
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec, Reservation
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, DeadlineExceeded, UpstreamUnavailable
+from mergebroker.frozen_init import direct_init
 from mergebroker.merge.cache import TwoLevelCache
 from mergebroker.merge.coalesce import Lead, SingleFlight
 from mergebroker.providers.base import Pool
@@ -37,6 +38,7 @@ from mergebroker.providers.base import Pool
 log = structlog.get_logger(__name__)
 
 
+@direct_init  # built on every request
 @dataclass(frozen=True)
 class ChatResult:
     """A finished chat request: the outcome, how the cache took part, and the rate-limit headers."""

@@ -21,6 +21,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from mergebroker.broker.engine.ground.settings import ApiKeySettings, AuthSettings
 from mergebroker.broker.engine.limits.ratelimit import LimitSpec
 from mergebroker.errors import Forbidden, Unauthorized
+from mergebroker.frozen_init import direct_init
 
 TENANT_HEADER = "X-Broker-Tenant"
 TIER_HEADER = "X-Broker-Tier"
@@ -28,6 +29,7 @@ USER_HEADER = "X-Broker-User"
 GATEWAY_SECRET_HEADER = "X-Broker-Gateway-Secret"
 
 
+@direct_init  # built on every request
 @dataclass(frozen=True)
 class Caller:
     """An authenticated caller: its tenant, the tier it runs in, and its key's own limits."""

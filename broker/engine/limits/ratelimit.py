@@ -17,6 +17,7 @@ from typing import Literal
 
 from mergebroker.clock import Clock
 from mergebroker.errors import RateLimited
+from mergebroker.frozen_init import direct_init
 from mergebroker.providers.token_bucket import EPSILON, TokenBucket
 
 Kind = Literal["requests", "tokens"]
@@ -36,6 +37,7 @@ class LimitSpec:
                 raise ValueError(f"{name} must be positive or None, got {value!r}")
 
 
+@direct_init  # built on every request
 @dataclass(frozen=True)
 class BucketRequest:
     """One bucket a reservation touches: whose, which kind, its per-minute limit, and how much to take."""
@@ -50,6 +52,7 @@ class BucketRequest:
         return self.limit / 60.0
 
 
+@direct_init  # built on every request
 @dataclass(frozen=True)
 class BucketLevel:
     """A bucket's level at one moment, next to the request made of it."""
