@@ -1,5 +1,6 @@
 """Operability: a bearer token can guard /metrics and /v1/broker/stats, known label values exist at zero from
-the start, a request its client aborts is counted as 499, and a stream whose upstream dies mid-way is a failure."""
+the start, a request its client aborts is counted as 499, a stream whose upstream dies mid-way is a failure, and
+a request's account (kept after its answer is written) is there for the next read and never costs the answer."""
 
 from __future__ import annotations
 
@@ -72,6 +73,27 @@ async def test_a_request_its_client_aborts_is_counted_as_499(simulator, start_br
 
     # the broker notices the disconnect on its own loop: no event reaches the test
     await wait_until(counted, 4, "no 499 counted", interval_s=0.02)
+
+
+async def test_the_account_kept_after_the_answer_is_there_for_the_next_read_and_never_costs_the_answer(
+        simulator, start_broker, tmp_path):
+    broker = await start_broker({"providers": [provider_for(simulator)], **NO_MERGE_MODEL,
+                                 "ledger": {"path": str(tmp_path / "ledger.sqlite3")}})
+    status, _, _ = await broker.chat("counted before anyone can ask")
+    assert status == 200
+    # The very next scrape sees it: the account is kept in the loop turn after the answer was written.
+    assert 'mergebroker_requests_total{endpoint="chat",status="200",tier="standard"} 1.0' in (await _metrics(broker))[1]
+    ledger = broker.broker.ledger
+    assert ledger is not None
+
+    def broken(_record: Any) -> None:
+        raise RuntimeError("ledger store gone")
+
+    ledger.record = broken  # type: ignore[method-assign]
+    status, body, _ = await broker.chat("answered although the ledger fails")
+    assert status == 200 and body["choices"][0]["message"]["content"]
+    status, _, _ = await broker.chat("and the next caller too")
+    assert status == 200
 
 
 class _DiesMidStream:
