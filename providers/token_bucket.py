@@ -30,7 +30,8 @@ class TokenBucket:
     def _refill(self) -> None:
         now = self._clock()
         if now > self._stamp:
-            self._level = min(self.capacity, self._level + (now - self._stamp) * self.refill_per_s)
+            level = self._level + (now - self._stamp) * self.refill_per_s
+            self._level = level if level < self.capacity else self.capacity  # not min(): every read refills
             self._stamp = now
 
     def available(self) -> float:

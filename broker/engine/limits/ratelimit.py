@@ -75,9 +75,10 @@ class BucketLevel:
 
 def bucket_requests(specs: Sequence[LimitSpec], tokens: int) -> list[BucketRequest]:
     """The buckets a request of `tokens` tokens touches: one request and the tokens from each limit that exists."""
-    keys = [spec.key for spec in specs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"limit keys must be distinct: {keys}")
+    if len(specs) > 1:  # one spec (a tier's own, the common case) cannot repeat a key
+        keys = [spec.key for spec in specs]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"limit keys must be distinct: {keys}")
     wanted: list[BucketRequest] = []
     for spec in specs:
         if spec.rpm is not None:
@@ -105,18 +106,22 @@ def format_duration(seconds: float) -> str:
 def ratelimit_headers(levels: Sequence[BucketLevel]) -> dict[str, str]:
     """x-ratelimit-{limit,remaining,reset}-{requests,tokens} for the tightest bucket of each kind.
 
-    The tightest is the one with the fewest remaining (ties: the smaller limit), since that is the one
-    the caller will hit first. Kinds without any limit get no headers.
+    The tightest is the one with the fewest remaining (ties: the smaller limit, then the first), since that is
+    the one the caller will hit first. Kinds without any limit get no headers.
     """
+    tightest: dict[str, BucketLevel] = {}
+    for lv in levels:  # one pass, no sort: this runs on every admitted request
+        held = tightest.get(lv.bucket.kind)
+        if held is None or (lv.level, lv.bucket.limit) < (held.level, held.bucket.limit):
+            tightest[lv.bucket.kind] = lv
     headers: dict[str, str] = {}
     for kind in ("requests", "tokens"):
-        of_kind = [lv for lv in levels if lv.bucket.kind == kind]
-        if not of_kind:
+        lv = tightest.get(kind)
+        if lv is None:
             continue
-        tightest = min(of_kind, key=lambda lv: (lv.level, lv.bucket.limit))
-        headers[f"x-ratelimit-limit-{kind}"] = str(tightest.bucket.limit)
-        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(tightest.level + EPSILON)))
-        headers[f"x-ratelimit-reset-{kind}"] = format_duration(tightest.reset_s())
+        headers[f"x-ratelimit-limit-{kind}"] = str(lv.bucket.limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(lv.level + EPSILON)))
+        headers[f"x-ratelimit-reset-{kind}"] = format_duration(lv.reset_s())
     return headers
 
 
