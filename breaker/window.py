@@ -100,13 +100,17 @@ class SlidingWindow:
         return not self._failures and not self._slow
 
     def _count(self, outcome: Outcome, tenant: str | None, sign: int) -> None:
-        failure, slow = _WEIGHTS[outcome]  # per call, twice: a dict lookup, not two enum properties
-        self._failures += sign * failure
-        self._slow += sign * slow
-        counts = self._tenants.setdefault(tenant, [0, 0, 0])
+        # Per call, twice (recorded, then evicted): a success, nearly every call, only moves the call counts.
+        counts = self._tenants.get(tenant)
+        if counts is None:
+            counts = self._tenants[tenant] = [0, 0, 0]
         counts[0] += sign
-        counts[1] += sign * failure
-        counts[2] += sign * slow
+        if outcome is not Outcome.SUCCESS:
+            failure, slow = _WEIGHTS[outcome]  # a dict lookup, not two enum properties
+            self._failures += sign * failure
+            self._slow += sign * slow
+            counts[1] += sign * failure
+            counts[2] += sign * slow
         if counts[0] == 0:
             del self._tenants[tenant]
 
