@@ -116,12 +116,12 @@ def ratelimit_headers(levels: Sequence[BucketLevel]) -> dict[str, str]:
             tightest[lv.bucket.kind] = lv
     headers: dict[str, str] = {}
     for kind in ("requests", "tokens"):
-        lv = tightest.get(kind)
-        if lv is None:
+        chosen = tightest.get(kind)
+        if chosen is None:
             continue
-        headers[f"x-ratelimit-limit-{kind}"] = str(lv.bucket.limit)
-        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(lv.level + EPSILON)))
-        headers[f"x-ratelimit-reset-{kind}"] = format_duration(lv.reset_s())
+        headers[f"x-ratelimit-limit-{kind}"] = str(chosen.bucket.limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(chosen.level + EPSILON)))
+        headers[f"x-ratelimit-reset-{kind}"] = format_duration(chosen.reset_s())
     return headers
 
 
