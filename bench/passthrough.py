@@ -17,7 +17,8 @@ the lone-request path, reported against the passthrough broker (issue 36: within
 in-process sink that only counts what it receives), reported beside the broker with telemetry off.
 
 Targets, reported and not enforced: broker throughput >= 0.7x the proxy's, and broker p99 minus direct p99
-<= 5 ms, both at concurrency 16.
+<= 5 ms, both at concurrency 16; and the hot path's (issue 36): throughput >= 0.8x the proxy's at every
+concurrency, and p50 at concurrency 1 within +0.3 ms of the proxy's (paired per round, not over direct).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ LONE_RATIO_TARGET = 0.9
 THROUGHPUT_RATIO_TARGET = 0.7
 ADDED_P99_TARGET_MS = 5.0
 TARGET_CONCURRENCY = 16
+FLOOR_RATIO_TARGET = 0.8  # throughput against the proxy, at every concurrency
+P50_OVER_PROXY_TARGET_MS = 0.3  # at concurrency 1
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int,
     out["proxy_vs_direct_rps"] = paired(lambda t: t["proxy"]["rps"] / t["direct"]["rps"])
     out["broker_added_p50_ms"] = paired(lambda t: t["broker"]["p50_ms"] - t["direct"]["p50_ms"])
     out["broker_added_p99_ms"] = paired(lambda t: t["broker"]["p99_ms"] - t["direct"]["p99_ms"])
+    out["broker_over_proxy_p50_ms"] = paired(lambda t: t["broker"]["p50_ms"] - t["proxy"]["p50_ms"])
     out["proxy_added_p99_ms"] = paired(lambda t: t["proxy"]["p99_ms"] - t["direct"]["p99_ms"])
     out["broker_vs_proxy_cpu"] = paired(lambda t: t["broker"]["cpu_ms_per_req"] / t["proxy"]["cpu_ms_per_req"]
                                         if t["proxy"]["cpu_ms_per_req"] else float("nan"))
@@ -162,6 +166,7 @@ def summarize_concurrency(rows: list[dict[str, Any]], concurrency: int,
         out["broker_vs_old_rps"] = paired(lambda t: t["broker"]["rps"] / t[OLD]["rps"])
         out["broker_vs_old_cpu"] = paired(lambda t: t["broker"]["cpu_ms_per_req"] / t[OLD]["cpu_ms_per_req"])
         out["old_added_p50_ms"] = paired(lambda t: t[OLD]["p50_ms"] - t["direct"]["p50_ms"])
+        out["old_over_proxy_p50_ms"] = paired(lambda t: t[OLD]["p50_ms"] - t["proxy"]["p50_ms"])
     if TRACED in names:
         out["traced_vs_broker_rps"] = paired(lambda t: t[TRACED]["rps"] / t["broker"]["rps"])
         out["traced_added_p50_ms"] = paired(lambda t: t[TRACED]["p50_ms"] - t["broker"]["p50_ms"])
@@ -196,7 +201,14 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets against the measured figures at concurrency 16 (or the nearest level run)."""
     level = min(summary, key=lambda c: abs(int(c) - TARGET_CONCURRENCY))
     s = summary[level]
+    lowest = summary[min(summary, key=int)]
+    floor = {c: v["broker_vs_proxy_rps"] for c, v in summary.items()}
     return {"concurrency": int(level),
+            "floor_ratio_target": FLOOR_RATIO_TARGET, "floor_ratios": floor,
+            "floor_ok": all(r >= FLOOR_RATIO_TARGET for r in floor.values()),
+            "p50_over_proxy_concurrency": lowest["concurrency"],
+            "p50_over_proxy_ms": lowest["broker_over_proxy_p50_ms"], "p50_over_proxy_target_ms": P50_OVER_PROXY_TARGET_MS,
+            "p50_over_proxy_ok": lowest["broker_over_proxy_p50_ms"] <= P50_OVER_PROXY_TARGET_MS,
             "throughput_ratio": s["broker_vs_proxy_rps"], "throughput_ratio_target": THROUGHPUT_RATIO_TARGET,
             "throughput_ok": s["broker_vs_proxy_rps"] >= THROUGHPUT_RATIO_TARGET,
             "added_p99_ms": s["broker_added_p99_ms"], "added_p99_target_ms": ADDED_P99_TARGET_MS,
@@ -298,11 +310,17 @@ def report(result: dict[str, Any]) -> str:
                  f"(>= {t['throughput_ratio_target']}: {'PASS' if t['throughput_ok'] else 'FAIL'}); "
                  f"added p99 {t['added_p99_ms']:.2f} ms (<= {t['added_p99_target_ms']:g} ms: "
                  f"{'PASS' if t['added_p99_ok'] else 'FAIL'}); added p99 at equal load "
-                 f"{t['equal_load_added_p99_ms']:.2f} ms"]
+                 f"{t['equal_load_added_p99_ms']:.2f} ms",
+             "Hot-path targets: throughput broker/proxy " + " / ".join(
+                 f"{r:.2f}" for r in t["floor_ratios"].values()) + f" at concurrency {' / '.join(t['floor_ratios'])} "
+                 f"(>= {t['floor_ratio_target']} at each: {'PASS' if t['floor_ok'] else 'FAIL'}); p50 over the proxy's "
+                 f"at concurrency {t['p50_over_proxy_concurrency']} {t['p50_over_proxy_ms']:+.2f} ms "
+                 f"(<= +{t['p50_over_proxy_target_ms']:g} ms: {'PASS' if t['p50_over_proxy_ok'] else 'FAIL'})"]
     if OLD in names:
         old = [{"conc": s["concurrency"], **{k: s[k] for k in ("old_vs_proxy_rps", "broker_vs_proxy_rps",
                                                                 "broker_vs_old_rps", "broker_vs_old_cpu",
-                                                                "old_added_p50_ms", "broker_added_p50_ms")}}
+                                                                "old_over_proxy_p50_ms",
+                                                                "broker_over_proxy_p50_ms")}}
                for s in result["summary"].values()]
         lines += ["", "This checkout against the old one (broker_old), side by side (paired medians)",
                   format_table(old, list(old[0]))]

@@ -117,6 +117,14 @@ def passthrough_fixture() -> dict[str, Any]:
             "targets": {**passthrough.verdict(summary), "equal_load_added_p99_ms": 3.5}, "meta": META}
 
 
+def test_passthrough_verdict_reads_the_hot_path_targets_at_every_concurrency_and_p50_over_the_proxy() -> None:
+    targets = passthrough_fixture()["targets"]
+    assert targets["floor_ratios"] == {"1": 0.55, "16": 0.55} and not targets["floor_ok"]
+    # p50 at concurrency 1: the broker's 7 ms against the proxy's 1.5 ms, paired per round, not over direct.
+    assert targets["p50_over_proxy_concurrency"] == 1
+    assert targets["p50_over_proxy_ms"] == 5.5 and not targets["p50_over_proxy_ok"]
+
+
 def tier_stats(requests: int, p50: float, p99: float) -> dict[str, Any]:
     return {"requests": requests, "ok": requests, "p50_ms": p50, "p90_ms": p99 * 0.9, "p99_ms": p99,
             "max_ms": p99 * 1.1, "mean_ms": p50}

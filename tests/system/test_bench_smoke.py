@@ -60,6 +60,9 @@ def test_passthrough_quick_reports_all_three_targets_with_ratios(quick_runs) -> 
         assert "broker_added_p99_ms" in level
     assert {"throughput_ratio", "throughput_ok", "added_p99_ms", "added_p99_ok"} <= set(result["targets"])
     assert result["targets"]["concurrency"] == 16
+    # The hot path's targets: the ratio at every concurrency run, and p50 over the proxy's at the lowest.
+    assert set(result["targets"]["floor_ratios"]) == set(result["summary"])
+    assert result["targets"]["p50_over_proxy_concurrency"] == min(int(c) for c in result["summary"])
 
 
 def test_tiers_quick_reports_latency_per_tier_and_queue_overhead(quick_runs) -> None:
