@@ -6,7 +6,9 @@ the simulator, the proxy and the load generator are child processes. A statistic
 `--interval-ms` of this process's CPU) records the stack of each sample; a sample is charged to the innermost
 frame that belongs to a component (`COMPONENTS`: module paths, most specific first). Frames of the standard
 library and asyncio's transports are charged to the component that called them; what only the event loop ran
-is "event loop". Shares times the unprofiled CPU per request give microseconds per request.
+is "event loop". Shares times the unprofiled CPU per request give microseconds per request. The collector's
+passes in the unprofiled run are counted apart (`GcWatch`): their CPU grows with the requests in flight, which
+is where a broker's CPU per request grew from concurrency 16 to 64 (`mergebroker.gc_policy`).
 
     python -m bench.components [--requests 3000] [--concurrency 1,64] [--out FILE]
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import time
 from collections import Counter
@@ -89,6 +92,29 @@ class ComponentSampler(StackSampler):
             self.components[component_of(frame)] += 1
 
 
+class GcWatch:
+    """Counts the cycle collector's passes in this process while entered, by generation, with their CPU time."""
+
+    def __init__(self) -> None:
+        self.passes = [0, 0, 0]
+        self.cpu_s = 0.0
+        self._started = 0.0
+
+    def _seen(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.process_time()
+        else:
+            self.passes[info["generation"]] += 1
+            self.cpu_s += time.process_time() - self._started
+
+    def __enter__(self) -> GcWatch:
+        gc.callbacks.append(self._seen)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        gc.callbacks.remove(self._seen)
+
+
 async def proxy_cpu_ms(proxy_url: str, proxy: Any, concurrency: int, requests: int) -> float:
     """The minimal proxy's CPU milliseconds per request under the same load."""
     def body(i: int) -> tuple[dict[str, Any], dict[str, str], str]:
@@ -112,7 +138,8 @@ async def run(concurrencies: Sequence[int], requests: int, interval_ms: float) -
             async with processes(start_proxy(sim_base_url(sim))) as (proxy,):
                 for concurrency in concurrencies:
                     await measured(url, concurrency, min(300, requests))  # warm code paths and pools
-                    plain = await measured(url, concurrency, requests)
+                    with GcWatch() as collector:
+                        plain = await measured(url, concurrency, requests)
                     sampler = ComponentSampler(interval_ms / 1000)
                     with sampler:
                         await measured(url, concurrency, requests)
@@ -123,6 +150,7 @@ async def run(concurrencies: Sequence[int], requests: int, interval_ms: float) -
                     result["levels"].append({
                         "concurrency": concurrency, "broker_cpu_ms_per_request": per_ms,
                         "broker_rps": plain.requests / plain.wall_s, "samples": sampler.samples, "components": rows,
+                        "gc_passes": collector.passes, "gc_us_per_request": 1e6 * collector.cpu_s / plain.requests,
                         "proxy_cpu_ms_per_request": await proxy_cpu_ms(proxy.url, proxy, concurrency, requests)})
         finally:
             await runner.cleanup()
@@ -136,6 +164,8 @@ def report(result: dict[str, Any]) -> str:
         lines += [f"concurrency {level['concurrency']}: broker {1000 * level['broker_cpu_ms_per_request']:.0f} us of "
                   f"CPU per request ({level['broker_rps']:.0f} req/s, {level['samples']} samples)",
                   format_table(level["components"], ["component", "share_pct", "us_per_request"]),
+                  "garbage collector (in the components above): {} young / {} middle / {} full passes, {:.1f} us per "
+                  "request".format(*level.get("gc_passes", (0, 0, 0)), level.get("gc_us_per_request", 0.0)),
                   f"minimal proxy, all of it: {1000 * level['proxy_cpu_ms_per_request']:.0f} us per request", ""]
     return "\n".join(lines)
 

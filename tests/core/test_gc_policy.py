@@ -8,7 +8,7 @@ import gc
 import weakref
 
 from mergebroker.broker.engine.ground.config import load_settings
-from mergebroker.gc_policy import PAUSED, GcPolicy, let_go
+from mergebroker.gc_policy import PAUSED, YOUNG_THRESHOLD, GcPolicy, let_go
 from tests.broker.bulk.test_batch_runner import create_batch, service_on
 
 
@@ -85,6 +85,31 @@ def test_a_cycle_that_dies_old_during_a_hold_waits_for_its_end_and_is_freed_by_i
             assert alive() is not None  # young passes never walk the oldest generation
         assert alive() is None and gc.get_threshold() == saved
     finally:
+        gc.set_threshold(*saved)
+
+
+def test_the_objects_of_64_requests_in_flight_make_no_young_pass_under_the_default_policy():
+    # A passthrough request holds ~233 tracked objects while in flight (measured at 64 in flight), all freed by
+    # reference counting: a young pass over them finds nothing and only moves them on for later passes.
+    per_request, in_flight = 233, 64
+    saved = gc.get_threshold()
+    passes: list[int] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            passes.append(info["generation"])
+
+    policy = GcPolicy(gc, pause_from=1)
+    try:
+        policy.hold(1).release()  # the policy's own thresholds, then one full pass: the young count starts at 0
+        assert gc.get_threshold()[0] == YOUNG_THRESHOLD
+        gc.callbacks.append(seen)
+        held = [{"request": i} for i in range(per_request * in_flight)]
+        gc.callbacks.remove(seen)
+        assert passes == [] and len(held) == per_request * in_flight
+    finally:
+        if seen in gc.callbacks:
+            gc.callbacks.remove(seen)
         gc.set_threshold(*saved)
 
 
