@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 from aiohttp import web
@@ -197,10 +196,12 @@ class BrokenEmbedder:
         raise RuntimeError("the model process died")
 
 
-def dispatcher(pools: Any, *, threshold: float = 0.0, tagged: bool = False, embedder: Any = None) -> Dispatcher:
+def dispatcher(pools: Any, *, threshold: float = 0.0, tagged: bool = False, embedder: Any = None,
+               clock: Any = None) -> Dispatcher:
     return Dispatcher(pools, tiers={"t": TierMergePolicy(True, threshold, 8, tagged)},
                       options=MergeOptions(None, 4, {}, 100_000), embedder=embedder,
-                      guard=QualityGuard(GuardSettings()), merging_allowed=lambda model: True)
+                      guard=QualityGuard(GuardSettings()), merging_allowed=lambda model: True,
+                      **({"clock": clock} if clock is not None else {}))
 
 
 def jobs(*questions: str, systems: tuple[str | None, ...] = ()) -> list[ChatJob]:
@@ -398,11 +399,12 @@ async def test_a_hung_merged_call_leaves_its_members_time_to_be_sent_alone():
             return await super().chat(model, body, **kw)
 
     group = jobs("first question", "second question")
-    now = time.monotonic()
+    clock = FakeClock()  # the dispatcher's clock, which the members' deadlines are on
+    now = clock()
     for job in group:
         job.deadline = now + 20
     pools = HangingMerged()
-    await dispatcher(pools).run_group(ReleasedGroup("t", "k", group, 0.0))
+    await dispatcher(pools, clock=clock).run_group(ReleasedGroup("t", "k", group, 0.0))
     results = await outcomes(group)
     assert [r.fallback for r in results] == ["merged_call_failed"] * 2  # type: ignore[union-attr]
     assert pools.merged_deadlines and pools.merged_deadlines[0] <= now + 10.5
