@@ -11,11 +11,11 @@ those passes long, and the policy keeps each out of them:
 - Requests in flight. A passthrough request holds ~200-350 tracked objects while it waits on its upstream
   (the server's request, the client's response, tasks, futures, dicts), and it makes no cyclic garbage:
   they all die by reference counting. A young pass is due each time the tracked objects alive grow by the
-  young threshold since the last pass, so at CPython's 700, or the 5,000 this policy first set, passes
-  came as soon as some 20-60 requests were in flight, walked only live objects (found 0 garbage in every
-  pass measured) and moved them to the middle generation for the next passes to walk again: 25-34 us of
-  CPU per request at 64 in flight and ~100 us at 256, growing with concurrency, while a request costs
-  ~800 us. At 20,000 the same runs made no pass at 64 and ~15 us per request at 256. The price: a young
+  young threshold since the last pass, so at the 5,000 this policy first set, passes came as soon as some
+  20-60 requests were in flight, walked only live objects (found 0 garbage in every pass measured) and
+  moved them to the middle generation for the next passes to walk again: 10-34 us of CPU per request at
+  64 in flight and ~100 us at 256, growing with concurrency, while a request costs ~800 us. At 20,000 the
+  same runs made no pass at 64 and 15-21 us per request at 256. The price: a young
   pass, when one comes, walks up to 20,000 objects (~15 ms here) instead of 5,000 (~4-6 ms), at most a
   tenth as often.
 - A large bulk job holds ~5 tracked objects per line (the line, its body, its messages, its planned item

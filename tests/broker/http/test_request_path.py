@@ -197,11 +197,10 @@ class BrokenEmbedder:
 
 
 def dispatcher(pools: Any, *, threshold: float = 0.0, tagged: bool = False, embedder: Any = None,
-               clock: Any = None) -> Dispatcher:
+               **options: Any) -> Dispatcher:
     return Dispatcher(pools, tiers={"t": TierMergePolicy(True, threshold, 8, tagged)},
                       options=MergeOptions(None, 4, {}, 100_000), embedder=embedder,
-                      guard=QualityGuard(GuardSettings()), merging_allowed=lambda model: True,
-                      **({"clock": clock} if clock is not None else {}))
+                      guard=QualityGuard(GuardSettings()), merging_allowed=lambda model: True, **options)
 
 
 def jobs(*questions: str, systems: tuple[str | None, ...] = ()) -> list[ChatJob]:
