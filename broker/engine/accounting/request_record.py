@@ -16,7 +16,7 @@ import structlog
 
 from mergebroker.broker.engine.accounting.costs import CostBook
 from mergebroker.broker.engine.accounting.ledger import Ledger, LedgerRecord, saved_tokens
-from mergebroker.broker.engine.ground.logging import REQUEST_LOG
+from mergebroker.broker.engine.ground.logging import REQUEST_LOG, log_info_event
 from mergebroker.broker.engine.ground.metrics import Metrics
 from mergebroker.errors import BrokerError
 from mergebroker.token_usage import TokenUsage
@@ -68,11 +68,14 @@ def record_request(metrics: Metrics | None, ledger: Ledger | None, info: Request
         _record(ledger, info, endpoint, status, elapsed)
     if not REQUEST_LOG.admit(error=status >= 400 or info.stream_error is not None):
         return
-    log.info("request", endpoint=endpoint, status=sent_status or status, tenant=info.tenant, tier=info.tier,
-             model=info.model, latency_ms=round(elapsed * 1000, 2), upstream_ms=round(info.upstream_s * 1000, 2),
-             batch_size=info.batch_size, batch_id=info.batch_id, cache=info.cache,
-             stream_error=(info.stream_error.code or info.stream_error.type) if info.stream_error else None,
-             **({"dropped": list(info.dropped)} if info.dropped else {}))
+    fields = {"endpoint": endpoint, "status": sent_status or status, "tenant": info.tenant, "tier": info.tier,
+              "model": info.model, "latency_ms": round(elapsed * 1000, 2),
+              "upstream_ms": round(info.upstream_s * 1000, 2), "batch_size": info.batch_size,
+              "batch_id": info.batch_id, "cache": info.cache,
+              "stream_error": (info.stream_error.code or info.stream_error.type) if info.stream_error else None}
+    if info.dropped:
+        fields["dropped"] = list(info.dropped)
+    log_info_event(log, "request", fields)
 
 
 def _record(ledger: Ledger | None, info: RequestInfo, endpoint: str, status: int, elapsed: float, *_: Any) -> None:

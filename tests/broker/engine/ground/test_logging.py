@@ -102,3 +102,28 @@ def test_bound_keys_reach_every_event_of_the_task_and_its_children_but_never_ove
     assert (lines["child"]["request_id"], lines["child"]["batch_id"]) == ("r2", "b1")
     assert (lines["own"]["request_id"], lines["own"]["batch_id"]) == ("mine", "b1")
     assert lines["after"]["request_id"] == "r1" and "batch_id" not in lines["after"]
+
+
+def test_the_request_lines_direct_rendering_writes_what_structlog_would_and_follows_the_level():
+    """`log_info_event` (the request line's writer) renders the line itself: the same keys in the same order as
+    the structlog pipeline's line (bound keys, level, timestamp, secrets redacted), nothing below the level, and
+    under a pipeline it did not set up (here a test's `capture_logs`) the event goes through structlog."""
+    code = ("import structlog, sys\n"
+            "from structlog.testing import capture_logs\n"
+            "from mergebroker.broker.engine.ground.logging import configure_logging, bind_log_context, log_info_event\n"
+            "log = structlog.get_logger('t')\n"
+            "configure_logging(sys.argv[1]); bind_log_context(request_id='r1')\n"
+            "fields = lambda: {'status': 200, 'batch_id': None, 'api_key': 'sk-x', 'latency_ms': 1.5}\n"
+            "log.info('request', **fields()); log_info_event(log, 'request', fields())\n"
+            "with capture_logs() as events:\n"
+            "    log_info_event(structlog.get_logger('u'), 'request', fields())\n"
+            "print(len(events))\n")
+    done = subprocess.run([sys.executable, "-c", code, "info"], capture_output=True, timeout=60, check=True)
+    through_structlog, direct = [json.loads(line) for line in done.stderr.decode().splitlines()]
+    assert list(direct) == list(through_structlog) == ["status", "batch_id", "api_key", "latency_ms", "event",
+                                                       "request_id", "level", "timestamp"]
+    assert {**direct, "timestamp": None} == {**through_structlog, "timestamp": None}
+    assert direct["api_key"] == "[redacted]" and direct["request_id"] == "r1"
+    assert done.stdout.decode().strip() == "1"
+    quiet = subprocess.run([sys.executable, "-c", code, "warning"], capture_output=True, timeout=60, check=True)
+    assert quiet.stderr == b""
