@@ -61,7 +61,38 @@ class SystemClock:
         return asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()), callback, *args)
 
     def timeout_at(self, when: float) -> AbstractAsyncContextManager[object]:
-        return asyncio.timeout(max(0.0, when - time.monotonic()))
+        return _Deadline(max(0.0, when - time.monotonic()))
+
+
+class _Deadline:
+    """`asyncio.timeout(delay)`'s rule on one loop timer: the block is cancelled once `delay` has passed, and that
+    cancellation leaves it as `TimeoutError` unless the task was also cancelled from elsewhere meanwhile.
+
+    Every request's deadline is one of these: `asyncio.timeout` keeps a state machine that costs 8 us a use on
+    this host where the timer itself costs 3; this keeps only what the rule needs (~4 us)."""
+
+    __slots__ = ("_delay", "_task", "_cancelling", "_timer", "_expired")
+
+    def __init__(self, delay: float) -> None:
+        self._delay = delay
+        self._expired = False
+
+    async def __aenter__(self) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("A deadline is kept inside a task")
+        self._task, self._cancelling = task, task.cancelling()
+        self._timer = task.get_loop().call_later(self._delay, self._expire)
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._task.cancel()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+        self._timer.cancel()
+        # As `asyncio.Timeout`: the cancellation is ours to turn into TimeoutError only when no other came since.
+        if self._expired and self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc
 
 
 monotonic: Clock = SystemClock()
