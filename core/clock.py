@@ -68,8 +68,9 @@ class _Deadline:
     """`asyncio.timeout(delay)`'s rule on one loop timer: the block is cancelled once `delay` has passed, and that
     cancellation leaves it as `TimeoutError` unless the task was also cancelled from elsewhere meanwhile.
 
-    Every request's deadline is one of these: `asyncio.timeout` keeps a state machine that costs 8 us a use on
-    this host where the timer itself costs 3; this keeps only what the rule needs (~4 us)."""
+    Every request's deadline is one of these: `asyncio.timeout` keeps a state machine around the timer, 8.3-9.8 us
+    a use on uvloop on this host, where this keeps only what the rule needs: 6.9-7.7 us (the timer alone 1.6-3.7),
+    14 K fewer instructions per passthrough request."""
 
     __slots__ = ("_delay", "_task", "_cancelling", "_timer", "_expired")
 

@@ -1,7 +1,7 @@
 """A scenario driven by a FakeClock behaves the same wherever that clock starts: far below the real
 monotonic clock and far above it.
 
-A test that mixes the real clock into a FakeClock scenario (a deadline from `time.monotonic()` on a job
+A test that mixes the real clock into a FakeClock scenario (a deadline read from the real clock on a job
 that a fake-clocked dispatcher runs) passes on a machine up long enough and fails on a freshly booted one,
 or the other way round. Here each representative scenario (merge windows and callers' deadlines, the
 similarity budget, upstream rate limits) runs at both ends on every machine, so such a mix fails at once.

@@ -47,15 +47,17 @@ async def test_a_cancellation_from_elsewhere_stays_a_cancellation():
         await task
 
 
-async def test_a_cancellation_in_the_same_turn_as_the_deadline_wins():
-    """The caller left as the deadline came: the task is cancelled, not answered with a timeout."""
+async def test_a_cancellation_landing_with_the_deadline_wins():
+    """The caller left as the deadline came: both cancellations reach the task before it runs again, and it
+    leaves cancelled, not with a timeout it would answer as a 504."""
     async def waiting() -> None:
         async with monotonic.timeout_at(monotonic() - 1):
             await asyncio.get_running_loop().create_future()
 
     task = asyncio.create_task(waiting())
-    await asyncio.sleep(0)  # the task enters its block; the deadline's timer is due on the next turn
-    task.cancel()
+    await asyncio.sleep(0)  # the task enters its block; its deadline's timer is due on the loop's next turn
+    # The caller's cancellation on a timer due with it: both timers fire in that turn, before the task resumes.
+    asyncio.get_running_loop().call_later(0, task.cancel)
     with pytest.raises(asyncio.CancelledError):
         await task
 
@@ -71,9 +73,16 @@ async def test_the_outer_of_two_deadlines_owns_its_expiry():
                 pytest.fail("the inner deadline had an hour left")
 
 
-def test_a_deadline_outside_a_task_is_refused():
-    async def enter() -> None:
-        await monotonic.timeout_at(monotonic() + HOUR).__aenter__()
+async def test_a_deadline_entered_outside_a_task_is_refused():
+    """From a plain loop callback there is no task to cancel: entering says so rather than failing later."""
+    refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
 
-    with pytest.raises(RuntimeError):
-        enter().send(None)
+    def enter() -> None:
+        try:
+            monotonic.timeout_at(monotonic() + HOUR).__aenter__().send(None)
+        except BaseException as exc:  # noqa: BLE001 - whatever it raises is the answer
+            refused.set_result(exc)
+
+    asyncio.get_running_loop().call_soon(enter)
+    error = await refused
+    assert isinstance(error, RuntimeError) and "task" in str(error)

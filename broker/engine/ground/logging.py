@@ -99,7 +99,8 @@ class RequestLogSampler:
     """Which requests get a `request` line: every error, and successful ones up to `per_s` a second (a token
     bucket holding one second's worth); the skipped ones are counted in one `request_log_sampled` line at most
     once a second. `per_s` None logs every request. At thousands of requests a second the line is a visible
-    share of the broker's CPU (8 us of roughly 500, written by `log_info_event`), and a log that size is read by sampling anyway."""
+    share of the broker's CPU (8 us of roughly 500, written by `log_info_event`), and a log that size is read
+    by sampling anyway."""
 
     def __init__(self, per_s: float | None, *, clock: Clock = monotonic) -> None:
         self._clock = clock
@@ -142,8 +143,8 @@ class _JsonLines:
     tell the pipeline from one installed over it, such as a test's `capture_logs`) and file, for
     `log_info_event` to write a line the way that pipeline would."""
 
-    def __init__(self, processors: list[Any], level: int, file: Any) -> None:
-        self.level, self.stamp, self.render = level, processors[1], processors[-1]
+    def __init__(self, level: int, stamp: UtcStamp, render: Any, file: Any) -> None:
+        self.level, self.stamp, self.render = level, stamp, render
         self.logger = structlog.BytesLogger(file)  # shares structlog's per-file lock: lines never interleave
 
 
@@ -178,18 +179,19 @@ def configure_logging(level: str = "info", *, json_lines: bool = True, request_l
     # JSON lines are rendered by orjson straight to bytes: the request log is written once per request, and
     # the standard library's encoder plus a text stream cost it 22 us a line where this costs 12 us.
     global _JSON_LINES
+    threshold = getattr(logging, level.upper())
     if json_lines:
-        stamp: list[Any] = [UtcStamp()]
+        utc_stamp = UtcStamp()
+        stamp: list[Any] = [utc_stamp]
         renderer: Any = structlog.processors.JSONRenderer(serializer=orjson.dumps)
         factory: Any = structlog.BytesLoggerFactory(file=sys.stderr.buffer)
+        _JSON_LINES = _JsonLines(threshold, utc_stamp, renderer, sys.stderr.buffer)
     else:
         stamp = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
         renderer, factory = structlog.dev.ConsoleRenderer(), structlog.PrintLoggerFactory(file=sys.stderr)
-    processors = [merge_log_context, *stamp, redact_secrets, structlog.processors.format_exc_info, renderer]
-    threshold = getattr(logging, level.upper())
-    _JSON_LINES = _JsonLines(processors, threshold, sys.stderr.buffer) if json_lines else None
+        _JSON_LINES = None
     structlog.configure(
-        processors=processors,
+        processors=[merge_log_context, *stamp, redact_secrets, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
         logger_factory=factory,
         # Each module's logger is a lazy proxy that would build a new logger on every call (2 us a request
