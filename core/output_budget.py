@@ -17,6 +17,8 @@ def token_budget(body: Mapping[str, Any], default: int) -> int:
     """The output tokens a request may use; `default` when no budget field is a positive whole number."""
     for name in BUDGET_FIELDS:
         value = body.get(name)
+        if value is None:  # most bodies name no budget, or one of the three: asked three times per request
+            continue
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

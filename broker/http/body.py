@@ -10,7 +10,6 @@ numbers that overflow to them, no lone surrogates, and a bounded nesting depth. 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,6 @@ class BodyLimits:
 
 
 BODY_LIMITS = web.AppKey("body_limits", BodyLimits)
-_NO_WAIT = contextlib.nullcontext()
 
 
 async def read_json(request: web.Request, limits: BodyLimits) -> Any:
@@ -47,9 +45,11 @@ async def read_json(request: web.Request, limits: BodyLimits) -> Any:
     if request.content_length is not None and request.content_length > limits.max_bytes:
         raise _too_large(limits)
     try:
-        # A body already in full (most are: it came with the headers) waits for nothing: no timer to arm.
-        async with _NO_WAIT if request.content.is_eof() else asyncio.timeout(limits.timeout_s):
+        if request.content.is_eof():  # already in full (most are: it came with the headers): no timer to arm
             raw = await request.read()
+        else:
+            async with asyncio.timeout(limits.timeout_s):
+                raw = await request.read()
     except TimeoutError:
         raise RequestTimeout(f"The request body did not arrive within {limits.timeout_s:g} s.") from None
     except web.HTTPRequestEntityTooLarge:

@@ -4,8 +4,6 @@ its error with the upstream's message and Retry-After."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -24,23 +22,34 @@ from mergebroker.providers.retry import parse_retry_after
 log = structlog.get_logger(__name__)
 
 
-@contextlib.contextmanager
-def translated_errors(provider: str, endpoint: str) -> Iterator[None]:
-    """Map aiohttp's exceptions onto ours; `UpstreamError`s and cancellation pass through untouched."""
-    try:
-        yield
-    except UpstreamError:
-        raise
-    except TimeoutError as exc:  # before ClientConnectionError: ServerTimeoutError is both
-        log.debug("provider_call_failed", provider=provider, endpoint=endpoint, error="timeout")
-        raise UpstreamTimeout(f"upstream {endpoint} timed out") from exc
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.InvalidURL) as exc:
-        # A truncated body means the connection dropped mid-answer; a bad URL can never connect.
-        log.debug("provider_call_failed", provider=provider, endpoint=endpoint, error=type(exc).__name__)
-        raise UpstreamConnectionError(f"upstream {endpoint} connection failed: {type(exc).__name__}") from exc
-    except aiohttp.ClientError as exc:
-        log.debug("provider_call_failed", provider=provider, endpoint=endpoint, error=type(exc).__name__)
-        raise UpstreamBadResponse(f"upstream {endpoint} sent a malformed HTTP answer") from exc
+class translated_errors:  # noqa: N801 - used as a function: `with translated_errors(provider, endpoint):`
+    """Map aiohttp's exceptions onto ours; `UpstreamError`s and cancellation pass through untouched.
+
+    A plain class rather than a generator-based context manager: it wraps every upstream call, and the
+    generator form costs several times more to enter and leave."""
+
+    __slots__ = ("_provider", "_endpoint")
+
+    def __init__(self, provider: str, endpoint: str) -> None:
+        self._provider, self._endpoint = provider, endpoint
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, _type: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+        if exc is None or isinstance(exc, UpstreamError) or not isinstance(exc, Exception):
+            return  # nothing to map: passes through as it is (the `with` re-raises it)
+        endpoint = self._endpoint
+        if isinstance(exc, TimeoutError):  # before ClientConnectionError: ServerTimeoutError is both
+            log.debug("provider_call_failed", provider=self._provider, endpoint=endpoint, error="timeout")
+            raise UpstreamTimeout(f"upstream {endpoint} timed out") from exc
+        if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.InvalidURL)):
+            # A truncated body means the connection dropped mid-answer; a bad URL can never connect.
+            log.debug("provider_call_failed", provider=self._provider, endpoint=endpoint, error=type(exc).__name__)
+            raise UpstreamConnectionError(f"upstream {endpoint} connection failed: {type(exc).__name__}") from exc
+        if isinstance(exc, aiohttp.ClientError):
+            log.debug("provider_call_failed", provider=self._provider, endpoint=endpoint, error=type(exc).__name__)
+            raise UpstreamBadResponse(f"upstream {endpoint} sent a malformed HTTP answer") from exc
 
 
 def decode_json(raw: bytes) -> Any:

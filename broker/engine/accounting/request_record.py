@@ -24,7 +24,7 @@ from mergebroker.token_usage import TokenUsage
 log = structlog.get_logger("mergebroker.access")
 
 
-@dataclass
+@dataclass(init=False)
 class RequestInfo:
     """What handlers learn about a request, for its headers, log event and metrics."""
 
@@ -55,6 +55,19 @@ class RequestInfo:
     dropped: tuple[str, ...] = ()  # fields a translation to another API could not carry (X-Broker-Dropped)
     usd_actual: float | None = None  # priced when it is recorded (`costs`): what it cost, and would alone
     usd_alone: float | None = None
+
+    def __init__(self, request_id: str, broker_request_id: str, started: float = 0.0, **known: Any) -> None:
+        # One is built for every request with nearly every field at its default, and the defaults (all
+        # immutable) stay class attributes: only what is given is written, not all 26 fields.
+        self.request_id, self.broker_request_id, self.started = request_id, broker_request_id, started
+        if known:
+            unknown = known.keys() - _INFO_FIELDS
+            if unknown:
+                raise TypeError(f"RequestInfo has no field {sorted(unknown)[0]!r}")
+            self.__dict__.update(known)
+
+
+_INFO_FIELDS = frozenset(RequestInfo.__dataclass_fields__)
 
 
 def record_request(metrics: Metrics | None, ledger: Ledger | None, info: RequestInfo, endpoint: str, status: int,

@@ -158,6 +158,9 @@ def refusal(levels: Sequence[BucketLevel]) -> RateLimited | None:
     return exc
 
 
+_NO_HEADERS: Mapping[str, str] = {}
+
+
 class Reservation:
     """What one request took from its buckets: headers to send now, tokens to settle later."""
 
@@ -219,6 +222,8 @@ class RateLimiter:
     async def reserve(self, specs: Sequence[LimitSpec], tokens: int) -> Reservation:
         """Take 1 request and `tokens` tokens from every applicable bucket, or nothing and raise RateLimited."""
         wanted = bucket_requests(specs, tokens)
+        if not wanted:  # no limit applies (a tier without rpm or tpm): nothing to take, no headers to send
+            return Reservation(tokens, _NO_HEADERS)
         self._sweep()
         buckets = [self._bucket(w) for w in wanted]
         error = refusal([BucketLevel(w, b.available()) for w, b in zip(wanted, buckets)])

@@ -39,6 +39,15 @@ def test_redaction_processor_drops_secret_and_prompt_fields():
     assert cleaned["prompt_tokens"] == 12
 
 
+def test_redaction_holds_for_keys_already_seen():
+    """Keys found harmless are remembered; a secret-looking key is redacted every time it comes, and a
+    harmless key seen first never hides a secret one that arrives with it later."""
+    first = redact_secrets(None, "info", {"event": "x", "tenant": "t", "password": "p1"})
+    second = redact_secrets(None, "info", {"event": "x", "tenant": "t", "password": "p2", "API_KEY": "k"})
+    assert first["password"] == second["password"] == second["API_KEY"] == "[redacted]"
+    assert second["tenant"] == "t"
+
+
 def test_provider_settings_never_show_the_key():
     from mergebroker.broker.engine.ground.config import load_settings
 
