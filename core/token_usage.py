@@ -156,6 +156,8 @@ def _cache_creation_sum(detail: Any) -> int:
 
 
 def _count(value: Any) -> int | None:
-    if type(value) is int:  # what JSON gives: answered before the general checks
+    if type(value) is int:  # what JSON gives, or nothing: both answered before the general checks
         return value if value >= 0 else None
+    if value is None:
+        return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
