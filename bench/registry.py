@@ -58,6 +58,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("engine_glue", "the broker's own work per chat request, in-process over an instant upstream (no HTTP)"),
     Benchmark("instructions", "instructions per request of the broker and the minimal proxy under callgrind (exact, "
               "unmoved by a busy host)"),
+    Benchmark("bytecodes", "Python bytecodes per request of the broker and the proxy, the broker's by module and "
+              "function (exact, about a minute)"),
     Benchmark("simulator_billing", "what OpenAI-style billing and its prompt cache do to the simulator's bill"),
     Benchmark("proxy_baseline", "a minimal aiohttp reverse proxy, the floor passthrough is measured against",
               process=True),
