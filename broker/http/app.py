@@ -47,13 +47,16 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | N
     `POST /v1/broker/reload` apply a changed config without a restart (`engine.reload`).
     """
     traced = bool(settings.telemetry.enabled)  # off: no tracing middleware, no OpenTelemetry call at all
+    guard = ConnectionGuard(connection_limits(settings), clock=clock)
+    drain = Drain(settings.server.drain_timeout_s)  # real time: a fake-clock test must still shut down
+    errors = error_middleware(guard, drain)
     app = web.Application(client_max_size=settings.server.max_body_bytes, handler_args=HANDLER_ARGS,
-                          middlewares=[tracing_middleware, error_middleware] if traced else [error_middleware])
+                          middlewares=[tracing_middleware, errors] if traced else [errors])
     app[SETTINGS_MAX_BODY] = settings.server.max_body_bytes
     app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
                                   settings.server.max_json_depth)
-    app[CONNECTIONS] = guard = ConnectionGuard(connection_limits(settings), clock=clock)
-    app[DRAIN] = drain = Drain(settings.server.drain_timeout_s)  # real time: a fake-clock test must still shut down
+    app[CONNECTIONS] = guard
+    app[DRAIN] = drain
     app.on_shutdown.append(drain.drain)
     add_routes(app)
 

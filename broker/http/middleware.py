@@ -17,14 +17,15 @@ from functools import partial
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from mergebroker import tracing
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
 from mergebroker.broker.engine.apis.messages import anthropic_error
 from mergebroker.broker.engine.ground.logging import bind_log_context
-from mergebroker.broker.http.drain import DRAIN, Drain
+from mergebroker.broker.http.connections import ConnectionGuard
+from mergebroker.broker.http.drain import Drain
 from mergebroker.broker.http.keys import BROKER, SETTINGS_MAX_BODY
-from mergebroker.broker.http.server import CONNECTIONS
 from mergebroker.errors import BrokerError, MethodNotAllowed, NotFound, PayloadTooLarge
 
 log = structlog.get_logger("mergebroker.access")
@@ -45,46 +46,50 @@ _ANTHROPIC_PATHS = "/v1/messages"
 """Routes of the Anthropic Messages API: their errors leave in Anthropic's envelope, not OpenAI's."""
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    started = time.perf_counter()
-    broker_request_id = "req_" + secrets.token_hex(16)
-    given = request.headers.get("X-Request-ID", "")
-    request_id = given if 0 < len(given) <= 128 and given.isprintable() else broker_request_id
-    info = request[INFO] = RequestInfo(request_id, broker_request_id, started)
-    # aiohttp runs each request in a task of its own, whose context is a copy: what is bound here stays
-    # with this request, so nothing needs clearing first.
-    bind_log_context(request_id=request_id, broker_request_id=broker_request_id)
-    app = request.app
-    guard = app.get(CONNECTIONS)
-    if guard is not None:
-        guard.request_started(request.protocol, request.content.is_eof)
-    drain = app.get(DRAIN)
-    if drain is not None and request.path in OPERATOR_PATHS:
-        drain = None  # probes, scrapes and the drain call itself neither wait for the drain nor are refused
-    try:
-        response = await _handled(request, handler, info, drain)
-    finally:
+def error_middleware(guard: ConnectionGuard | None, app_drain: Drain | None) -> Middleware:
+    """The app's error middleware; `guard` tracks its connections and `app_drain` its shutdown (each known when
+    the app is built, so neither is looked up in the app on every request)."""
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        broker_request_id = "req_" + secrets.token_hex(16)
+        given = request.headers.get("X-Request-ID", "")
+        request_id = given if 0 < len(given) <= 128 and given.isprintable() else broker_request_id
+        info = request[INFO] = RequestInfo(request_id, broker_request_id, started)
+        # aiohttp runs each request in a task of its own, whose context is a copy: what is bound here stays
+        # with this request, so nothing needs clearing first.
+        bind_log_context(request_id=request_id, broker_request_id=broker_request_id)
+        protocol = request.protocol
         if guard is not None:
-            guard.request_finished(request.protocol)
-    if drain is not None and drain.draining and not response.prepared:
-        response.force_close()  # the client's next request goes to another replica
-    elapsed = time.perf_counter() - started
-    if not response.prepared:
-        response.headers["X-Request-ID"] = request_id
-        response.headers["X-Broker-Overhead-Ms"] = f"{max(0.0, elapsed - info.upstream_s) * 1000:.2f}"
-    # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
-    status = info.stream_error.status if info.stream_error is not None else response.status
-    if tracing.enabled():  # the tracing middleware reads the request's account (its dollars) as this returns
-        _observe(request, info, status, elapsed, sent_status=response.status)
-    else:
-        # Kept one loop turn later, once aiohttp has written the response: the account (metrics, ledger, the
-        # request line) changes nothing the caller gets, and the request line alone is a visible share of a
-        # request's latency when requests come one at a time. Anything that reads the account over HTTP comes
-        # in a later turn, after it.
-        asyncio.get_running_loop().call_soon(partial(_observe, request, info, status, elapsed,
-                                                     sent_status=response.status))
-    return response
+            guard.request_started(protocol, request.content.is_eof)
+        # Probes, scrapes and the drain call itself neither wait for the drain nor are refused.
+        drain = app_drain if app_drain is not None and request.path not in OPERATOR_PATHS else None
+        try:
+            response = await _handled(request, handler, info, drain)
+        finally:
+            if guard is not None:
+                guard.request_finished(protocol)
+        if drain is not None and drain.draining and not response.prepared:
+            response.force_close()  # the client's next request goes to another replica
+        elapsed = time.perf_counter() - started
+        if not response.prepared:
+            response.headers["X-Request-ID"] = request_id
+            response.headers["X-Broker-Overhead-Ms"] = f"{max(0.0, elapsed - info.upstream_s) * 1000:.2f}"
+        # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
+        status = info.stream_error.status if info.stream_error is not None else response.status
+        if tracing.enabled():  # the tracing middleware reads the request's account (its dollars) as this returns
+            _observe(request, info, status, elapsed, sent_status=response.status)
+        else:
+            # Kept one loop turn later, once aiohttp has written the response: the account (metrics, ledger, the
+            # request line) changes nothing the caller gets, and the request line alone is a visible share of a
+            # request's latency when requests come one at a time. Anything that reads the account over HTTP comes
+            # in a later turn, after it.
+            asyncio.get_running_loop().call_soon(partial(_observe, request, info, status, elapsed,
+                                                         sent_status=response.status))
+        return response
+
+    return errors
 
 
 async def _handled(request: web.Request, handler: Handler, info: RequestInfo,
