@@ -74,8 +74,15 @@ class SlidingWindow:
     def record(self, outcome: Outcome, tenant: str | None = None) -> None:
         """Add one call's outcome at the current time, made for `tenant` (None: unknown or shared)."""
         now = self._clock()
-        self._evict(now)
-        self._entries.append((now, outcome, tenant))
+        entries = self._entries
+        if entries and entries[0][0] <= now - self._window_s:
+            self._evict(now)
+        entries.append((now, outcome, tenant))
+        if outcome is Outcome.SUCCESS:  # nearly every call: only its tenant's call count moves, if it has one
+            counts = self._tenants.get(tenant)
+            if counts is not None:
+                counts[0] += 1
+                return
         self._count(outcome, tenant, +1)
 
     def stats(self) -> WindowStats:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -212,7 +211,7 @@ class Broker:
 
 
 def _new_info() -> RequestInfo:
-    request_id = "req_" + secrets.token_hex(16)
+    request_id = "req_" + os.urandom(16).hex()
     return RequestInfo(request_id, request_id, time.perf_counter())
 
 

@@ -15,7 +15,7 @@ Retries are counted per provider and reason, for streams as for plain calls.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -134,69 +134,67 @@ class ProviderPools:
         """Seconds until the next probe when every upstream of the model is open, else None."""
         return all_open_retry_after([u.breaker for u in self.for_model(model)])
 
-    async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
-                   tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
-        """One chat completion through the pool; returns (body, provider name).
+    def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
+             tokens: int = 0, tenant: str | None = None) -> Coroutine[Any, Any, tuple[dict[str, Any], str]]:
+        """One chat completion through the pool, to await; returns (body, provider name).
 
         `tokens` is the estimate taken from the upstream's token budget; the real usage settles it.
         `tenant` is whom the call is for (None: several or unknown), for the breakers' blame rule.
         """
-        async def attempt(u: Upstream, timeout: float) -> dict[str, Any]:
-            return await u.provider.chat(body, timeout=timeout)
+        # The pool's entry points hand back `_call`'s coroutine rather than awaiting it, and each attempt is
+        # the provider's own coroutine: every call goes through them, and each awaiting layer costs a frame.
+        return self._call(model, lambda u, timeout: u.provider.chat(body, timeout=timeout),
+                          _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
+                                    tenant=tenant, body=body))
 
-        return await self._call(model, attempt, _CallSpec(deadline, priority, tokens,
-                                                          lambda u: _read_timeout(body, u.token_rate), tenant=tenant,
-                                                          body=body))
+    def embeddings(self, model: str, body: dict[str, Any], *, deadline: float,
+                   tokens: int = 0, tenant: str | None = None) -> Coroutine[Any, Any, tuple[dict[str, Any], str]]:
+        """One embeddings call through the pool, to await; returns (body, provider name)."""
+        return self._call(model, lambda u, timeout: u.provider.embeddings(body, timeout=timeout),
+                          _CallSpec(deadline, 0, tokens, lambda u: EMBEDDINGS_TIMEOUT_S, tenant=tenant,
+                                    operation="embeddings"))
 
-    async def embeddings(self, model: str, body: dict[str, Any], *, deadline: float,
-                         tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
-        """One embeddings call through the pool; returns (body, provider name)."""
-        async def attempt(u: Upstream, timeout: float) -> dict[str, Any]:
-            return await u.provider.embeddings(body, timeout=timeout)
-
-        return await self._call(model, attempt, _CallSpec(deadline, 0, tokens, lambda u: EMBEDDINGS_TIMEOUT_S,
-                                                          tenant=tenant, operation="embeddings"))
-
-    async def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
-                          tokens: int = 0, tenant: str | None = None) -> tuple[AsyncIterator[bytes], str]:
-        """Open a stream on the first healthy upstream that answers; failover happens before the first byte.
+    def stream_chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
+                    tokens: int = 0, tenant: str | None = None) -> Coroutine[Any, Any, tuple[AsyncIterator[bytes], str]]:
+        """Open a stream on the first healthy upstream that answers, to await; failover happens before the first
+        byte.
 
         The stream keeps its upstream's concurrency slot until it ends or is closed.
         """
         def open_stream(u: Upstream, timeout: float) -> AsyncIterator[bytes]:
             return u.provider.stream_chat(body, timeout=timeout)
 
-        return await self._call(model, first_chunk_opener(open_stream),
-                                _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
-                                          holds_slot=True, tenant=tenant, body=body))
+        return self._call(model, first_chunk_opener(open_stream),
+                          _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
+                                    holds_slot=True, tenant=tenant, body=body))
 
     def speaks(self, model: str, api: str) -> bool:
         """Whether some upstream of `model` takes the inbound `api` natively (`providers.native_api`)."""
         return any(api in getattr(u.provider, "native_apis", ()) for u in self.for_model(model))
 
-    async def native(self, model: str, api: str, body: dict[str, Any], *, headers: Mapping[str, str],
-                     deadline: float, priority: float = 0, tokens: int = 0,
-                     tenant: str | None = None) -> tuple[dict[str, Any], str]:
+    def native(self, model: str, api: str, body: dict[str, Any], *, headers: Mapping[str, str],
+               deadline: float, priority: float = 0, tokens: int = 0,
+               tenant: str | None = None) -> Coroutine[Any, Any, tuple[dict[str, Any], str]]:
         """One native call of `api` (its body as sent) through the pool, like `chat`. Upstreams that do
         not take `api` natively refuse with `native_unsupported`, so the call fails over to those that do,
         and only when none does is that the error (the caller then translates)."""
-        async def attempt(u: Upstream, timeout: float) -> dict[str, Any]:
-            return await u.provider.native(api, body, headers=headers, timeout=timeout)  # type: ignore[attr-defined]
+        def attempt(u: Upstream, timeout: float) -> Awaitable[dict[str, Any]]:
+            return u.provider.native(api, body, headers=headers, timeout=timeout)  # type: ignore[attr-defined]
 
-        return await self._call(model, attempt, _CallSpec(deadline, priority, tokens,
-                                                          lambda u: _read_timeout(body, u.token_rate), tenant=tenant,
-                                                          body=body))
+        return self._call(model, attempt, _CallSpec(deadline, priority, tokens,
+                                                    lambda u: _read_timeout(body, u.token_rate), tenant=tenant,
+                                                    body=body))
 
-    async def stream_native(self, model: str, api: str, body: dict[str, Any], *, headers: Mapping[str, str],
-                            deadline: float, priority: float = 0, tokens: int = 0,
-                            tenant: str | None = None) -> tuple[AsyncIterator[bytes], str]:
+    def stream_native(self, model: str, api: str, body: dict[str, Any], *, headers: Mapping[str, str],
+                      deadline: float, priority: float = 0, tokens: int = 0,
+                      tenant: str | None = None) -> Coroutine[Any, Any, tuple[AsyncIterator[bytes], str]]:
         """A native stream of `api` through the pool, like `stream_chat` (failover before the first byte)."""
         def open_stream(u: Upstream, timeout: float) -> AsyncIterator[bytes]:
             return u.provider.stream_native(api, body, headers=headers, timeout=timeout)  # type: ignore[attr-defined]
 
-        return await self._call(model, first_chunk_opener(open_stream),
-                                _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
-                                          holds_slot=True, tenant=tenant, body=body))
+        return self._call(model, first_chunk_opener(open_stream),
+                          _CallSpec(deadline, priority, tokens, lambda u: _read_timeout(body, u.token_rate),
+                                    holds_slot=True, tenant=tenant, body=body))
 
     async def close(self) -> None:
         """Close every provider's connections."""

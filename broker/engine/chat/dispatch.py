@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
@@ -124,10 +124,12 @@ class Dispatcher:
         else:
             await self._run_merged(tier, live)
 
-    async def run_alone(self, job: ChatJob) -> None:
-        """Send a job that never waited in a window on its own (a batch of one, counted as such)."""
+    def run_alone(self, job: ChatJob) -> Coroutine[Any, Any, None]:
+        """Send a job that never waited in a window on its own (a batch of one, counted as such), to await.
+
+        It hands back `run_single`'s coroutine rather than awaiting it: every lone request comes this way."""
         self._count.batch(job.tier, 1)
-        await self.run_single(job)
+        return self.run_single(job)
 
     async def run_single(self, job: ChatJob, *, fallback: str | None = None) -> None:
         """Send one request on its own and resolve its future."""
