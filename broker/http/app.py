@@ -32,7 +32,7 @@ from mergebroker.broker.http.body import BODY_LIMITS, HANDLER_ARGS, BodyLimits
 from mergebroker.broker.http.connections import ConnectionGuard, ConnectionLimits, auto_max_connections
 from mergebroker.broker.http.drain import DRAIN, Drain
 from mergebroker.broker.http.keys import BATCHES, BROKER, RELOADER, SETTINGS_MAX_BODY
-from mergebroker.broker.http.middleware import error_middleware
+from mergebroker.broker.http.middleware import add_unmatched_routes, error_handling
 from mergebroker.broker.http.routes import add_routes
 from mergebroker.broker.http.server import CONNECTIONS
 from mergebroker.broker.http.tracing import TELEMETRY, tracing_middleware
@@ -49,16 +49,17 @@ def create_app(settings: Settings, *, clock: Clock = monotonic, sleep: Sleep | N
     traced = bool(settings.telemetry.enabled)  # off: no tracing middleware, no OpenTelemetry call at all
     guard = ConnectionGuard(connection_limits(settings), clock=clock)
     drain = Drain(settings.server.drain_timeout_s)  # real time: a fake-clock test must still shut down
-    errors = error_middleware(guard, drain)
     app = web.Application(client_max_size=settings.server.max_body_bytes, handler_args=HANDLER_ARGS,
-                          middlewares=[tracing_middleware, errors] if traced else [errors])
+                          middlewares=[tracing_middleware] if traced else [])
     app[SETTINGS_MAX_BODY] = settings.server.max_body_bytes
     app[BODY_LIMITS] = BodyLimits(settings.server.max_body_bytes, settings.server.body_timeout_s,
                                   settings.server.max_json_depth)
     app[CONNECTIONS] = guard
     app[DRAIN] = drain
     app.on_shutdown.append(drain.drain)
-    add_routes(app)
+    errors = error_handling(guard, drain)
+    add_routes(app, errors)
+    add_unmatched_routes(app, errors)  # last: they take what no route above takes
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         broker = await assemble(settings, queue=front_end_queue(settings), clock=clock, sleep=sleep)

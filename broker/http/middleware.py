@@ -1,5 +1,11 @@
 """The one place HTTP errors leave the service, in OpenAI's envelope; request IDs; per-request log events.
 
+Every route's handler is wrapped (`error_handling`) when it is registered, rather than run under an aiohttp
+middleware: an app with any middleware runs two more layers for every request (aiohttp's own current-app
+middleware and the chain it builds). Requests no route takes get the same wrapper through the catch-all
+routes `add_unmatched_routes` registers last: 404 for an unknown path, 405 (with `Allow`) for a known path
+asked with another method.
+
 Every response carries `X-Request-ID` (the caller's, or a generated one) and `X-Broker-Overhead-Ms`
 (time in the broker minus time waiting on upstreams, which handlers note in `request[INFO].upstream_s`).
 The ledger keys its records by a broker-generated ID, never the caller's: a client can neither reuse
@@ -10,14 +16,14 @@ follows it: the handler ends the stream itself and notes the error in `request[I
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
 import structlog
-from aiohttp import web
-from aiohttp.typedefs import Middleware
+from aiohttp import hdrs, web
 
 from mergebroker import tracing
 from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
@@ -46,50 +52,72 @@ _ANTHROPIC_PATHS = "/v1/messages"
 """Routes of the Anthropic Messages API: their errors leave in Anthropic's envelope, not OpenAI's."""
 
 
-def error_middleware(guard: ConnectionGuard | None, app_drain: Drain | None) -> Middleware:
-    """The app's error middleware; `guard` tracks its connections and `app_drain` its shutdown (each known when
-    the app is built, so neither is looked up in the app on every request)."""
+def error_handling(guard: ConnectionGuard | None, app_drain: Drain | None) -> Callable[[Handler], Handler]:
+    """What wraps each route's handler: its request's ID and account, its failures in the API's envelope,
+    the connection `guard` told of it and the shutdown `app_drain` waiting for it (each known when the app is
+    built, so neither is looked up in the app on every request)."""
 
-    @web.middleware
-    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-        started = time.perf_counter()
-        broker_request_id = "req_" + os.urandom(16).hex()  # what secrets.token_hex(16) returns, without its two calls
-        given = request.headers.get("X-Request-ID", "")
-        request_id = given if 0 < len(given) <= 128 and given.isprintable() else broker_request_id
-        info = request[INFO] = RequestInfo(request_id, broker_request_id, started)
-        # aiohttp runs each request in a task of its own, whose context is a copy: what is bound here stays
-        # with this request, so nothing needs clearing first.
-        bind_log_context(request_id=request_id, broker_request_id=broker_request_id)
-        protocol = request.protocol
-        if guard is not None:
-            guard.request_started(protocol, request.content.is_eof)
-        # Probes, scrapes and the drain call itself neither wait for the drain nor are refused.
-        drain = app_drain if app_drain is not None and request.path not in OPERATOR_PATHS else None
-        try:
-            response = await _handled(request, handler, info, drain)
-        finally:
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def handled(request: web.Request) -> web.StreamResponse:
+            started = time.perf_counter()
+            broker_request_id = "req_" + os.urandom(16).hex()  # what secrets.token_hex(16) returns, without its two calls
+            given = request.headers.get("X-Request-ID", "")
+            request_id = given if 0 < len(given) <= 128 and given.isprintable() else broker_request_id
+            info = request[INFO] = RequestInfo(request_id, broker_request_id, started)
+            # aiohttp runs each request in a task of its own, whose context is a copy: what is bound here stays
+            # with this request, so nothing needs clearing first.
+            bind_log_context(request_id=request_id, broker_request_id=broker_request_id)
+            protocol = request.protocol
             if guard is not None:
-                guard.request_finished(protocol)
-        if drain is not None and drain.draining and not response.prepared:
-            response.force_close()  # the client's next request goes to another replica
-        elapsed = time.perf_counter() - started
-        if not response.prepared:
-            response.headers["X-Request-ID"] = request_id
-            response.headers["X-Broker-Overhead-Ms"] = f"{max(0.0, elapsed - info.upstream_s) * 1000:.2f}"
-        # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
-        status = info.stream_error.status if info.stream_error is not None else response.status
-        if tracing.enabled():  # the tracing middleware reads the request's account (its dollars) as this returns
-            _observe(request, info, status, elapsed, sent_status=response.status)
-        else:
-            # Kept one loop turn later, once aiohttp has written the response: the account (metrics, ledger, the
-            # request line) changes nothing the caller gets, and the request line alone is a visible share of a
-            # request's latency when requests come one at a time. Anything that reads the account over HTTP comes
-            # in a later turn, after it.
-            asyncio.get_running_loop().call_soon(partial(_observe, request, info, status, elapsed,
-                                                         sent_status=response.status))
-        return response
+                guard.request_started(protocol, request.content.is_eof)
+            # Probes, scrapes and the drain call itself neither wait for the drain nor are refused.
+            drain = app_drain if app_drain is not None and request.path not in OPERATOR_PATHS else None
+            try:
+                response = await _handled(request, handler, info, drain)
+            finally:
+                if guard is not None:
+                    guard.request_finished(protocol)
+            if drain is not None and drain.draining and not response.prepared:
+                response.force_close()  # the client's next request goes to another replica
+            elapsed = time.perf_counter() - started
+            if not response.prepared:
+                response.headers["X-Request-ID"] = request_id
+                response.headers["X-Broker-Overhead-Ms"] = f"{max(0.0, elapsed - info.upstream_s) * 1000:.2f}"
+            # A stream that failed after its 200 went out counts with its error's status in metrics and ledger.
+            status = info.stream_error.status if info.stream_error is not None else response.status
+            if tracing.enabled():  # the tracing middleware reads the request's account (its dollars) as this returns
+                _observe(request, info, status, elapsed, sent_status=response.status)
+            else:
+                # Kept one loop turn later, once aiohttp has written the response: the account (metrics, ledger, the
+                # request line) changes nothing the caller gets, and the request line alone is a visible share of a
+                # request's latency when requests come one at a time. Anything that reads the account over HTTP comes
+                # in a later turn, after it.
+                asyncio.get_running_loop().call_soon(partial(_observe, request, info, status, elapsed,
+                                                             sent_status=response.status))
+            return response
 
-    return errors
+        return handled
+
+    return wrap
+
+
+def add_unmatched_routes(app: web.Application, wrap: Callable[[Handler], Handler]) -> None:
+    """Register, after every other route, what answers a request none of them takes, through `wrap`: a known
+    path asked with a method it does not serve (405, with the methods it does), and any other path (404)."""
+    for resource in list(app.router.resources()):
+        allowed = {route.method for route in resource}
+        if isinstance(resource, web.Resource) and hdrs.METH_ANY not in allowed:
+            resource.add_route(hdrs.METH_ANY, wrap(partial(_method_not_allowed, frozenset(allowed))))
+    app.router.add_route(hdrs.METH_ANY, r"/{unmatched:[\s\S]*}", wrap(_not_found))  # any character, newlines too
+
+
+async def _method_not_allowed(allowed: frozenset[str], request: web.Request) -> web.StreamResponse:
+    raise web.HTTPMethodNotAllowed(request.method, allowed)  # answered in the envelope by `_failure_response`
+
+
+async def _not_found(request: web.Request) -> web.StreamResponse:
+    raise web.HTTPNotFound()  # answered in the envelope by `_failure_response`
 
 
 async def _handled(request: web.Request, handler: Handler, info: RequestInfo,

@@ -32,7 +32,7 @@ from mergebroker.broker.http.body import BODY_LIMITS, read_json
 from mergebroker.broker.http.bulk_routes import add_batch_routes
 from mergebroker.broker.http.drain import DRAIN
 from mergebroker.broker.http.keys import BROKER, RELOADER
-from mergebroker.broker.http.middleware import INFO
+from mergebroker.broker.http.middleware import INFO, Handler
 from mergebroker.clock import Clock, monotonic
 from mergebroker.errors import BrokerError, Forbidden, InvalidRequest, Unauthorized
 
@@ -66,20 +66,20 @@ class UpstreamModels:
 UPSTREAM_MODELS = web.AppKey("upstream_models", UpstreamModels)
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, wrap: Callable[[Handler], Handler]) -> None:
     app[UPSTREAM_MODELS] = UpstreamModels()
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # IDs may hold slashes ("org/model")
-    app.router.add_get("/v1/broker/stats", broker_stats)
-    app.router.add_post("/v1/broker/drain", broker_drain)
-    app.router.add_post("/v1/broker/reload", broker_reload)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    add_batch_routes(app)
-    add_api_routes(app)
+    app.router.add_post("/v1/chat/completions", wrap(chat_completions))
+    app.router.add_post("/v1/embeddings", wrap(embeddings))
+    app.router.add_get("/v1/models", wrap(list_models))
+    app.router.add_get("/v1/models/{model:.+}", wrap(retrieve_model))  # IDs may hold slashes ("org/model")
+    app.router.add_get("/v1/broker/stats", wrap(broker_stats))
+    app.router.add_post("/v1/broker/drain", wrap(broker_drain))
+    app.router.add_post("/v1/broker/reload", wrap(broker_reload))
+    app.router.add_get("/healthz", wrap(healthz))
+    app.router.add_get("/readyz", wrap(readyz))
+    app.router.add_get("/metrics", wrap(metrics))
+    add_batch_routes(app, wrap)
+    add_api_routes(app, wrap)
 
 
 async def _json_body(request: web.Request) -> Any:

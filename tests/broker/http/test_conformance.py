@@ -141,6 +141,17 @@ async def test_a_405_names_the_methods_the_route_allows(simulator, start_broker)
             assert_matches(await resp.json(), "ErrorResponse")
 
 
+async def test_a_path_no_route_takes_is_a_404_in_the_envelope(simulator, start_broker):
+    """Whatever the path holds (a newline once decoded, more than a real route, a prefix of one), the 404 is
+    the API's JSON envelope with a request ID, never aiohttp's plain-text page."""
+    broker = await start_broker(config(simulator))
+    for method, path in [("GET", "/nope"), ("GET", "/v1/models/a%0Ab"), ("POST", "/v1/chat/completions/x"),
+                         ("PATCH", "/v1")]:
+        async with broker.http.request(method, path) as resp:
+            assert resp.status == 404 and resp.headers["X-Request-ID"].startswith("req_"), path
+            assert_matches(await resp.json(), "ErrorResponse")
+
+
 async def test_integer_fields_take_whole_number_floats_and_forward_them_as_integers(simulator, start_broker):
     broker = await start_broker(config(simulator))
     status, body, _ = await broker.chat("whole numbers", max_tokens=50.0, n=1.0, seed=3.0, top_logprobs=2.0,
