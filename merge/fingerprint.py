@@ -62,9 +62,11 @@ def chat_fingerprint(body: Mapping[str, Any], *, lowercase: bool = True, collaps
     max_tokens = token_budget(body, 0)  # the one rule: the same budget, however the body names it
     if max_tokens:
         canonical["max_tokens"] = max_tokens
-    stop = canonical_stop(body.get("stop"))
-    if stop is not None:
-        canonical["stop"] = stop
+    stop = body.get("stop")
+    if stop is not None:  # most requests have none, and a null one canonicalises to none
+        stop = canonical_stop(stop)
+        if stop is not None:
+            canonical["stop"] = stop
     return json_digest(canonical)
 
 
