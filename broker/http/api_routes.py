@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,16 +21,7 @@ from mergebroker.broker.engine.streams import HandledStream
 from mergebroker.broker.http.body import BODY_LIMITS, read_json
 from mergebroker.broker.http.drain import DRAIN
 from mergebroker.broker.http.keys import BROKER
-from mergebroker.broker.http.middleware import INFO, RESPONSE, Handler
-
-
-def add_api_routes(app: web.Application, wrap: Callable[[Handler], Handler]) -> None:
-    app.router.add_post("/v1/responses", wrap(create_response))
-    app.router.add_get("/v1/responses/{response_id}", wrap(retrieve_response))
-    app.router.add_delete("/v1/responses/{response_id}", wrap(delete_response))
-    app.router.add_get("/v1/responses/{response_id}/input_items", wrap(response_input_items))
-    app.router.add_post("/v1/messages", wrap(create_message))
-    app.router.add_post("/v1/messages/count_tokens", wrap(count_message_tokens))
+from mergebroker.broker.http.middleware import INFO, RESPONSE
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:

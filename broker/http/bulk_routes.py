@@ -9,8 +9,6 @@ from disk.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from aiohttp import web
 
 from mergebroker.broker.bulk.batches import BatchService
@@ -18,25 +16,12 @@ from mergebroker.broker.bulk.files import file_object, too_large
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.broker.http.body import BODY_LIMITS, read_json
 from mergebroker.broker.http.keys import BATCHES, BROKER
-from mergebroker.broker.http.middleware import INFO, Handler
+from mergebroker.broker.http.middleware import INFO
 from mergebroker.broker.http.uploads import FORM_OVERHEAD_BYTES, body_encoding, read_form
 from mergebroker.errors import InvalidRequest, NotFound, UnsupportedMediaType
 
 MAX_FILES_PAGE = 10_000  # as OpenAI: up to 10,000 files, 100 batches a page
 MAX_BATCHES_PAGE = 100
-
-
-def add_batch_routes(app: web.Application, wrap: Callable[[Handler], Handler]) -> None:
-    """Register the files and batches endpoints."""
-    app.router.add_post("/v1/files", wrap(upload_file))
-    app.router.add_get("/v1/files", wrap(list_files))
-    app.router.add_get("/v1/files/{file_id}", wrap(retrieve_file))
-    app.router.add_delete("/v1/files/{file_id}", wrap(delete_file))
-    app.router.add_get("/v1/files/{file_id}/content", wrap(file_content))
-    app.router.add_post("/v1/batches", wrap(create_batch))
-    app.router.add_get("/v1/batches", wrap(list_batches))
-    app.router.add_get("/v1/batches/{batch_id}", wrap(retrieve_batch))
-    app.router.add_post("/v1/batches/{batch_id}/cancel", wrap(cancel_batch))
 
 
 def _service(request: web.Request, *, tier: str | None = None) -> tuple[BatchService, Caller]:

@@ -27,9 +27,27 @@ from mergebroker.broker.engine.handling import (
     open_chat_stream,
     with_body_options,
 )
-from mergebroker.broker.http.api_routes import add_api_routes, send_stream
+from mergebroker.broker.http.api_routes import (
+    count_message_tokens,
+    create_message,
+    create_response,
+    delete_response,
+    response_input_items,
+    retrieve_response,
+    send_stream,
+)
 from mergebroker.broker.http.body import BODY_LIMITS, read_json
-from mergebroker.broker.http.bulk_routes import add_batch_routes
+from mergebroker.broker.http.bulk_routes import (
+    cancel_batch,
+    create_batch,
+    delete_file,
+    file_content,
+    list_batches,
+    list_files,
+    retrieve_batch,
+    retrieve_file,
+    upload_file,
+)
 from mergebroker.broker.http.drain import DRAIN
 from mergebroker.broker.http.keys import BROKER, RELOADER
 from mergebroker.broker.http.middleware import INFO, Handler
@@ -67,19 +85,36 @@ UPSTREAM_MODELS = web.AppKey("upstream_models", UpstreamModels)
 
 
 def add_routes(app: web.Application, wrap: Callable[[Handler], Handler]) -> None:
+    """Register every endpoint, each handler wrapped by `wrap` (the error handling, `middleware.error_handling`)."""
     app[UPSTREAM_MODELS] = UpstreamModels()
-    app.router.add_post("/v1/chat/completions", wrap(chat_completions))
-    app.router.add_post("/v1/embeddings", wrap(embeddings))
-    app.router.add_get("/v1/models", wrap(list_models))
-    app.router.add_get("/v1/models/{model:.+}", wrap(retrieve_model))  # IDs may hold slashes ("org/model")
-    app.router.add_get("/v1/broker/stats", wrap(broker_stats))
-    app.router.add_post("/v1/broker/drain", wrap(broker_drain))
-    app.router.add_post("/v1/broker/reload", wrap(broker_reload))
-    app.router.add_get("/healthz", wrap(healthz))
-    app.router.add_get("/readyz", wrap(readyz))
-    app.router.add_get("/metrics", wrap(metrics))
-    add_batch_routes(app, wrap)
-    add_api_routes(app, wrap)
+    table = [
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/embeddings", embeddings),
+        web.get("/v1/models", list_models),
+        web.get("/v1/models/{model:.+}", retrieve_model),  # IDs may hold slashes ("org/model")
+        web.get("/v1/broker/stats", broker_stats),
+        web.post("/v1/broker/drain", broker_drain),
+        web.post("/v1/broker/reload", broker_reload),
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics),
+        web.post("/v1/files", upload_file),
+        web.get("/v1/files", list_files),
+        web.get("/v1/files/{file_id}", retrieve_file),
+        web.delete("/v1/files/{file_id}", delete_file),
+        web.get("/v1/files/{file_id}/content", file_content),
+        web.post("/v1/batches", create_batch),
+        web.get("/v1/batches", list_batches),
+        web.get("/v1/batches/{batch_id}", retrieve_batch),
+        web.post("/v1/batches/{batch_id}/cancel", cancel_batch),
+        web.post("/v1/responses", create_response),
+        web.get("/v1/responses/{response_id}", retrieve_response),
+        web.delete("/v1/responses/{response_id}", delete_response),
+        web.get("/v1/responses/{response_id}/input_items", response_input_items),
+        web.post("/v1/messages", create_message),
+        web.post("/v1/messages/count_tokens", count_message_tokens),
+    ]
+    app.router.add_routes([web.RouteDef(r.method, r.path, wrap(r.handler), r.kwargs) for r in table])
 
 
 async def _json_body(request: web.Request) -> Any:
