@@ -50,9 +50,8 @@ class Drain:
     def __init__(self, timeout_s: float, *, clock: Clock = monotonic) -> None:
         self._timeout_s = timeout_s
         self._clock = clock
-        self._running: set[asyncio.Task[object]] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._running: set[asyncio.Task[Any]] = set()
+        self._settled: asyncio.Event | None = None  # set when the last handler cut at the deadline has left
         self._ended = asyncio.Event()
         self._reason: str | None = None
         self._started_at = 0.0
@@ -80,23 +79,19 @@ class Drain:
         """Report refused and cut requests to `listener` from now on (the metrics, once they exist)."""
         self._listener = listener
 
-    def enter(self) -> asyncio.Task[Any] | None:
-        """Register the current handler task until `leave(task)` (what it returns); plain calls rather than a
-        generator-based context manager, as they run around every request."""
-        task = asyncio.current_task()
-        if task is not None:
-            self._running.add(task)
-            self._idle.clear()
-        return task
+    def enter(self, task: asyncio.Task[Any]) -> None:
+        """Register a handler's task until `leave(task)`; plain calls rather than a generator-based context
+        manager, as they run around every request."""
+        self._running.add(task)
 
-    def leave(self, task: asyncio.Task[Any] | None) -> None:
+    def leave(self, task: asyncio.Task[Any]) -> None:
         """The handler task `enter` registered has finished."""
-        if task is not None:
-            self._running.discard(task)
-            if not self._running:
-                self._idle.set()
-                if self.draining:
-                    self._end()
+        running = self._running
+        running.discard(task)
+        if not running and self._reason is not None:  # the last one out of a drain ends it
+            if self._settled is not None:
+                self._settled.set()
+            self._end()
 
     def begin(self, reason: str) -> None:
         """Start draining (harmless once begun: the first reason stays); ends at once when nothing runs."""
@@ -157,10 +152,11 @@ class Drain:
         the deadline up to `SETTLE_S` to send their last answer."""
         self.begin("shutting down")
         result = await self.wait()
-        if self.expired:
+        if self.expired and self._running:
+            self._settled = asyncio.Event()  # `leave` sets it as the last one goes
             try:
                 async with self._clock.timeout_at(self._clock() + SETTLE_S):
-                    await self._idle.wait()
+                    await self._settled.wait()
             except TimeoutError:
                 log.warning("drain_unsettled", in_flight=len(self._running))
         return result

@@ -126,7 +126,9 @@ async def _handled(request: web.Request, handler: Handler, info: RequestInfo,
     if drain is not None and drain.draining:
         drain.refused()
         return _error_response(drain.refusal(), anthropic=request.path.startswith(_ANTHROPIC_PATHS))
-    handling = drain.enter() if drain is not None else None
+    task = asyncio.current_task()  # the handler's own (`request.task` is its connection's)
+    if drain is not None and task is not None:
+        drain.enter(task)
     try:
         return await handler(request)
     except Exception as exc:  # noqa: BLE001 - every failure leaves in the one envelope (or, mid-stream, not at all)
@@ -139,8 +141,8 @@ async def _handled(request: web.Request, handler: Handler, info: RequestInfo,
         asyncio.current_task().uncancel()  # type: ignore[union-attr]  # cut off by the shutdown drain: answer 503
         return _error_response(drain.refusal(), anthropic=request.path.startswith(_ANTHROPIC_PATHS))
     finally:
-        if drain is not None:
-            drain.leave(handling)
+        if drain is not None and task is not None:
+            drain.leave(task)
 
 
 def _failure_response(request: web.Request, info: RequestInfo, exc: Exception) -> web.StreamResponse:

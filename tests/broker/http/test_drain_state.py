@@ -20,7 +20,9 @@ async def _handlers(drain: Drain, count: int) -> tuple[list[asyncio.Task[None]],
 
     async def handler() -> None:
         nonlocal entered
-        task = drain.enter()
+        task = asyncio.current_task()
+        assert task is not None
+        drain.enter(task)
         entered += 1
         try:
             await release.wait()
