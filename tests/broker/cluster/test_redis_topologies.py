@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -218,15 +217,14 @@ async def test_a_sentinel_failover_costs_the_components_nothing(sentinel_set: Se
         for i in range(20):
             assert await one_round(i)
         sentinel_set.processes.kill(sentinel_set.master)
-        started = time.monotonic()
         rounds = iter(range(20, 100_000))
         assert not await one_round(next(rounds))  # the master is gone: every part degrades, none raises
+        # Within FAILOVER_S of real time (the servers' own failover), or `wait_until` fails the test.
         await wait_until(lambda: one_round(next(rounds)), FAILOVER_S, "the components never reached the new master",
                          interval_s=0.05)
         assert sentinel_set.master_port() == sentinel_set.replica
         for i in range(10):  # steady again
             assert await one_round(100_000 + i)
-        assert time.monotonic() - started < FAILOVER_S
         # Limits are shared again, not per replica: two limiters on two clients admit 5 of a 5-rpm limit.
         tight = [LimitSpec("tier:after", rpm=5, tpm=None)]
         assert await admitted(lim, tight, 3) + await admitted(lim2, tight, 3) == 5
@@ -461,13 +459,11 @@ async def test_a_cluster_master_killed_under_traffic_costs_the_components_nothin
             assert await one_round(i)
         slot = int(cli(ports[0], "CLUSTER", "KEYSLOT", "{mb:rl}").strip())
         processes.kill(owner_of(ports, slot))
-        started = time.monotonic()
         rounds = iter(range(10, 100_000))
         await wait_until(lambda: one_round(next(rounds)), FAILOVER_S, "the components never reached the promoted "
                          "replica", interval_s=0.05)
         for i in range(10):  # steady again
             assert await one_round(100_000 + i)
-        assert time.monotonic() - started < FAILOVER_S
         tight = [LimitSpec("tier:after", rpm=5, tpm=None)]
         assert await admitted(lim, tight, 3) + await admitted(lim2, tight, 3) == 5
     finally:
