@@ -30,7 +30,16 @@ from typing import Any
 
 from aiohttp import web
 
-from bench.harness import format_table, processes, publish, results_path, run_meta, sim_base_url, start_simulator
+from bench.harness import (
+    format_table,
+    passthrough_config,
+    processes,
+    publish,
+    results_path,
+    run_meta,
+    sim_base_url,
+    start_simulator,
+)
 from bench.profile_broker import measured, serve_broker
 from bench.proxy_baseline import create_proxy_app
 
@@ -84,8 +93,6 @@ async def count(target: str, upstream: str, requests: int, concurrency: int) -> 
     if target == "proxy":
         runner, url = await _serve_proxy(upstream)
     else:
-        from bench.harness import passthrough_config
-
         runner, url = await serve_broker(passthrough_config(upstream))
     try:
         await measured(url, concurrency, WARMUP)

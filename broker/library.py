@@ -24,7 +24,7 @@ from typing import Any
 
 from mergebroker.broker.cluster.queue_choice import front_end_queue
 from mergebroker.broker.engine import handling
-from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
+from mergebroker.broker.engine.accounting.request_record import RequestInfo, new_request_id, record_request
 from mergebroker.broker.engine.chat.service import CacheControl
 from mergebroker.broker.engine.container import Engine
 from mergebroker.broker.engine.ground.config import load_settings
@@ -211,7 +211,7 @@ class Broker:
 
 
 def _new_info() -> RequestInfo:
-    request_id = "req_" + os.urandom(16).hex()
+    request_id = new_request_id()
     return RequestInfo(request_id, request_id, time.perf_counter())
 
 

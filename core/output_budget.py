@@ -20,8 +20,6 @@ def token_budget(body: Mapping[str, Any], default: int) -> int:
         return default
     for name in BUDGET_FIELDS:
         value = body.get(name)
-        if value is None:
-            continue
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -26,7 +25,7 @@ import structlog
 from aiohttp import hdrs, web
 
 from mergebroker import tracing
-from mergebroker.broker.engine.accounting.request_record import RequestInfo, record_request
+from mergebroker.broker.engine.accounting.request_record import RequestInfo, new_request_id, record_request
 from mergebroker.broker.engine.apis.messages import anthropic_error
 from mergebroker.broker.engine.ground.logging import bind_log_context
 from mergebroker.broker.http.connections import ConnectionGuard
@@ -61,7 +60,7 @@ def error_handling(guard: ConnectionGuard | None, app_drain: Drain | None) -> Ca
         @functools.wraps(handler)
         async def handled(request: web.Request) -> web.StreamResponse:
             started = time.perf_counter()
-            broker_request_id = "req_" + os.urandom(16).hex()  # what secrets.token_hex(16) returns, without its two calls
+            broker_request_id = new_request_id()
             given = request.headers.get("X-Request-ID", "")
             request_id = given if 0 < len(given) <= 128 and given.isprintable() else broker_request_id
             info = request[INFO] = RequestInfo(request_id, broker_request_id, started)
