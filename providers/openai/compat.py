@@ -21,6 +21,7 @@ from mergebroker.errors import (
     UpstreamError,
     UpstreamHTTPError,
 )
+from mergebroker.providers.http1_client import Http1Pool, pool_for
 from mergebroker.providers.native_api import ENDPOINTS, NativeMode, lacks_route, not_native
 from mergebroker.providers.openai.wire import decode_json, http_error, translated_errors
 from mergebroker.providers.whole_reply import (
@@ -102,7 +103,9 @@ class OpenAICompatProvider:
         self.name = settings.name
         self._settings = settings
         self._base_url = settings.base_url.rstrip("/")
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # streams (and what the lean client does not take)
+        self._http1: Http1Pool | None = None  # one-shot calls (`_lean`)
+        self._http1_tried = False
         self._urls: dict[str, URL] = {}  # parsed once per endpoint, not per call
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._stream_support = StreamSupport.FULL  # narrowed for good by what the upstream refuses
@@ -116,15 +119,38 @@ class OpenAICompatProvider:
         # No await between the check and the assignment, so concurrent first calls share one session.
         if self._session is None or self._session.closed:
             s = self._settings
-            headers = dict(s.extra_headers)
-            if s.api_key:
-                headers["Authorization"] = f"Bearer {s.api_key}"
+            headers = self._session_headers()
             connector = aiohttp.TCPConnector(limit=s.max_connections, keepalive_timeout=s.keepalive_timeout_s)
             # No cookie jar: cookies an upstream sets must not travel with other tenants' calls, and
             # filtering the jar on every call costs time for nothing.
             self._session = aiohttp.ClientSession(connector=connector, headers=headers,
                                                   cookie_jar=aiohttp.DummyCookieJar())
         return self._session
+
+    def _lean(self, url: URL | str) -> Http1Pool | None:
+        """The lean client's pool for a one-shot call to `url` (`providers.http1_client`); None where aiohttp
+        goes instead: a URL that did not parse (aiohttp refuses it as before) or off this upstream's origin."""
+        pool = self._http1
+        if pool is None:
+            if self._http1_tried or not isinstance(url, URL):
+                return None
+            s = self._settings
+            self._http1_tried = True
+            pool = self._http1 = pool_for(URL(self._base_url), headers=self._session_headers(),
+                                          max_connections=s.max_connections, keepalive_timeout_s=s.keepalive_timeout_s,
+                                          connect_timeout_s=s.connect_timeout_s)
+            if pool is None:
+                return None
+        if not isinstance(url, URL) or not pool.serves(url):
+            return None
+        return pool
+
+    def _session_headers(self) -> dict[str, str]:
+        """What every call carries: the configured extra headers and the API key."""
+        headers = dict(self._settings.extra_headers)
+        if self._settings.api_key:
+            headers["Authorization"] = f"Bearer {self._settings.api_key}"
+        return headers
 
     def _url(self, endpoint: str) -> URL | str:
         url = self._urls.get(endpoint)
@@ -171,12 +197,21 @@ class OpenAICompatProvider:
                 headers = {**(headers or {}), **extra_headers}
             if tracing.enabled():  # the attempt's CLIENT span is current: its traceparent goes along
                 headers = tracing.inject(headers or {})  # a copy: the shared constants stay as they are
-            async with self._client().request(method, self._endpoint_url(endpoint, body), data=data, headers=headers,
-                                              timeout=self._call_timeout(timeout)) as resp:
-                raw = await resp.read()
-                if not 200 <= resp.status < 300:
-                    log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=resp.status)
-                    raise self._upstream_error(resp.status, resp.headers, raw)
+            url = self._endpoint_url(endpoint, body)
+            lean = self._lean(url)
+            if lean is not None:
+                answer = await lean.request(method, url.raw_path_qs, data, headers, timeout)  # type: ignore[union-attr]
+                status, raw = answer.status, answer.body
+                if not 200 <= status < 300:
+                    log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=status)
+                    raise self._upstream_error(status, answer.headers, raw)
+            else:
+                async with self._client().request(method, url, data=data, headers=headers,
+                                                  timeout=self._call_timeout(timeout)) as resp:
+                    raw = await resp.read()
+                    if not 200 <= resp.status < 300:
+                        log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=resp.status)
+                        raise self._upstream_error(resp.status, resp.headers, raw)
         data = decode_json(raw)
         if not isinstance(data, dict):
             raise UpstreamBadResponse(f"upstream {endpoint} answered 2xx without a JSON object")
@@ -352,7 +387,10 @@ class OpenAICompatProvider:
             log.debug("provider_warmed_up", provider=self.name, connections=count)
 
     async def close(self) -> None:
-        """Close the connection pool; a later call opens a new one."""
+        """Close the connection pools; a later call opens new ones."""
+        if self._http1 is not None:
+            await self._http1.close()
+        self._http1, self._http1_tried = None, False
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -1,6 +1,7 @@
-"""The HTTP wire shared by the OpenAI-shaped upstreams (chat, Batch API, Anthropic's transport): aiohttp's
-failures mapped onto the `UpstreamError` family, bodies decoded leniently, and a non-2xx answer read into
-its error with the upstream's message and Retry-After."""
+"""The HTTP wire shared by the OpenAI-shaped upstreams (chat, Batch API, Anthropic's transport): the HTTP
+clients' failures (aiohttp's, and `providers.http1_client`'s, which are Python's own) mapped onto the
+`UpstreamError` family, bodies decoded leniently, and a non-2xx answer read into its error with the
+upstream's message and Retry-After."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from mergebroker.errors import (
     UpstreamHTTPError,
     UpstreamTimeout,
 )
+from mergebroker.providers.http1_client import MalformedAnswer
 from mergebroker.providers.retry import parse_retry_after
 
 log = structlog.get_logger(__name__)
 
 
 class translated_errors:  # noqa: N801 - used as a function: `with translated_errors(provider, endpoint):`
-    """Map aiohttp's exceptions onto ours; `UpstreamError`s and cancellation pass through untouched.
+    """Map the HTTP clients' exceptions onto ours (an `OSError` is a connection that failed or dropped); `UpstreamError`s and cancellation pass through untouched.
 
     A plain class rather than a generator-based context manager: it wraps every upstream call, and the
     generator form costs several times more to enter and leave."""
@@ -43,11 +45,11 @@ class translated_errors:  # noqa: N801 - used as a function: `with translated_er
         if isinstance(exc, TimeoutError):  # before ClientConnectionError: ServerTimeoutError is both
             log.debug("provider_call_failed", provider=self._provider, endpoint=endpoint, error="timeout")
             raise UpstreamTimeout(f"upstream {endpoint} timed out") from exc
-        if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.InvalidURL)):
+        if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.InvalidURL, OSError)):
             # A truncated body means the connection dropped mid-answer; a bad URL can never connect.
             log.debug("provider_call_failed", provider=self._provider, endpoint=endpoint, error=type(exc).__name__)
             raise UpstreamConnectionError(f"upstream {endpoint} connection failed: {type(exc).__name__}") from exc
-        if isinstance(exc, aiohttp.ClientError):
+        if isinstance(exc, (aiohttp.ClientError, MalformedAnswer)):
             log.debug("provider_call_failed", provider=self._provider, endpoint=endpoint, error=type(exc).__name__)
             raise UpstreamBadResponse(f"upstream {endpoint} sent a malformed HTTP answer") from exc
 

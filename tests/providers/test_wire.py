@@ -1,4 +1,4 @@
-"""`translated_errors` maps each aiohttp failure onto the broker's upstream errors, and lets the rest through."""
+"""`translated_errors` maps each HTTP client failure (aiohttp's and the lean client's) onto the broker's upstream errors, and lets the rest through."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from mergebroker.errors import (
     UpstreamHTTPError,
     UpstreamTimeout,
 )
+from mergebroker.providers.http1_client import MalformedAnswer
 from mergebroker.providers.openai.wire import translated_errors
 
 
@@ -24,6 +25,10 @@ from mergebroker.providers.openai.wire import translated_errors
     (aiohttp.ClientPayloadError("cut"), UpstreamConnectionError),
     (aiohttp.InvalidURL("x"), UpstreamConnectionError),
     (aiohttp.ClientResponseError(None, (), status=200), UpstreamBadResponse),  # type: ignore[arg-type]
+    # the lean client's (providers.http1_client): Python's own errors, and its one of its own
+    (ConnectionRefusedError(), UpstreamConnectionError),
+    (ConnectionResetError("cut"), UpstreamConnectionError),
+    (MalformedAnswer("junk"), UpstreamBadResponse),
 ])
 def test_aiohttp_failures_become_upstream_errors_with_their_cause(raised: Exception,
                                                                   expected: type[UpstreamError]) -> None:
