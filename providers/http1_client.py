@@ -278,7 +278,12 @@ class Http1Pool:
                 while self._open >= self._max:  # wait for a place; a freed idle one is taken from the deque
                     waiter = loop.create_future()
                     self._room_waiters.append(waiter)
-                    await waiter
+                    try:
+                        await waiter
+                    except BaseException:
+                        if waiter.done() and not waiter.cancelled():
+                            self._wake_one()  # woken as it left (timeout, cancellation): the place goes to the next
+                        raise
                     conn = self._reuse(loop.time())
                     if conn is not None:
                         return conn
