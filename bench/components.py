@@ -62,8 +62,7 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("handlers", ("http/routes.py", "engine/handling.py", "http/api_routes.py")),
     ("middleware, drain, connection guard", ("http/middleware.py", "http/drain.py", "http/connections.py",
                                              "http/server.py")),
-    ("upstream client (calls: providers/http1_client.py; streams: aiohttp)",
-     ("providers/http1_client.py", "aiohttp/client", "aiohttp/connector.py")),
+    ("upstream client", ("providers/http1_client.py", "httptools", "aiohttp/client", "aiohttp/connector.py")),
     ("server (aiohttp)", ("aiohttp/web", "aiohttp/http_parser.py", "aiohttp/_http_parser", "aiohttp/base_protocol")),
 )
 EVENT_LOOP = "event loop"

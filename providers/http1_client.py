@@ -1,13 +1,14 @@
-"""A lean HTTP/1.1 client for an upstream's one-shot calls: keep-alive connections on asyncio protocols,
-answers read by llhttp (`httptools`).
+"""A lean HTTP/1.1 client for the upstreams: keep-alive connections on asyncio protocols, answers read by
+llhttp (`httptools`).
 
-Why not aiohttp's `ClientSession` here: each of its calls builds a request object, a response object, a
-stream reader, timers and trace hooks, about 3,300 Python bytecodes per call, as much as all of the broker's
-own work on a request (`python -m bench bytecodes`). A call here writes one buffer, lets the C parser fill
-one answer, and wakes its caller once. Streams stay on aiohttp, whose reader is made for answers that come
-in pieces over minutes.
+Why not aiohttp's `ClientSession`: each of its calls builds a request object, a response object, a stream
+reader, timers and trace hooks, about 3,300 Python bytecodes per call, as much as all of the broker's own
+work on a request (`python -m bench bytecodes`). A call here writes one buffer, lets the C parser fill one
+answer, and wakes its caller once (`request`). A stream (`open_stream`) hands its caller the head as soon as
+it is in, then the body's pieces as they come, pausing the socket while too much waits unread.
 
-The errors are Python's own: `TimeoutError` once the call's time is up, `OSError`s when connecting fails
+The errors are Python's own: `TimeoutError` once the call's time is up (for a stream: a gap between
+pieces longer than its read timeout), `OSError`s when connecting fails
 or the connection drops before the answer is whole (`ConnectionResetError`), `MalformedAnswer` when the
 bytes are not HTTP. `providers.openai.wire.translated_errors` maps them like aiohttp's.
 """
@@ -18,7 +19,7 @@ import asyncio
 import collections
 import ssl
 import zlib
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +29,16 @@ from multidict import CIMultiDict
 _USER_AGENT = "mergebroker"
 _ENCODINGS = "gzip, deflate"
 _UNSAFE = frozenset("\r\n\0")
+_PAUSE_AT = 256 * 1024  # bytes of a stream's body waiting unread before its socket stops being read
+_RESUME_AT = 64 * 1024
 
 
 class MalformedAnswer(Exception):
     """The upstream's bytes are not a well-formed HTTP/1.1 answer."""
+
+
+class InvalidUpstreamURL(OSError):
+    """A URL this client can never reach: not http(s), or without a host."""
 
 
 class _Unanswered(ConnectionResetError):
@@ -61,21 +68,23 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self._parser: httptools.HttpResponseParser | None = None
-        self._waiter: asyncio.Future[Answer] | None = None
+        self._waiter: asyncio.Future[Any] | None = None  # its `Answer`, or its stream once the head is in
         self._head = b""  # what came before the headers were complete (the head, perhaps some body)
         self._body: list[bytes] = []
         self._headers_done = False
         self._heard = False  # any byte of the current answer
         self.reusable = False
         self.counted = True  # holds one of the pool's places until `Http1Pool.forget`
+        self._stream: StreamedAnswer | None = None  # the answer being streamed, once its head is in
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def send(self, data: bytes, waiter: asyncio.Future[Answer]) -> None:
-        """Write one request; `waiter` gets its answer."""
+    def send(self, data: bytes, waiter: asyncio.Future[Any], stream: StreamedAnswer | None = None) -> None:
+        """Write one request; `waiter` gets its whole `Answer`, or `stream` once the head is in (`stream` then
+        gets the body)."""
         self._parser = httptools.HttpResponseParser(self)
-        self._waiter, self._head, self._body = waiter, b"", []
+        self._waiter, self._head, self._body, self._stream = waiter, b"", [], stream
         self._headers_done = self._heard = self.reusable = False
         self.transport.write(data)  # type: ignore[union-attr]
 
@@ -95,6 +104,12 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
+        if self._stream is not None and self._headers_done:
+            if self._delimited():
+                self._stream.fail(ConnectionResetError("the upstream closed the connection before its answer ended"))
+            else:
+                self._stream.end()  # an answer without a length ends with its connection
+            return
         if self._waiter is None or self._waiter.done():
             return
         if self._headers_done and not self._delimited():
@@ -113,13 +128,34 @@ class _Connection(asyncio.Protocol):
     # llhttp's callbacks, called from `feed_data` (no `on_header`: the head is kept whole and read when needed)
     def on_headers_complete(self) -> None:
         self._headers_done = True
+        stream, waiter = self._stream, self._waiter
+        if stream is not None and waiter is not None:
+            self._waiter = None
+            stream.begin(self._parser.get_status_code(), self._head.split(b"\r\n\r\n", 1)[0])  # type: ignore[union-attr]
+            if not waiter.done():
+                waiter.set_result(stream)
 
     def on_body(self, body: bytes) -> None:
-        self._body.append(body)
+        if self._stream is not None:
+            self._stream.feed(body)
+        else:
+            self._body.append(body)
 
     def on_message_complete(self) -> None:
         self.reusable = self._parser.should_keep_alive()  # type: ignore[union-attr]
-        self._finish()
+        if self._stream is not None:
+            stream, self._parser, self._stream = self._stream, None, None
+            stream.end()
+        else:
+            self._finish()
+
+    def pause(self, paused: bool) -> None:
+        """Stop (or go back to) reading the socket while a stream's reader lags behind."""
+        if self.transport is not None and not self.closed:
+            if paused:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     def _finish(self) -> None:
         parser, waiter = self._parser, self._waiter
@@ -138,11 +174,129 @@ class _Connection(asyncio.Protocol):
         waiter, self._parser, self._waiter = self._waiter, None, None
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
+        elif self._stream is not None:
+            self._stream.fail(exc)
 
     def _delimited(self) -> bool:
         """Whether the answer said where it ends (a length or chunks), so a close before then is a cut."""
         head = self._head.lower()
         return b"\ncontent-length:" in head or b"\ntransfer-encoding:" in head
+
+
+class StreamedAnswer:
+    """An answer read as it comes: `status` and `headers` at once, the body's pieces from `chunks()` (or all of
+    it from `read()`), each wait for the next piece at most `read_timeout` seconds. `close()` when done: a
+    connection whose answer was read to its end goes back to the pool, one left mid-answer is closed."""
+
+    def __init__(self, pool: Http1Pool, conn: _Connection, loop: asyncio.AbstractEventLoop,
+                 read_timeout: float) -> None:
+        self.status = 0
+        self.head = b""
+        self._pool, self._conn, self._loop, self._read_timeout = pool, conn, loop, read_timeout
+        self._pieces: collections.deque[bytes] = collections.deque()
+        self._unread = 0
+        self._paused = False
+        self._ended = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._decoder: Any = None
+        self._closed = False
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        """The headers, case-insensitive."""
+        return CIMultiDict(_header_fields(self.head))
+
+    @property
+    def content_type(self) -> str:
+        """The media type, lowercased, without parameters ("" when none)."""
+        return self.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive."""
+        while True:
+            if self._pieces:
+                piece = self._pieces.popleft()
+                self._unread -= len(piece)
+                if self._paused and self._unread <= _RESUME_AT:
+                    self._paused = False
+                    self._conn.pause(False)
+                yield piece
+            elif self._error is not None:
+                raise self._error
+            elif self._ended:
+                return
+            else:
+                await self._next_piece()
+
+    async def read(self) -> bytes:
+        """The rest of the body, whole."""
+        return b"".join([piece async for piece in self.chunks()])
+
+    def close(self) -> None:
+        """Done with the answer: its connection goes back to the pool if read to its end, else is closed."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._ended and not self._pieces and self._error is None:
+            self._pool.put_back(self._conn)
+        else:
+            self._conn.abort()
+
+    # called by the connection
+    def begin(self, status: int, head: bytes) -> None:
+        self.status, self.head = status, head
+        if b"content-encoding" in head.lower():
+            coding = self.headers.get("Content-Encoding", "").strip().lower()
+            if coding in ("gzip", "x-gzip", "deflate"):
+                self._decoder = zlib.decompressobj(32 + zlib.MAX_WBITS)  # gzip or zlib, told apart by their header
+
+    def feed(self, data: bytes) -> None:
+        if self._decoder is not None:
+            try:
+                data = self._decoder.decompress(data)
+            except zlib.error as exc:
+                self.fail(MalformedAnswer(f"undecodable body: {exc}"))
+                self._conn.abort()
+                return
+        if data:
+            self._pieces.append(data)
+            self._unread += len(data)
+            if not self._paused and self._unread > _PAUSE_AT:
+                self._paused = True
+                self._conn.pause(True)
+            self._wake()
+
+    def end(self) -> None:
+        if self._decoder is not None:
+            rest = self._decoder.flush()
+            if rest:
+                self._pieces.append(rest)
+        self._ended = True
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self._ended and self._error is None:
+            self._error = exc
+            self._wake()
+
+    async def _next_piece(self) -> None:
+        waiter = self._waiter = self._loop.create_future()
+        timer = self._loop.call_at(self._loop.time() + self._read_timeout, _expire_stream, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+def _expire_stream(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError("the upstream sent nothing within the read timeout"))
 
 
 def _header_fields(head: bytes) -> list[tuple[str, str]]:
@@ -180,7 +334,6 @@ class Http1Pool:
 
     def __init__(self, scheme: str, host: str, port: int, *, headers: Mapping[str, str], max_connections: int,
                  keepalive_timeout_s: float, connect_timeout_s: float) -> None:
-        self._origin = (scheme, host, port)
         self._host, self._port = host, port
         self._ssl: ssl.SSLContext | None = ssl.create_default_context() if scheme == "https" else None
         default_port = 443 if scheme == "https" else 80
@@ -203,13 +356,7 @@ class Http1Pool:
         """Send one request (`target`: path and query) and read its whole answer within `timeout` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        head = f"{method} {target} HTTP/1.1\r\n{self._fixed}"
-        if headers:
-            head += "".join(_header_line(k, v) for k, v in headers.items())
-        length = len(body) if body is not None else 0
-        data = (head + f"Content-Length: {length}\r\n\r\n").encode()
-        if body:
-            data += body
+        data = self._request_bytes(method, target, body, headers)
         conn = self._reuse(loop.time())
         if conn is not None:
             try:
@@ -219,6 +366,14 @@ class Http1Pool:
                 # the request was never read, so it goes once more on a fresh connection.
                 pass
         return await self._exchange(loop, await self._connect(loop, deadline), data, deadline)
+
+    def _request_bytes(self, method: str, target: str, body: bytes | None,
+                       headers: Mapping[str, str] | None) -> bytes:
+        head = f"{method} {target} HTTP/1.1\r\n{self._fixed}"
+        if headers:
+            head += "".join(_header_line(k, v) for k, v in headers.items())
+        data = (head + f"Content-Length: {len(body) if body is not None else 0}\r\n\r\n").encode()
+        return data + body if body else data
 
     async def _exchange(self, loop: asyncio.AbstractEventLoop, conn: _Connection, data: bytes,
                         deadline: float) -> Answer:
@@ -233,17 +388,45 @@ class Http1Pool:
             raise
         finally:
             timer.cancel()
+        self.put_back(conn)
+        return answer
+
+    async def open_stream(self, method: str, target: str, body: bytes | None, headers: Mapping[str, str] | None,
+                          read_timeout: float) -> StreamedAnswer:
+        """Send one request and return its answer once the head is in (within `read_timeout` seconds, as is each
+        later wait for the body: a long answer that keeps flowing is never cut). The caller `close()`s it."""
+        loop = asyncio.get_running_loop()
+        data = self._request_bytes(method, target, body, headers)
+        conn = self._reuse(loop.time())
+        if conn is not None:
+            try:
+                return await self._start_stream(loop, conn, data, read_timeout)
+            except _Unanswered:
+                pass  # the keep-alive race, as in `request`
+        conn = await self._connect(loop, loop.time() + read_timeout)
+        return await self._start_stream(loop, conn, data, read_timeout)
+
+    async def _start_stream(self, loop: asyncio.AbstractEventLoop, conn: _Connection, data: bytes,
+                            read_timeout: float) -> StreamedAnswer:
+        waiter: asyncio.Future[StreamedAnswer] = loop.create_future()
+        timer = loop.call_at(loop.time() + read_timeout, _expire, waiter)
+        try:
+            conn.send(data, waiter, StreamedAnswer(self, conn, loop, read_timeout))
+            return await waiter
+        except BaseException:
+            conn.abort()
+            raise
+        finally:
+            timer.cancel()
+
+    def put_back(self, conn: _Connection) -> None:
+        """A connection whose answer was read whole: kept for the next call if it may be, else closed."""
         if conn.reusable and not conn.closed and not self._closed:
-            conn.idle_since = loop.time()
+            conn.idle_since = asyncio.get_running_loop().time()
             self._idle.append(conn)
             self._wake_one()
         else:
             conn.abort()
-        return answer
-
-    def serves(self, url: Any) -> bool:
-        """Whether `url` (a `yarl.URL`) is on this pool's origin."""
-        return (url.scheme, url.host, url.port) == self._origin
 
     def forget(self, conn: _Connection) -> None:
         """A connection has closed: its place is free (called by the connection itself; once counts)."""
@@ -310,7 +493,7 @@ class Http1Pool:
                 return
 
 
-def _expire(waiter: asyncio.Future[Answer]) -> None:
+def _expire(waiter: asyncio.Future[Any]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError("the upstream did not answer in time"))
 
@@ -322,10 +505,12 @@ def _header_line(name: str, value: str) -> str:
     return f"{name}: {value}\r\n"
 
 
-def pool_for(url: Any, *, headers: Mapping[str, str], max_connections: int, keepalive_timeout_s: float,
-             connect_timeout_s: float) -> Http1Pool | None:
-    """A pool for `url`'s origin (a `yarl.URL`), or None where this client does not go (not plain http(s))."""
-    if url.scheme not in ("http", "https") or not url.host or url.port is None:
-        return None
-    return Http1Pool(url.scheme, url.host, url.port, headers=headers, max_connections=max_connections,
-                     keepalive_timeout_s=keepalive_timeout_s, connect_timeout_s=connect_timeout_s)
+Origin = tuple[str, str, int]
+"""(scheme, host, port): what one pool's connections go to."""
+
+
+def origin_of(url: Any) -> Origin:
+    """`url`'s origin (a `yarl.URL`, or the text of one that did not parse: `InvalidUpstreamURL`)."""
+    if isinstance(url, str) or url.scheme not in ("http", "https") or not url.host or url.port is None:
+        raise InvalidUpstreamURL(f"not an http(s) URL with a host: {str(url)[:200]!r}")
+    return url.scheme, url.host, url.port

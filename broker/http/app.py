@@ -143,9 +143,8 @@ def batch_service(broker: Engine) -> BatchService | None:
 
 
 def connection_limits(settings: Settings) -> ConnectionLimits:
-    """The client-connection bounds; the default cap leaves descriptors for every provider's connections (each has
-    two pools of up to `max_connections`: one-shot calls and streams)."""
+    """The client-connection bounds; the default cap leaves descriptors for every provider's connections."""
     s = settings.server
-    upstream_fds = 2 * sum(p.max_connections for p in settings.providers if p.kind in HTTP_PROVIDER_KINDS) or 100
+    upstream_fds = sum(p.max_connections for p in settings.providers if p.kind in HTTP_PROVIDER_KINDS) or 100
     cap = s.max_connections or auto_max_connections(s.reserved_fds + upstream_fds)
     return ConnectionLimits(cap, s.header_timeout_s, s.body_timeout_s, s.idle_timeout_s)

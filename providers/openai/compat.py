@@ -1,7 +1,7 @@
-"""One upstream speaking the OpenAI HTTP API, over one pooled aiohttp session per provider.
+"""One upstream speaking the OpenAI HTTP API, over one keep-alive pool per provider (`providers.http1_client`).
 
-Every aiohttp failure is translated here into the `broker.errors.UpstreamError` family, so nothing
-above this module sees aiohttp. Each call is exactly one attempt; retries live in `providers.retry`.
+Every failure of the HTTP client is translated here into the `broker.errors.UpstreamError` family, so
+nothing above this module sees it. Each call is exactly one attempt; retries live in `providers.retry`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import structlog
 from yarl import URL
 
@@ -21,7 +20,7 @@ from mergebroker.errors import (
     UpstreamError,
     UpstreamHTTPError,
 )
-from mergebroker.providers.http1_client import Http1Pool, pool_for
+from mergebroker.providers.http1_client import Http1Pool, Origin, origin_of
 from mergebroker.providers.native_api import ENDPOINTS, NativeMode, lacks_route, not_native
 from mergebroker.providers.openai.wire import decode_json, http_error, translated_errors
 from mergebroker.providers.whole_reply import (
@@ -38,8 +37,6 @@ _JSON_CONTENT = {"Content-Type": "application/json"}
 _SSE_REQUEST = {**_JSON_CONTENT, "Accept": "text/event-stream"}
 
 _NARROWNESS = {StreamSupport.FULL: 0, StreamSupport.WITHOUT_OPTIONS: 1, StreamSupport.NONE: 2}
-
-_TIMEOUTS_KEPT = 64
 
 DEFAULT_TOKEN_RATE = 50.0
 """Generation speed (tokens/s) assumed when sizing a read timeout: slow enough for a loaded hosted model."""
@@ -94,20 +91,15 @@ def _split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
 
 
 class OpenAICompatProvider:
-    """A `providers.base.Provider` over HTTP: one `aiohttp.ClientSession` (keep-alive pool) per upstream.
-
-    The session is created on first use, inside the running loop, and closed by `close()`.
-    """
+    """A `providers.base.Provider` over HTTP: one keep-alive pool (`providers.http1_client`) per upstream, for
+    one-shot calls and streams alike, created on first use and closed by `close()`."""
 
     def __init__(self, settings: HttpProviderSettings) -> None:
         self.name = settings.name
         self._settings = settings
         self._base_url = settings.base_url.rstrip("/")
-        self._session: aiohttp.ClientSession | None = None  # streams (and what the lean client does not take)
-        self._http1: Http1Pool | None = None  # one-shot calls (`_lean`)
-        self._http1_tried = False
+        self._pools: dict[Origin, Http1Pool] = {}  # created on first use, inside the running loop
         self._urls: dict[str, URL] = {}  # parsed once per endpoint, not per call
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._stream_support = StreamSupport.FULL  # narrowed for good by what the upstream refuses
         self._model_map = dict(settings.model_map)
         self.native_apis: frozenset[str] = frozenset() if settings.responses == "translate" else frozenset({"responses"})
@@ -115,34 +107,16 @@ class OpenAICompatProvider:
     def __repr__(self) -> str:
         return f"OpenAICompatProvider(name={self.name!r}, base_url={self._base_url!r})"
 
-    def _client(self) -> aiohttp.ClientSession:
-        # No await between the check and the assignment, so concurrent first calls share one session.
-        if self._session is None or self._session.closed:
-            s = self._settings
-            headers = self._session_headers()
-            connector = aiohttp.TCPConnector(limit=s.max_connections, keepalive_timeout=s.keepalive_timeout_s)
-            # No cookie jar: cookies an upstream sets must not travel with other tenants' calls, and
-            # filtering the jar on every call costs time for nothing.
-            self._session = aiohttp.ClientSession(connector=connector, headers=headers,
-                                                  cookie_jar=aiohttp.DummyCookieJar())
-        return self._session
-
-    def _lean(self, url: URL | str) -> Http1Pool | None:
-        """The lean client's pool for a one-shot call to `url` (`providers.http1_client`); None where aiohttp
-        goes instead: a URL that did not parse (aiohttp refuses it as before) or off this upstream's origin."""
-        pool = self._http1
+    def _pool(self, url: URL | str) -> Http1Pool:
+        """The keep-alive pool of `url`'s origin (one per upstream, but for a subclass whose URLs leave it)."""
+        origin = origin_of(url)
+        pool = self._pools.get(origin)
         if pool is None:
-            if self._http1_tried or not isinstance(url, URL):
-                return None
             s = self._settings
-            self._http1_tried = True
-            pool = self._http1 = pool_for(URL(self._base_url), headers=self._session_headers(),
-                                          max_connections=s.max_connections, keepalive_timeout_s=s.keepalive_timeout_s,
-                                          connect_timeout_s=s.connect_timeout_s)
-            if pool is None:
-                return None
-        if not isinstance(url, URL) or not pool.serves(url):
-            return None
+            pool = self._pools[origin] = Http1Pool(*origin, headers=self._session_headers(),
+                                                   max_connections=s.max_connections,
+                                                   keepalive_timeout_s=s.keepalive_timeout_s,
+                                                   connect_timeout_s=s.connect_timeout_s)
         return pool
 
     def _session_headers(self) -> dict[str, str]:
@@ -157,7 +131,7 @@ class OpenAICompatProvider:
         if url is None:
             try:
                 url = self._urls[endpoint] = URL(self._base_url + endpoint)
-            except ValueError:  # let aiohttp reject it as before, inside `translated_errors`
+            except ValueError:  # refused by `origin_of` when called, inside `translated_errors`
                 return self._base_url + endpoint
         return url
 
@@ -168,18 +142,6 @@ class OpenAICompatProvider:
     def _upstream_error(self, status: int, headers: Any, raw: bytes) -> UpstreamHTTPError:
         """The error for a non-2xx answer; a provider with another error envelope overrides this."""
         return http_error(status, headers, raw)
-
-    def _call_timeout(self, timeout: float) -> aiohttp.ClientTimeout:
-        # Most calls' timeout is their read timeout, one of a few values (it follows `max_tokens`), and an
-        # aiohttp timeout costs microseconds to build: those are built once. A deadline-bound value is
-        # different every time; past `_TIMEOUTS_KEPT` values the memo starts over.
-        found = self._timeouts.get(timeout)
-        if found is None:
-            found = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, self._settings.connect_timeout_s))
-            if len(self._timeouts) >= _TIMEOUTS_KEPT:
-                self._timeouts.clear()
-            self._timeouts[timeout] = found
-        return found
 
     def _mapped(self, body: dict[str, Any]) -> dict[str, Any]:
         """`body` with the callers' model name renamed to the upstream's (`model_map`)."""
@@ -198,20 +160,11 @@ class OpenAICompatProvider:
             if tracing.enabled():  # the attempt's CLIENT span is current: its traceparent goes along
                 headers = tracing.inject(headers or {})  # a copy: the shared constants stay as they are
             url = self._endpoint_url(endpoint, body)
-            lean = self._lean(url)
-            if lean is not None:
-                answer = await lean.request(method, url.raw_path_qs, data, headers, timeout)  # type: ignore[union-attr]
-                status, raw = answer.status, answer.body
-                if not 200 <= status < 300:
-                    log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=status)
-                    raise self._upstream_error(status, answer.headers, raw)
-            else:
-                async with self._client().request(method, url, data=data, headers=headers,
-                                                  timeout=self._call_timeout(timeout)) as resp:
-                    raw = await resp.read()
-                    if not 200 <= resp.status < 300:
-                        log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=resp.status)
-                        raise self._upstream_error(resp.status, resp.headers, raw)
+            answer = await self._pool(url).request(method, url.raw_path_qs, data, headers, timeout)  # type: ignore[union-attr]
+            raw = answer.body
+            if not 200 <= answer.status < 300:
+                log.debug("provider_call_failed", provider=self.name, endpoint=endpoint, status=answer.status)
+                raise self._upstream_error(answer.status, answer.headers, raw)
         data = decode_json(raw)
         if not isinstance(data, dict):
             raise UpstreamBadResponse(f"upstream {endpoint} answered 2xx without a JSON object")
@@ -344,30 +297,33 @@ class OpenAICompatProvider:
         A JSON answer is handed to `on_json`, whose events are yielded instead; without one, it is an
         `UpstreamBadResponse`.
         """
-        client_timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout,
-                                               connect=min(timeout, self._settings.connect_timeout_s))
         headers: Mapping[str, str] = {**_SSE_REQUEST, **extra_headers} if extra_headers else _SSE_REQUEST
         if tracing.enabled():
             headers = tracing.inject(headers)
         with translated_errors(self.name, endpoint):
-            async with self._client().post(self._endpoint_url(endpoint, body), data=jsonio.dumps(body),
-                                           headers=headers, timeout=client_timeout) as resp:
-                if not 200 <= resp.status < 300:
-                    raise self._upstream_error(resp.status, resp.headers, await resp.read())
-                if resp.content_type == "application/json" or resp.content_type.endswith("+json"):
+            url = self._endpoint_url(endpoint, body)
+            answer = await self._pool(url).open_stream("POST", url.raw_path_qs, jsonio.dumps(body),  # type: ignore[union-attr]
+                                                       headers, timeout)
+            try:
+                if not 200 <= answer.status < 300:
+                    raise self._upstream_error(answer.status, answer.headers, await answer.read())
+                content_type = answer.content_type
+                if content_type == "application/json" or content_type.endswith("+json"):
                     if on_json is None:
                         raise UpstreamBadResponse("upstream answered JSON to a streaming request")
-                    for event in on_json(decode_json(await resp.read())):
+                    for event in on_json(decode_json(await answer.read())):
                         yield event
                     return
                 buffer = b""
-                async for chunk in resp.content.iter_any():
+                async for chunk in answer.chunks():
                     events, buffer = _split_events(buffer + chunk)
                     for event in events:
                         yield event
                 if buffer.strip():
                     # The upstream closed without the final blank line; relay what it sent, terminated.
                     yield buffer.rstrip(b"\n") + b"\n\n"
+            finally:
+                answer.close()
 
     async def warm_up(self, connections: int, *, timeout: float = 10.0) -> None:
         """Open up to `connections` keep-alive connections with concurrent `GET /models`; never raises."""
@@ -388,9 +344,6 @@ class OpenAICompatProvider:
 
     async def close(self) -> None:
         """Close the connection pools; a later call opens new ones."""
-        if self._http1 is not None:
-            await self._http1.close()
-        self._http1, self._http1_tried = None, False
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await pool.close()

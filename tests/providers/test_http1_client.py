@@ -8,10 +8,9 @@ import gzip
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from yarl import URL
 
 from mergebroker.errors import UpstreamBadResponse, UpstreamConnectionError, UpstreamHTTPError, UpstreamTimeout
-from mergebroker.providers.http1_client import Http1Pool, MalformedAnswer, pool_for
+from mergebroker.providers.http1_client import Http1Pool, MalformedAnswer
 from mergebroker.providers.openai.compat import HttpProviderSettings, OpenAICompatProvider
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -60,10 +59,8 @@ def ok(body: bytes, *extra: bytes) -> bytes:
 
 
 def pool(port: int, *, max_connections: int = 10) -> Http1Pool:
-    made = pool_for(URL(f"http://127.0.0.1:{port}/v1"), headers={"Authorization": "Bearer k"},
-                    max_connections=max_connections, keepalive_timeout_s=30.0, connect_timeout_s=5.0)
-    assert made is not None
-    return made
+    return Http1Pool("http", "127.0.0.1", port, headers={"Authorization": "Bearer k"},
+                     max_connections=max_connections, keepalive_timeout_s=30.0, connect_timeout_s=5.0)
 
 
 @pytest.fixture
@@ -230,3 +227,73 @@ async def test_a_refusal_carries_the_upstreams_message_and_retry_after_from_its_
             await provider._request_json("POST", "/chat/completions", {"model": "m"}, 5.0)
         await provider.close()
     assert (refused.value.status, refused.value.retry_after, str(refused.value)) == (429, 7.0, "slow down")
+
+
+async def test_a_stream_hands_over_each_piece_as_it_comes_and_its_connection_serves_the_next_call() -> None:
+    next_piece = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"7\r\ndata: 1\r\n")
+        await next_piece.wait()  # the second piece goes only once the first has reached the reader
+        writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+        while True:
+            await read_request(reader)
+            writer.write(ok(b"again"))
+
+    async with RawServer(serve) as server:
+        client = pool(server.port)
+        answer = await client.open_stream("POST", "/v1/chat/completions", b"{}", None, 5.0)
+        assert (answer.status, answer.content_type) == (200, "text/event-stream")
+        pieces = []
+        async for piece in answer.chunks():
+            pieces.append(piece)
+            next_piece.set()
+        answer.close()
+        assert pieces == [b"data: 1", b"data: 2"]
+        assert (await client.request("GET", "/", None, None, 5.0)).body == b"again"
+        await client.close()
+    assert server.connections == 1
+
+
+async def test_a_stream_that_goes_quiet_past_its_read_timeout_fails_and_one_left_mid_answer_is_closed() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await asyncio.Event().wait()  # then nothing more
+
+    async with RawServer(serve) as server:
+        client = pool(server.port)
+        answer = await client.open_stream("POST", "/", b"{}", None, 0.2)
+        chunks = answer.chunks()
+        assert await chunks.__anext__() == b"first"
+        with pytest.raises(TimeoutError):
+            await chunks.__anext__()
+        answer.close()
+        left = await client.open_stream("POST", "/", b"{}", None, 5.0)
+        left.close()  # mid-answer: its connection cannot serve another call
+        assert server.connections == 2
+        await client.open_stream("POST", "/", b"{}", None, 5.0)
+        assert server.connections == 3
+        await client.close()
+
+
+async def test_a_large_streamed_body_arrives_whole_through_the_pauses_of_a_slow_reader() -> None:
+    body = bytes(range(256)) * 8192  # 2 MiB, well past the unread bytes at which the socket pauses
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+        for start in range(0, len(body), 65536):
+            writer.write(body[start:start + 65536])
+            await writer.drain()
+
+    async with RawServer(serve) as server:
+        client = pool(server.port)
+        answer = await client.open_stream("POST", "/", b"{}", None, 5.0)
+        for _ in range(100):  # the reader lags: the body piles up until the socket pauses
+            await asyncio.sleep(0)
+        assert await answer.read() == body
+        answer.close()
+        await client.close()

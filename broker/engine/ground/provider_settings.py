@@ -31,9 +31,7 @@ class ProviderSettings(_Strict):
     api_key_env: str | None = Field(None, description="Environment variable holding this provider's API key.")
     api_key: SecretStr | None = Field(None, exclude=True)
     weight: int = Field(1, gt=0)
-    max_connections: int = Field(
-        100, gt=0, description="Connections to this upstream for one-shot calls (the lean client), and as many again "
-                               "for streams (aiohttp's pool).")
+    max_connections: int = Field(100, gt=0, description="Keep-alive connections to this upstream, calls and streams.")
     max_in_flight: int | None = Field(None, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     token_rate: float = Field(50.0, gt=0, description="Expected output tokens/s; read timeout = max_tokens/rate + 5 s.")
