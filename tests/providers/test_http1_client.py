@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
+import trustme
 
 from mergebroker.errors import UpstreamBadResponse, UpstreamConnectionError, UpstreamHTTPError, UpstreamTimeout
 from mergebroker.providers.http1_client import Http1Pool, MalformedAnswer
@@ -297,3 +300,33 @@ async def test_a_large_streamed_body_arrives_whole_through_the_pauses_of_a_slow_
         assert await answer.read() == body
         answer.close()
         await client.close()
+
+
+async def test_an_https_upstream_is_reached_only_with_a_certificate_the_system_trusts_for_its_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_context)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(ok(b'{"data": []}'))
+
+    server = await asyncio.start_server(lambda r, w: serve(r, w, 0), "127.0.0.1", 0, ssl=server_context)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        untrusted = Http1Pool("https", "localhost", port, headers={}, max_connections=1, keepalive_timeout_s=1.0,
+                              connect_timeout_s=5.0)
+        with pytest.raises(ssl.SSLCertVerificationError):  # an OSError: the provider's connection error
+            await untrusted.request("GET", "/v1/models", None, None, 5.0)
+        await untrusted.close()
+
+        ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))  # the system's trust store, as OpenSSL reads it
+        trusted = Http1Pool("https", "localhost", port, headers={}, max_connections=1, keepalive_timeout_s=1.0,
+                            connect_timeout_s=5.0)
+        assert (await trusted.request("GET", "/v1/models", None, None, 5.0)).body == b'{"data": []}'
+        await trusted.close()
+    finally:
+        server.close()
