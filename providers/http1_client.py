@@ -129,7 +129,7 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._headers_done = True
         stream, waiter = self._stream, self._waiter
-        if stream is not None and waiter is not None:
+        if stream is not None and waiter is not None and not _interim(self._parser.get_status_code()):  # type: ignore[union-attr]
             self._waiter = None
             stream.begin(self._parser.get_status_code(), self._head.split(b"\r\n\r\n", 1)[0])  # type: ignore[union-attr]
             if not waiter.done():
@@ -142,6 +142,11 @@ class _Connection(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if _interim(self._parser.get_status_code()):  # type: ignore[union-attr]
+            # An interim answer (100 Continue, 103 Early Hints): the real one follows on the same connection.
+            self._head = self._head.split(b"\r\n\r\n", 1)[-1]
+            self._headers_done = False
+            return
         self.reusable = self._parser.should_keep_alive()  # type: ignore[union-attr]
         if self._stream is not None:
             stream, self._parser, self._stream = self._stream, None, None
@@ -292,6 +297,11 @@ class StreamedAnswer:
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+
+def _interim(status: int) -> bool:
+    """Whether `status` is an interim (1xx) answer, one the final answer follows (101 switches protocols: final)."""
+    return 100 <= status < 200 and status != 101
 
 
 def _expire_stream(waiter: asyncio.Future[None]) -> None:

@@ -330,3 +330,27 @@ async def test_an_https_upstream_is_reached_only_with_a_certificate_the_system_t
         await trusted.close()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_interim_answer_is_skipped_for_the_final_one(stream: bool) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n")
+            await writer.drain()
+            writer.write(ok(b"final", b"X-Final: yes"))
+
+    async with RawServer(serve) as server:
+        client = pool(server.port)
+        for _ in range(2):  # and the connection stays good for the next call
+            if stream:
+                answer = await client.open_stream("POST", "/", b"{}", None, 5.0)
+                status, final, body = answer.status, answer.headers.get("X-Final"), await answer.read()
+                answer.close()
+            else:
+                whole = await client.request("POST", "/", b"{}", None, 5.0)
+                status, final, body = whole.status, whole.headers.get("X-Final"), whole.body
+            assert (status, final, body) == (200, "yes", b"final")
+        await client.close()
+    assert server.connections == 1
