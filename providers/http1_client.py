@@ -19,7 +19,7 @@ import asyncio
 import collections
 import ssl
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,9 +129,12 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._headers_done = True
         stream, waiter = self._stream, self._waiter
-        if stream is not None and waiter is not None and not _interim(self._parser.get_status_code()):  # type: ignore[union-attr]
+        if stream is None or waiter is None:
+            return
+        status = self._parser.get_status_code()  # type: ignore[union-attr]
+        if status >= 200 or status == 101:  # not an interim answer (`on_message_complete`): the stream begins
             self._waiter = None
-            stream.begin(self._parser.get_status_code(), self._head.split(b"\r\n\r\n", 1)[0])  # type: ignore[union-attr]
+            stream.begin(status, self._head.split(b"\r\n\r\n", 1)[0])
             if not waiter.done():
                 waiter.set_result(stream)
 
@@ -142,7 +145,8 @@ class _Connection(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if _interim(self._parser.get_status_code()):  # type: ignore[union-attr]
+        status = self._parser.get_status_code()  # type: ignore[union-attr]
+        if status < 200 and status != 101:
             # An interim answer (100 Continue, 103 Early Hints): the real one follows on the same connection.
             self._head = self._head.split(b"\r\n\r\n", 1)[-1]
             self._headers_done = False
@@ -299,11 +303,6 @@ class StreamedAnswer:
             self._waiter.set_result(None)
 
 
-def _interim(status: int) -> bool:
-    """Whether `status` is an interim (1xx) answer, one the final answer follows (101 switches protocols: final)."""
-    return 100 <= status < 200 and status != 101
-
-
 def _expire_stream(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError("the upstream sent nothing within the read timeout"))
@@ -361,21 +360,36 @@ class Http1Pool:
         self._room_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._closed = False
 
-    async def request(self, method: str, target: str, body: bytes | None, headers: Mapping[str, str] | None,
-                      timeout: float) -> Answer:
-        """Send one request (`target`: path and query) and read its whole answer within `timeout` seconds."""
+    def request(self, method: str, target: str, body: bytes | None, headers: Mapping[str, str] | None,
+                timeout: float) -> Coroutine[Any, Any, Answer]:
+        """Send one request (`target`: path and query) and read its whole answer within `timeout` seconds, to
+        await (the coroutine of `_send`: one awaiting layer fewer on every call)."""
+        return self._send(self._request_bytes(method, target, body, headers), timeout, stream=False)
+
+    def open_stream(self, method: str, target: str, body: bytes | None, headers: Mapping[str, str] | None,
+                    read_timeout: float) -> Coroutine[Any, Any, StreamedAnswer]:
+        """Send one request and return its answer once the head is in, to await. Connecting, the head, and each
+        later wait for the body take at most `read_timeout` seconds each: a long answer that keeps flowing is
+        never cut. The caller `close()`s the answer."""
+        return self._send(self._request_bytes(method, target, body, headers), read_timeout, stream=True)
+
+    async def _send(self, data: bytes, timeout: float, *, stream: bool) -> Any:
+        """`data` sent on an idle connection or a new one; its whole `Answer`, or its `StreamedAnswer`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        data = self._request_bytes(method, target, body, headers)
+        read_timeout = timeout if stream else None
         conn = self._reuse(loop.time())
         if conn is not None:
             try:
-                return await self._exchange(loop, conn, data, deadline)
+                return await self._exchange(loop, conn, data, deadline, read_timeout)
             except _Unanswered:
                 # Closed by the upstream as it went idle, just as this call went out (the keep-alive race):
                 # the request was never read, so it goes once more on a fresh connection.
                 pass
-        return await self._exchange(loop, await self._connect(loop, deadline), data, deadline)
+        conn = await self._connect(loop, deadline)
+        if stream:
+            deadline = loop.time() + timeout  # a stream's wait for its head starts once connected
+        return await self._exchange(loop, conn, data, deadline, read_timeout)
 
     def _request_bytes(self, method: str, target: str, body: bytes | None,
                        headers: Mapping[str, str] | None) -> bytes:
@@ -385,49 +399,24 @@ class Http1Pool:
         data = (head + f"Content-Length: {len(body) if body is not None else 0}\r\n\r\n").encode()
         return data + body if body else data
 
-    async def _exchange(self, loop: asyncio.AbstractEventLoop, conn: _Connection, data: bytes,
-                        deadline: float) -> Answer:
-        """One request on `conn` and its answer; `conn` goes back to the idle ones if it may be reused."""
-        waiter: asyncio.Future[Answer] = loop.create_future()
+    async def _exchange(self, loop: asyncio.AbstractEventLoop, conn: _Connection, data: bytes, deadline: float,
+                        read_timeout: float | None) -> Any:
+        """One request on `conn`: its whole answer (`conn` then goes back to the idle ones if it may be reused),
+        or, given a `read_timeout`, its stream once the head is in (`conn` comes back when the stream is closed)."""
+        waiter: asyncio.Future[Any] = loop.create_future()
         timer = loop.call_at(deadline, _expire, waiter)
+        stream = None if read_timeout is None else StreamedAnswer(self, conn, loop, read_timeout)
         try:
-            conn.send(data, waiter)
+            conn.send(data, waiter, stream)
             answer = await waiter
         except BaseException:
             conn.abort()  # mid-answer (timeout, cancellation, a cut): no one else may read what is left
             raise
         finally:
             timer.cancel()
-        self.put_back(conn)
+        if stream is None:
+            self.put_back(conn)
         return answer
-
-    async def open_stream(self, method: str, target: str, body: bytes | None, headers: Mapping[str, str] | None,
-                          read_timeout: float) -> StreamedAnswer:
-        """Send one request and return its answer once the head is in (within `read_timeout` seconds, as is each
-        later wait for the body: a long answer that keeps flowing is never cut). The caller `close()`s it."""
-        loop = asyncio.get_running_loop()
-        data = self._request_bytes(method, target, body, headers)
-        conn = self._reuse(loop.time())
-        if conn is not None:
-            try:
-                return await self._start_stream(loop, conn, data, read_timeout)
-            except _Unanswered:
-                pass  # the keep-alive race, as in `request`
-        conn = await self._connect(loop, loop.time() + read_timeout)
-        return await self._start_stream(loop, conn, data, read_timeout)
-
-    async def _start_stream(self, loop: asyncio.AbstractEventLoop, conn: _Connection, data: bytes,
-                            read_timeout: float) -> StreamedAnswer:
-        waiter: asyncio.Future[StreamedAnswer] = loop.create_future()
-        timer = loop.call_at(loop.time() + read_timeout, _expire, waiter)
-        try:
-            conn.send(data, waiter, StreamedAnswer(self, conn, loop, read_timeout))
-            return await waiter
-        except BaseException:
-            conn.abort()
-            raise
-        finally:
-            timer.cancel()
 
     def put_back(self, conn: _Connection) -> None:
         """A connection whose answer was read whole: kept for the next call if it may be, else closed."""
