@@ -161,12 +161,17 @@ async def test_a_cut_answer_a_malformed_one_and_a_silent_upstream_each_fail_as_t
         await provider.close()
 
 
-async def test_a_connection_left_mid_answer_is_never_reused() -> None:
-    release = asyncio.Event()
+async def test_a_connection_left_mid_answer_is_closed_never_reused() -> None:
+    release, first_closed = asyncio.Event(), asyncio.Event()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         while True:
-            await read_request(reader)
+            try:
+                await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionResetError):  # closed, or reset with the answer unread
+                if n == 1:
+                    first_closed.set()  # the client closed it: its place is not held by a dead connection
+                raise
             if n == 1:
                 await release.wait()  # answers the first call only after its caller has left
             writer.write(ok(b"for connection %d" % n))
@@ -180,6 +185,7 @@ async def test_a_connection_left_mid_answer_is_never_reused() -> None:
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await call
+        await asyncio.wait_for(first_closed.wait(), 5)
         assert (await client.request("GET", "/", None, None, 5.0)).body == b"for connection 2"
         await client.close()
 
