@@ -7,10 +7,13 @@ work on a request (`python -m bench bytecodes`). A call here writes one buffer, 
 answer, and wakes its caller once (`request`). A stream (`open_stream`) hands its caller the head as soon as
 it is in, then the body's pieces as they come, pausing the socket while too much waits unread.
 
-The errors are Python's own: `TimeoutError` once the call's time is up (for a stream: a gap between
-pieces longer than its read timeout), `OSError`s when connecting fails
-or the connection drops before the answer is whole (`ConnectionResetError`), `MalformedAnswer` when the
-bytes are not HTTP. `providers.openai.wire.translated_errors` maps them like aiohttp's.
+The errors are Python's own: `TimeoutError` once the call's time is up (for a stream: a gap between pieces
+longer than its read timeout), `OSError`s when connecting fails or the connection drops before the answer
+is whole (`ConnectionResetError`), `MalformedAnswer` when the bytes are not HTTP.
+`providers.openai.wire.translated_errors` maps them like aiohttp's.
+
+No cookies are kept and no proxy is used, as with the session before it: a cookie one upstream sets must
+never travel with another tenant's call.
 """
 
 from __future__ import annotations
