@@ -294,7 +294,8 @@ class StreamedAnswer:
 
     async def _next_piece(self) -> None:
         waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_at(self._loop.time() + self._read_timeout, _expire_stream, waiter)
+        timer = self._loop.call_at(self._loop.time() + self._read_timeout, _expire, waiter,
+                                   "the upstream sent nothing within the read timeout")
         try:
             await waiter
         finally:
@@ -304,11 +305,6 @@ class StreamedAnswer:
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
-
-
-def _expire_stream(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError("the upstream sent nothing within the read timeout"))
 
 
 def _header_fields(head: bytes) -> list[tuple[str, str]]:
@@ -407,7 +403,7 @@ class Http1Pool:
         """One request on `conn`: its whole answer (`conn` then goes back to the idle ones if it may be reused),
         or, given a `read_timeout`, its stream once the head is in (`conn` comes back when the stream is closed)."""
         waiter: asyncio.Future[Any] = loop.create_future()
-        timer = loop.call_at(deadline, _expire, waiter)
+        timer = loop.call_at(deadline, _expire, waiter, "the upstream did not answer in time")
         stream = None if read_timeout is None else StreamedAnswer(self, conn, loop, read_timeout)
         try:
             conn.send(data, waiter, stream)
@@ -495,9 +491,10 @@ class Http1Pool:
                 return
 
 
-def _expire(waiter: asyncio.Future[Any]) -> None:
+def _expire(waiter: asyncio.Future[Any], message: str) -> None:
+    """A wait's time is up: its waiter fails with `TimeoutError`, unless answered meanwhile."""
     if not waiter.done():
-        waiter.set_exception(TimeoutError("the upstream did not answer in time"))
+        waiter.set_exception(TimeoutError(message))
 
 
 def _header_line(name: str, value: str) -> str:
