@@ -9,11 +9,13 @@ at once which function a change made cheaper; it weighs every bytecode alike (a 
 counts as one), so it stands beside the instruction counts rather than replacing them. The trace slows the
 server about fiftyfold, so the request log's sampling (100 lines a second) writes every line here.
 
-    python -m bench.bytecodes [--requests 300] [--concurrency 1] [--top 40] [--out FILE]
+    python -m bench.bytecodes [--requests 300] [--concurrency 1] [--top 40] [--lone] [--out FILE]
 
 The report gives each target's total, then the modules and the functions with the most of the broker's own
 bytecodes, the `__init__`s its dataclasses generate counted as one module (aiohttp, the standard library and the
-other dependencies are left out of those two tables: the proxy runs them too).
+other dependencies are left out of those two tables: the proxy runs them too). `--lone` counts the broker at its
+defaults (merging, cache and the default tiers on) with nothing to merge instead, the lone-request bodies of
+`bench.passthrough --lone`, and reports it against the passthrough broker too.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class BytecodeCounter:
         frame.f_trace_opcodes = True
         if event == "opcode":
             code = frame.f_code
-            self.counts[(code.co_filename, code.co_name)] += 1
+            self.counts[(code.co_filename, code.co_qualname)] += 1  # `Pool.chat`, not `chat`
         return self._trace
 
     def __enter__(self) -> BytecodeCounter:
@@ -71,7 +73,7 @@ class BytecodeCounter:
 def own_module(filename: str) -> str | None:
     """The broker's module a file is (relative to the package, e.g. `providers/pool.py`), else None."""
     if filename == "<string>":  # the `__init__`s dataclasses generate (the broker's records and jobs)
-        return "<dataclass __init__>"
+        return "<dataclass>"
     marker = "/mergebroker/"
     if marker in filename:
         return filename.split(marker, 1)[1]
@@ -89,15 +91,19 @@ async def _serve_proxy(upstream: str) -> tuple[web.AppRunner, str]:
 
 
 async def count(target: str, upstream: str, requests: int, concurrency: int) -> Counter[tuple[str, str]]:
-    """Serve `target` ("broker" or "proxy") in this process, warm it, and count `requests` requests."""
+    """Serve `target` ("proxy", "broker" in passthrough, or "lone": the broker at its defaults) in this process,
+    warm it, and count `requests` requests."""
+    lone = target == "lone"
     if target == "proxy":
         runner, url = await _serve_proxy(upstream)
+    elif lone:
+        runner, url = await serve_broker({"providers": [{"name": "sim", "base_url": upstream}]})
     else:
         runner, url = await serve_broker(passthrough_config(upstream))
     try:
-        await measured(url, concurrency, WARMUP)
+        await measured(url, concurrency, WARMUP, lone=lone)
         with BytecodeCounter() as counter:
-            stats = await measured(url, concurrency, requests)
+            stats = await measured(url, concurrency, requests, lone=lone)
         if stats.ok != requests:
             raise RuntimeError(f"{target}: {requests - stats.ok} of {requests} requests failed")
     finally:
@@ -105,22 +111,28 @@ async def count(target: str, upstream: str, requests: int, concurrency: int) -> 
     return counter.counts
 
 
-async def run(requests: int, concurrency: int, top: int) -> dict[str, Any]:
+async def run(requests: int, concurrency: int, top: int, lone: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
     async with processes(start_simulator("--latency-base-ms", "0")) as (sim,):
         upstream = sim_base_url(sim)
         proxy = await count("proxy", upstream, requests, concurrency)
         broker = await count("broker", upstream, requests, concurrency)
+        lone_broker = await count("lone", upstream, requests, concurrency) if lone else None
+    passthrough_total = sum(broker.values()) / float(requests)
+    if lone_broker is not None:
+        broker = lone_broker
     modules: Counter[str] = Counter()
     functions: Counter[str] = Counter()
     for (filename, name), n in broker.items():
         module = own_module(filename)
         if module is not None:
             modules[module] += n
-            functions[f"{module}:{name}"] += n
+            functions[module if module == "<dataclass>" else f"{module}:{name}"] += n
     per = float(requests)
     totals = {"proxy": sum(proxy.values()) / per, "broker": sum(broker.values()) / per}
-    return {"requests": requests, "concurrency": concurrency, "bytecodes_per_request": totals,
+    if lone_broker is not None:
+        totals["passthrough"] = passthrough_total
+    return {"requests": requests, "concurrency": concurrency, "lone": lone, "bytecodes_per_request": totals,
             "broker_vs_proxy": totals["broker"] / totals["proxy"],
             "broker_own_per_request": sum(modules.values()) / per,
             "modules": [{"module": m, "per_request": round(n / per)} for m, n in modules.most_common(top)],
@@ -130,12 +142,14 @@ async def run(requests: int, concurrency: int, top: int) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     totals = result["bytecodes_per_request"]
+    lone = (f"   (at its defaults, lone requests; passthrough: {totals['passthrough']:.0f}, lone / passthrough: "
+            f"{totals['broker'] / totals['passthrough']:.2f}x)") if result.get("lone") else ""
     return "\n".join([
         f"Python bytecodes per request ({result['requests']} requests at concurrency {result['concurrency']}; "
         "the server's own thread)",
         f"proxy: {totals['proxy']:.0f}   broker: {totals['broker']:.0f}   broker / proxy: "
         f"{result['broker_vs_proxy']:.2f}x   of which the broker's own modules: "
-        f"{result['broker_own_per_request']:.0f}",
+        f"{result['broker_own_per_request']:.0f}{lone}",
         "", format_table(result["modules"], ["module", "per_request"]),
         "", format_table(result["functions"], ["function", "per_request"]),
     ])
@@ -146,13 +160,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--top", type=int, default=40, help="modules and functions listed")
+    parser.add_argument("--lone", action="store_true", help="count the broker at its defaults with lone requests")
     parser.add_argument("--out", help="JSON output file")
     args = parser.parse_args(argv)
     from mergebroker.eventloop import new_event_loop
 
     with asyncio.Runner(loop_factory=new_event_loop) as runner:  # the loop `mergebroker serve` runs on
-        result = runner.run(run(args.requests, args.concurrency, args.top))
-    publish(result, report(result), args.out or str(results_path("bytecodes.json")))
+        result = runner.run(run(args.requests, args.concurrency, args.top, args.lone))
+    publish(result, report(result), args.out or str(results_path("bytecodes_lone.json" if args.lone else "bytecodes.json")))
     return 0
 
 

@@ -493,3 +493,34 @@ def run_meta(started: float, probe_at_start: float | None = None) -> dict[str, A
             "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()[0],
             "duration_s": round(time.perf_counter() - started, 1), "code": code_version(),
             "cpu_probe_ms_start": probe_at_start, "cpu_probe_ms_end": cpu_probe_ms()}
+
+
+async def new_and_old(config: dict[str, Any], old_checkout: Path | None, warm: Callable[[Process], Awaitable[Any]],
+                      measure: Callable[[Process, int], Awaitable[dict[str, Any]]],
+                      rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """This checkout's broker ("broker") and, given `old_checkout`, that one's ("broker_old"), both with `config`:
+    each warmed once, then measured `rounds` times in interleaved rounds whose order alternates (`measure(target,
+    round)` gives a round's figures). Returns each target's rounds, in order."""
+    targets = {"broker": await start_broker(config)}
+    try:
+        if old_checkout is not None:
+            targets["broker_old"] = await start_broker(config, pythonpath=old_checkout_path(old_checkout))
+        for target in targets.values():  # warm: connections open, code paths run once
+            await warm(target)
+        measured: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
+        order = list(targets)
+        for n in range(rounds):
+            for name in order if n % 2 == 0 else order[::-1]:
+                measured[name].append(await measure(targets[name], n))
+    finally:
+        for target in targets.values():
+            target.stop()
+    return measured
+
+
+def paired_median(measured: dict[str, list[dict[str, Any]]], key: str) -> dict[str, float]:
+    """{"cpu_vs_old": the median over rounds of new / old `key`} where both ran, else {}."""
+    if "broker_old" not in measured:
+        return {}
+    return {"cpu_vs_old": statistics.median(a[key] / b[key] for a, b in zip(measured["broker"],
+                                                                            measured["broker_old"]))}

@@ -36,6 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from bench.harness import chat_request, closed_loop, passthrough_config, processes, sim_base_url, start_simulator
+from bench.passthrough import body_for
 
 
 @dataclass(frozen=True)
@@ -79,24 +80,20 @@ async def serve_broker(config: dict[str, Any]) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
 
 
-async def drive(url: str, concurrency: int, requests: int) -> dict[str, Any]:
-    """`requests` distinct chat requests at `concurrency` (in the load process); sent, ok, wall seconds."""
-    run_id = uuid.uuid4().hex[:8]
-
-    def body(i: int) -> tuple[dict[str, Any], dict[str, str], str]:
-        text = f"profile {run_id} request {i}: what is {i} squared?"
-        return {"model": "sim-small", "messages": [{"role": "user", "content": text}]}, {}, ""
-
+async def drive(url: str, concurrency: int, requests: int, *, lone: bool = False) -> dict[str, Any]:
+    """`requests` distinct chat requests at `concurrency` (in the load process); sent, ok, wall seconds.
+    `lone`: the lone-request bodies of `bench.passthrough --lone` (nothing to merge, each cached)."""
+    body = body_for(uuid.uuid4().hex[:8], lone=lone)
     samples, wall = await closed_loop(chat_request(url, body), concurrency=concurrency, total=requests)
     return {"sent": len(samples), "ok": sum(1 for s in samples if s.status == 200), "wall_s": wall}
 
 
-async def measured(url: str, concurrency: int, requests: int) -> RunStats:
+async def measured(url: str, concurrency: int, requests: int, *, lone: bool = False) -> RunStats:
     """One run of the load process against `url`, with this process's CPU seconds over it."""
     cpu_before = time.process_time()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.profile_broker", "--drive", url, "--concurrency", str(concurrency),
-        "--requests", str(requests), stdout=asyncio.subprocess.PIPE)
+        "--requests", str(requests), *(("--lone",) if lone else ()), stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     cpu = time.process_time() - cpu_before
     if proc.returncode != 0:
@@ -212,9 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--interval-ms", type=float, default=1.0, help="CPU ms between samples for --sample")
     parser.add_argument("--out", help="also write the raw cProfile data here")
     parser.add_argument("--drive", metavar="URL", help=argparse.SUPPRESS)  # internal: be the load process
+    parser.add_argument("--lone", action="store_true", help=argparse.SUPPRESS)  # internal: with --drive
     args = parser.parse_args(argv)
     if args.drive:
-        print(json.dumps(asyncio.run(drive(args.drive, args.concurrency, args.requests))))
+        print(json.dumps(asyncio.run(drive(args.drive, args.concurrency, args.requests, lone=args.lone))))
         return 0
     asyncio.run(session(args))
     return 0

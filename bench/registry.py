@@ -61,6 +61,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("bytecodes", "Python bytecodes per request of the broker and the proxy, the broker's by module and "
               "function (exact, about a minute)"),
     Benchmark("streams", "streamed chat in passthrough: CPU per stream and time to the first event, old and new"),
+    Benchmark("conversations", "agent conversations re-sent whole every turn, at the defaults with a priced model: "
+              "CPU per turn, old and new"),
     Benchmark("simulator_billing", "what OpenAI-style billing and its prompt cache do to the simulator's bill"),
     Benchmark("proxy_baseline", "a minimal aiohttp reverse proxy, the floor passthrough is measured against",
               process=True),

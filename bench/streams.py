@@ -27,7 +27,8 @@ from bench.harness import (
     CpuWindow,
     Process,
     format_table,
-    old_checkout_path,
+    new_and_old,
+    paired_median,
     passthrough_config,
     percentile,
     processes,
@@ -35,7 +36,6 @@ from bench.harness import (
     results_path,
     run_meta,
     sim_base_url,
-    start_broker,
     start_simulator,
 )
 
@@ -75,28 +75,13 @@ async def run(requests: int, concurrency: int, rounds: int, old_checkout: Path |
     started = time.perf_counter()
     async with processes(start_simulator("--latency-base-ms", "0")) as (sim,):
         config = passthrough_config(sim_base_url(sim))
-        targets = {"broker": await start_broker(config)}
-        if old_checkout is not None:
-            targets["broker_old"] = await start_broker(config, pythonpath=old_checkout_path(old_checkout))
-        try:
-            for target in targets.values():  # warm: connections open, code paths run once
-                await _round(target.url, 50, concurrency)
-            measured: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
-            order = list(targets)
-            for n in range(rounds):
-                for name in order if n % 2 == 0 else order[::-1]:
-                    measured[name].append(await _measure(targets[name], requests, concurrency))
-        finally:
-            for target in targets.values():
-                target.stop()
+        measured = await new_and_old(config, old_checkout, lambda target: _round(target.url, 50, concurrency),
+                                     lambda target, _n: _measure(target, requests, concurrency), rounds)
     rows = [{"target": name, "cpu_ms_per_stream": statistics.median(r["cpu_ms"] for r in runs),
              "first_event_p50_ms": statistics.median(r["first_event_p50_ms"] for r in runs),
              "events_per_stream": runs[0]["events_per_stream"], "errors": sum(r["errors"] for r in runs)}
             for name, runs in measured.items()]
-    ratios = {}
-    if "broker_old" in measured:
-        ratios["cpu_vs_old"] = statistics.median(a["cpu_ms"] / b["cpu_ms"]
-                                                 for a, b in zip(measured["broker"], measured["broker_old"]))
+    ratios = paired_median(measured, "cpu_ms")
     return {"requests": requests, "concurrency": concurrency, "rounds": rounds, "rows": rows, "ratios": ratios,
             "meta": run_meta(started)}
 

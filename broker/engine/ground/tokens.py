@@ -5,7 +5,8 @@ If that package cannot be imported, or refuses a text (it will not encode 1M cha
 return more than about 200k tokens), counting falls back to `fallback_text_tokens`, a characters/4
 estimate, for that text. Chat messages follow OpenAI's accounting rule for chat models: every message
 costs 3 tokens of framing plus its role, content and name (a name costs 1 more), and the reply is
-primed with 3 tokens. Parts that are not text have no text to count and get flat estimates.
+primed with 3 tokens. Parts that are not text have no text to count and get flat estimates. Long texts are
+tokenized once and remembered (`token_memo`): agents send their whole conversation again on every turn.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import json
 import threading
 import warnings
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
 
+from mergebroker.broker.engine.ground.token_memo import TokenMemo
 from mergebroker.merge.member_budget import estimate_tokens
 
 log = structlog.get_logger(__name__)
@@ -36,6 +39,8 @@ OTHER_PART_TOKENS = 85
 _encode: Callable[[str], Sequence[int]] | None = None
 _loaded = False
 _load_lock = threading.Lock()
+_MEMO = TokenMemo()
+"""The ids of the long texts counted lately, shared by every count in this process."""
 
 
 def _encoder() -> Callable[[str], Sequence[int]] | None:
@@ -70,14 +75,27 @@ def count_text_tokens(text: str) -> int:
     """Tokens in `text` under o200k_base (or the fallback estimate when the tokenizer is missing)."""
     if not text:
         return 0
+    ids = text_token_ids(text)
+    return fallback_text_tokens(text) if ids is None else len(ids)
+
+
+def text_token_ids(text: str) -> Sequence[int] | None:
+    """The o200k_base ids of `text`, remembered for long texts (`token_memo`); None when the tokenizer is
+    missing or refuses the text."""
     encode = _encoder()
     if encode is None:
-        return fallback_text_tokens(text)
+        return None
+    remembered = len(text) >= _MEMO.min_chars
+    if remembered:
+        known = _MEMO.get(text)
+        if known is not None:
+            return known
     try:
-        return len(encode(text))
+        ids = encode(text)
     except (ValueError, RuntimeError) as exc:  # its length guard, TokenLimitError (a ValueError), TokenizerError
         log.info("token_count_fallback", error=type(exc).__name__, chars=len(text))
-        return fallback_text_tokens(text)
+        return None
+    return _MEMO.put(text, ids) if remembered else ids
 
 
 def _part_tokens(part: Any) -> int:
@@ -171,16 +189,18 @@ def estimate_embedding_tokens(inputs: str | Sequence[Any]) -> int:
 
 
 def prompt_token_ids(messages: Sequence[Mapping[str, Any]]) -> Sequence[int]:
-    """The prompt as one token sequence, message by message in order (role, then text): what a provider's
-    prefix cache sees, in the broker's tokens. Without the tokenizer, 4-character chunks stand in for tokens."""
-    text = "".join(f"\x00{message.get('role') or ''}\x00{_content_text(message.get('content'))}" for message in messages)
-    encode = _encoder()
-    if encode is not None:
-        try:
-            return encode(text)
-        except (ValueError, RuntimeError):
-            pass
-    return [hash(text[i:i + 4]) & 0x7FFFFFFF for i in range(0, len(text), 4)]
+    """The prompt as one token sequence, message by message in order (its role, then its text): what a provider's
+    prefix cache sees, in the broker's tokens. Each text is tokenized on its own, so a message's tokens do not
+    depend on its neighbours and a conversation's earlier turns are remembered (`token_memo`). Without the
+    tokenizer, 4-character chunks stand in for tokens."""
+    ids: array[int] = array("I")
+    for message in messages:
+        for text in (f"\x00{message.get('role') or ''}\x00", _content_text(message.get("content"))):
+            if text:
+                found = text_token_ids(text)
+                ids.extend([hash(text[i:i + 4]) & 0x7FFFFFFF for i in range(0, len(text), 4)] if found is None
+                           else found)
+    return ids
 
 
 def _content_text(content: Any) -> str:
