@@ -49,7 +49,7 @@ def chat_fingerprint(body: Mapping[str, Any], *, lowercase: bool = True, collaps
     for name, value in body.items():
         if name in _NOT_FIELDS:
             continue
-        if type(value) not in _PLAIN:
+        if type(value) not in PLAIN_TYPES:
             value = canonical_value(value)
         if value is not None:
             fields[name] = value
@@ -96,7 +96,7 @@ def _canonical_message(message: Any, lowercase: bool, collapse_whitespace: bool)
     # Every message field counts (role, name, tool-call state, vendor fields); only the text is normalised.
     out = {}
     for key, value in message.items():
-        if type(value) not in _PLAIN:
+        if type(value) not in PLAIN_TYPES:
             value = canonical_value(value)
         if value is not None:
             out[key if type(key) is str else str(key)] = value
@@ -136,12 +136,13 @@ def canonical_stop(stop: Any) -> Any:
     return canonical_value(stop)
 
 
-_PLAIN = frozenset({str, int, bool, type(None)})
+PLAIN_TYPES = frozenset({str, int, bool, type(None)})
+"""The types `canonical_value` gives back as they are: a caller may skip the call for them."""
 
 
 def canonical_value(value: Any) -> Any:
     """Make JSON-equal values serialise equally: drop nulls in objects, write integral floats as ints."""
-    if type(value) in _PLAIN:  # what request bodies are mostly made of, answered before the general checks
+    if type(value) in PLAIN_TYPES:  # what request bodies are mostly made of, answered before the general checks
         return value
     if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
         return value

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mergebroker.merge.fingerprint import canonical_stop, canonical_value, json_digest
+from mergebroker.merge.fingerprint import PLAIN_TYPES, canonical_stop, canonical_value, json_digest
 
 # Body fields whose presence (non-null, non-false) makes a request unmergeable.
 _BLOCKING_FIELDS = (
@@ -57,20 +57,22 @@ def merge_shape(body: Mapping[str, Any]) -> MergeShape | None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not 1 <= len(messages) <= 2:
         return None
-    for message in messages:
-        if not _plain_message(message):
+    for message in messages:  # most messages are dicts of role and content: answered by one check in C
+        if not (type(message) is dict and message.keys() <= _MESSAGE_FIELDS) and not _plain_message(message):
             return None
     *system, user = messages
     system_prompt = None
     if system:
         if system[0].get("role") not in _SYSTEM_ROLES:
             return None
-        system_prompt = _text_of(system[0].get("content"))
+        content = system[0].get("content")
+        system_prompt = content if type(content) is str else _text_of(content)
         if system_prompt is None:
             return None
     if user.get("role") != "user":
         return None
-    user_text = _text_of(user.get("content"))
+    content = user.get("content")
+    user_text = content if type(content) is str else _text_of(content)
     if user_text is None or not user_text.strip():
         return None
     return MergeShape(system_prompt=system_prompt, user_text=user_text)
@@ -86,10 +88,17 @@ def compatibility_key(
     system prompt unless `include_system=False` (the `system_prompts: tagged` mode, where each member
     carries its own).
     """
-    fields = {name: canonical_value(value) for name, value in body.items() if name not in _NOT_IN_KEY}
-    canonical: dict[str, Any] = {"fields": {k: v for k, v in fields.items() if v is not None}}
-    canonical["scope"] = scope_value
-    canonical["stop"] = canonical_stop(body.get("stop"))
+    fields = {}
+    for name, value in body.items():  # nulls left out as they are met: an absent field equals a null one
+        if name in _NOT_IN_KEY:
+            continue
+        if type(value) not in PLAIN_TYPES:
+            value = canonical_value(value)
+        if value is not None:
+            fields[name] = value
+    stop = body.get("stop")
+    canonical: dict[str, Any] = {"fields": fields, "scope": scope_value,
+                                 "stop": None if stop is None else canonical_stop(stop)}
     if include_system:
         canonical["system"] = shape.system_prompt
     return json_digest(canonical)

@@ -160,11 +160,13 @@ class WindowEstimator:
     def _advance(self, state: _Overlap, now: float) -> None:
         """Decay both sums to `now` and add the exposure the pending requests gathered meanwhile."""
         elapsed = now - state.updated
-        if elapsed <= 0:
+        if elapsed <= 0:  # already brought to now (an arrival's pool, its group's first look): nothing to add
             return
-        decay = math.exp(-elapsed / self._tau)
+        tau = self._tau
+        decay = math.exp(-elapsed / tau)
         # The exact decayed integral of a constant pending count over the elapsed time.
-        state.exposure_s = state.exposure_s * decay + state.pending * self._tau * (1.0 - decay)
+        state.exposure_s = state.exposure_s * decay + state.pending * tau * (1.0 - decay)
         state.arrivals *= decay
         state.updated = now
-        state.seen = state.seen or state.pending > 0
+        if state.pending:
+            state.seen = True

@@ -134,7 +134,7 @@ class MergeQueue(Generic[T]):
             raise Overloaded(f"Tier '{tier.name}' queue is full; retry later.", retry_after=1, code="queue_full")
         if self.sends_alone(item):
             self._make_ready(tier.name, None, [item])
-        elif tier.adaptive and not self._worth_waiting(tier, item):
+        elif tier.adaptive and not self._worth_waiting(tier, item, (tier.name, item.merge_key), self._clock()):
             self._make_ready(tier.name, item.merge_key, [item])
         else:
             self._add_to_window(tier, item)
@@ -149,19 +149,20 @@ class MergeQueue(Generic[T]):
         tier = self._tiers[item.tier]
         if self._closed or not tier.adaptive or item.merge_key in self._open[tier.name]:
             return False
-        if self._estimator.would_wait((tier.name, item.merge_key), self._clock(), window_s=tier.window_s,
-                                      min_partners=tier.min_partners, family=tier.name):
+        group, now = (tier.name, item.merge_key), self._clock()
+        if self._estimator.would_wait(group, now, window_s=tier.window_s, min_partners=tier.min_partners,
+                                      family=tier.name):
             return False
-        self._worth_waiting(tier, item)  # records the arrival: it answers False, as asked just now
+        self._worth_waiting(tier, item, group, now)  # records the arrival: it answers False, as asked just now
         return True
 
-    def _worth_waiting(self, tier: TierWindow, item: T) -> bool:
-        """Adaptive windows: whether `item` should wait for partners (see `merge.window_policy`).
+    def _worth_waiting(self, tier: TierWindow, item: T, group: tuple[str, str | None], now: float) -> bool:
+        """Adaptive windows: whether `item` (of `group`, arriving `now`) should wait for partners (see
+        `merge.window_policy`).
 
         Every arrival feeds its group's estimate, and its answer (or departure) ends its pending time.
         """
-        group = (tier.name, item.merge_key)
-        wait = self._estimator.arrive(group, self._clock(), window_s=tier.window_s, min_partners=tier.min_partners,
+        wait = self._estimator.arrive(group, now, window_s=tier.window_s, min_partners=tier.min_partners,
                                       family=tier.name)
         item.future.add_done_callback(functools.partial(self._departed, group))
         if item.merge_key in self._open[tier.name]:

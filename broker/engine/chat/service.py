@@ -309,6 +309,12 @@ def cacheable_reply(reply: Mapping[str, Any], request: Mapping[str, Any]) -> boo
     """Whether `reply` may answer `request` again from the cache: only whole answers, never a truncated
     (`length`) or filtered choice; tool calls only for a `deterministic` request, because an agent that
     re-sends a turn at a temperature expects a fresh sample. (The key holds `tools` and `tool_choice`.)"""
-    ends = {c.get("finish_reason") for c in reply.get("choices") or []}
-    whole = {"stop", "tool_calls"} if deterministic(request) else {"stop"}
-    return bool(ends) and ends <= whole
+    choices = reply.get("choices") or []
+    whole = _WHOLE_REPEATABLE if deterministic(request) else _WHOLE
+    if len(choices) == 1:  # most replies
+        return choices[0].get("finish_reason") in whole
+    return bool(choices) and {c.get("finish_reason") for c in choices} <= whole
+
+
+_WHOLE = frozenset({"stop"})
+_WHOLE_REPEATABLE = frozenset({"stop", "tool_calls"})

@@ -156,15 +156,18 @@ def _role_tokens(role: str) -> int:
 
 def estimate_prompt_tokens(messages: Sequence[Mapping[str, Any]]) -> int:
     """Prompt tokens of a chat request: 3 per message plus its role, content and name, plus 3 priming."""
-    total = REPLY_PRIMING_TOKENS
-    for message in messages:
-        total += TOKENS_PER_MESSAGE
-        total += _role_tokens(str(message.get("role") or ""))
-        total += _content_tokens(message.get("content"))
+    total = REPLY_PRIMING_TOKENS + TOKENS_PER_MESSAGE * len(messages)
+    for message in messages:  # asked of most requests: the common message (a known role, text) goes first
+        role = message.get("role")
+        total += (type(role) is str and _ROLE_TOKENS.get(role)) or _role_tokens(str(role or ""))
+        content = message.get("content")
+        total += count_text_tokens(content) if type(content) is str else _content_tokens(content)
         name = message.get("name")
         if isinstance(name, str) and name:
             total += count_text_tokens(name) + TOKENS_PER_NAME
-        total += _tool_call_tokens(message.get("tool_calls"))
+        tool_calls = message.get("tool_calls")
+        if tool_calls:
+            total += _tool_call_tokens(tool_calls)
     return total
 
 
