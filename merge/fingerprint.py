@@ -42,21 +42,11 @@ def normalize_text(text: str, *, lowercase: bool, collapse_whitespace: bool = Tr
 def chat_fingerprint(body: Mapping[str, Any], *, lowercase: bool = True, collapse_whitespace: bool = True,
                      cache_version: str = "1") -> str:
     """Return the hex SHA-256 key of a chat completion body (see the module docstring for the rule)."""
-    # Body fields sit under their own key, so a field named like one of ours ("kind") cannot collide. Nulls
-    # are left out as they are met (an absent field equals a null one) rather than dropped in a second pass:
-    # this runs on every request.
-    fields = {}
-    for name, value in body.items():
-        if name in _NOT_FIELDS:
-            continue
-        if type(value) not in PLAIN_TYPES:
-            value = canonical_value(value)
-        if value is not None:
-            fields[name] = value
+    # Body fields sit under their own key, so a field named like one of ours ("kind") cannot collide.
     canonical: dict[str, Any] = {
         "kind": "chat",
         "cache_version": cache_version,
-        "fields": fields,
+        "fields": canonical_fields(body, _NOT_FIELDS),
         "messages": [_canonical_message(m, lowercase, collapse_whitespace) for m in body.get("messages") or []],
     }
     max_tokens = token_budget(body, 0)  # the one rule: the same budget, however the body names it
@@ -68,6 +58,21 @@ def chat_fingerprint(body: Mapping[str, Any], *, lowercase: bool = True, collaps
         if stop is not None:
             canonical["stop"] = stop
     return json_digest(canonical)
+
+
+def canonical_fields(body: Mapping[str, Any], skip: frozenset[str]) -> dict[str, Any]:
+    """Every field of `body` but those named in `skip`, made canonical (`canonical_value`). Nulls are left out as
+    they are met (an absent field equals a null one) rather than dropped in a second pass: this runs on every
+    request, for its fingerprint and for its merge key."""
+    fields = {}
+    for name, value in body.items():
+        if name in skip:
+            continue
+        if type(value) not in _PLAIN:
+            value = canonical_value(value)
+        if value is not None:
+            fields[name] = value
+    return fields
 
 
 def embedding_fingerprint(
@@ -96,7 +101,7 @@ def _canonical_message(message: Any, lowercase: bool, collapse_whitespace: bool)
     # Every message field counts (role, name, tool-call state, vendor fields); only the text is normalised.
     out = {}
     for key, value in message.items():
-        if type(value) not in PLAIN_TYPES:
+        if type(value) not in _PLAIN:
             value = canonical_value(value)
         if value is not None:
             out[key if type(key) is str else str(key)] = value
@@ -136,13 +141,12 @@ def canonical_stop(stop: Any) -> Any:
     return canonical_value(stop)
 
 
-PLAIN_TYPES = frozenset({str, int, bool, type(None)})
-"""The types `canonical_value` gives back as they are: a caller may skip the call for them."""
+_PLAIN = frozenset({str, int, bool, type(None)})  # what `canonical_value` gives back as it is
 
 
 def canonical_value(value: Any) -> Any:
     """Make JSON-equal values serialise equally: drop nulls in objects, write integral floats as ints."""
-    if type(value) in PLAIN_TYPES:  # what request bodies are mostly made of, answered before the general checks
+    if type(value) in _PLAIN:  # what request bodies are mostly made of, answered before the general checks
         return value
     if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
         return value

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mergebroker.merge.fingerprint import PLAIN_TYPES, canonical_stop, canonical_value, json_digest
+from mergebroker.merge.fingerprint import canonical_fields, canonical_stop, json_digest
 
 # Body fields whose presence (non-null, non-false) makes a request unmergeable.
 _BLOCKING_FIELDS = (
@@ -88,16 +88,8 @@ def compatibility_key(
     system prompt unless `include_system=False` (the `system_prompts: tagged` mode, where each member
     carries its own).
     """
-    fields = {}
-    for name, value in body.items():  # nulls left out as they are met: an absent field equals a null one
-        if name in _NOT_IN_KEY:
-            continue
-        if type(value) not in PLAIN_TYPES:
-            value = canonical_value(value)
-        if value is not None:
-            fields[name] = value
     stop = body.get("stop")
-    canonical: dict[str, Any] = {"fields": fields, "scope": scope_value,
+    canonical: dict[str, Any] = {"fields": canonical_fields(body, _NOT_IN_KEY), "scope": scope_value,
                                  "stop": None if stop is None else canonical_stop(stop)}
     if include_system:
         canonical["system"] = shape.system_prompt
