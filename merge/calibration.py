@@ -48,7 +48,8 @@ class Calibration:
         key = (provider, model, direction)
         if reported <= 0 or counted <= 0:
             return self.ratio(provider, model, direction)
-        sample = min(self._high, max(self._low, reported / counted))
+        sample = reported / counted
+        sample = self._low if sample < self._low else self._high if sample > self._high else sample
         current = self._ratios.get(key)
         updated = sample if current is None else current + self._alpha * (sample - current)
         self._ratios[key] = updated

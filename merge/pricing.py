@@ -81,11 +81,11 @@ def cost_usd(price: ModelPrice, prompt_tokens: int, cached_tokens: int = 0, cach
     it, at `cache_write`, or `input` when the model has no write price) are both part of `prompt_tokens`;
     the remaining prompt tokens cost `input` and the completion costs `output`.
     """
-    counts = {"prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
-              "cache_write_tokens": cache_write_tokens, "completion_tokens": completion_tokens}
-    for name, value in counts.items():
-        if value < 0:
-            raise ValueError(f"{name} must not be negative, got {value}")
+    if min(prompt_tokens, cached_tokens, cache_write_tokens, completion_tokens) < 0:  # one check for every bill
+        counts = {"prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
+                  "cache_write_tokens": cache_write_tokens, "completion_tokens": completion_tokens}
+        name, value = next((name, value) for name, value in counts.items() if value < 0)
+        raise ValueError(f"{name} must not be negative, got {value}")
     if cached_tokens + cache_write_tokens > prompt_tokens:
         raise ValueError("cached_tokens + cache_write_tokens must not exceed prompt_tokens "
                          f"({cached_tokens} + {cache_write_tokens} > {prompt_tokens})")

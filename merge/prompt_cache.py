@@ -115,6 +115,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._expiry)
 
+    @property
+    def min_tokens(self) -> int:
+        """The shortest prompt that has a cacheable prefix: a shorter one reads and records nothing."""
+        return self._model.min_tokens
+
     def lookup(self, key: CacheKey, tokens: Sequence[int], breakpoints: Sequence[int] = ()) -> CacheEstimate:
         """What sending `tokens` now would read from (and write to) the cache, given what was recorded."""
         offsets = self._model.boundaries(len(tokens), breakpoints)

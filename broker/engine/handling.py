@@ -74,13 +74,8 @@ def price_on_arrival(broker: Engine, info: RequestInfo, body: Mapping[str, Any])
     if costs is None or info.costs is not None or costs.price(info.model) is None:
         return  # unpriced, or priced already (a native call that fell back to its chat form)
     info.costs = costs
-    if _merges(broker, info.tier):
+    if broker.chat.merges(info.tier):
         info.alone_cached_tokens = costs.observe_alone("", info.model or "", body.get("messages") or [])
-
-
-def _merges(broker: Engine, tier: str) -> bool:
-    settings = broker.settings
-    return settings.merge.enabled and any(t.name == tier and t.merge for t in settings.tiers)
 
 
 async def complete_chat(broker: Engine, info: RequestInfo, caller: Caller, parsed: ChatRequest,
@@ -97,7 +92,7 @@ async def complete_chat(broker: Engine, info: RequestInfo, caller: Caller, parse
     info.usage_settles = outcome.settled_usage
     info.alone_prompt_tokens = result.prompt_estimate
     info.provider = outcome.provider
-    if info.costs is not None and _merges(broker, info.tier):  # the alone estimate of its answer's tokens
+    if info.costs is not None and broker.chat.merges(info.tier):  # the alone estimate of its answer's tokens
         info.answer_tokens = count_text_tokens(_answer_text(outcome.body))
     return result
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mergebroker.broker.engine.ground.metrics import Metrics
-from mergebroker.broker.engine.ground.tokens import prompt_token_ids
+from mergebroker.broker.engine.ground.tokens import prompt_token_bound, prompt_token_ids
 from mergebroker.clock import Clock, monotonic
 from mergebroker.merge.calibration import Calibration, CallTokens
 from mergebroker.merge.pricing import CacheStyle, ModelPrice, PriceTable, cost_usd
@@ -59,9 +59,11 @@ class CostTotals:
     def add(self, tier: str, model: str, actual: float, alone: float) -> None:
         self.actual_usd += actual
         self.alone_usd += alone
-        for bucket in (self.by_tier[tier], self.by_model[model]):
-            bucket[0] += actual
-            bucket[1] += alone
+        by_tier, by_model = self.by_tier[tier], self.by_model[model]  # every priced request adds: no loop
+        by_tier[0] += actual
+        by_tier[1] += alone
+        by_model[0] += actual
+        by_model[1] += alone
 
     def as_dict(self) -> dict[str, Any]:
         """The `cost` object of `/v1/broker/stats`."""
@@ -95,12 +97,15 @@ class CostBook:
         price = self.price(model)
         if price is None or price.cache not in self._caches:
             return 0
+        cache = self._caches[price.cache]
+        if prompt_token_bound(messages) < cache.min_tokens:
+            return 0  # too short for any cached prefix: nothing to read or remember, so nothing to tokenize
         breakpoints: tuple[int, ...] = ()
         tokens = prompt_token_ids(messages)
         if price.cache is CacheStyle.ANTHROPIC:  # the broker puts a breakpoint after the system prompt
             system = [m for m in messages if m.get("role") == "system"]
             breakpoints = (len(prompt_token_ids(system)),) if system else ()
-        return self._caches[price.cache].observe(CacheKey(provider, model), tokens, breakpoints)
+        return cache.observe(CacheKey(provider, model), tokens, breakpoints)
 
     def observe_call(self, provider: str, model: str, tokens: CallTokens) -> None:
         """A call the broker sent (merged, typically: lone calls are learnt from their records) answered

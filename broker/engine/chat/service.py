@@ -97,6 +97,10 @@ class ChatService:
         self._estimate_prompts = prompt_estimate_needed(settings)
         self._cache_events: dict[str, Any] = {}  # labelled children by result, looked up once
 
+    def merges(self, tier: str) -> bool:
+        """Whether requests of `tier` may merge (merging is on, and the tier merges)."""
+        return self._units[tier].merging
+
     def limit_specs(self, caller: Caller) -> list[LimitSpec]:
         """The admission limits that apply to `caller`: its tier's, and its API key's when it has any."""
         return caller.limits(self._tier_limits[caller.tier])

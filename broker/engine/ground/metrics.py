@@ -31,6 +31,7 @@ class Metrics:
         self._max_model_labels = max_model_labels
         self._model_labels: set[str] = set()
         self._request_series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        self._cost_series: dict[tuple[str, str], tuple[Any, Any]] = {}
         r = self.registry = CollectorRegistry()
         p = "mergebroker_"
         # Foundation: requests and upstream calls. The families every request counts into are lock-free
@@ -156,18 +157,23 @@ class Metrics:
                                         ["tier", "decision"], registry=r)
         self.early_released = Counter(p + "early_released", "Merged members answered as soon as their block "
                                       "closed, before the merged reply ended, by tier.", ["tier"], registry=r)
-        self.cost_usd = Counter(p + "cost_usd", "Dollars at the configured prices, by tier and model: what requests "
-                                "cost (kind=actual) and what they would have cost sent alone with the provider's "
-                                "prompt cache (kind=alone).", ["tier", "model", "kind"], registry=r)
+        self.cost_usd = LockFreeCounter(p + "cost_usd", "Dollars at the configured prices, by tier and model: what "
+                                        "requests cost (kind=actual) and what they would have cost sent alone with "
+                                        "the provider's prompt cache (kind=alone).", ["tier", "model", "kind"],
+                                        registry=r)
         self.merged_stream_ttft = Histogram(p + "merged_stream_ttft_seconds", "Time to first token of streamed "
                                             "members of a merged call, by position in the batch.", ["position"],
                                             registry=r)
 
     def cost(self, tier: str, model: str, actual_usd: float, alone_usd: float) -> None:
         """Count one request's dollars: what it cost, and what it would have cost alone."""
-        label = self.model_label(model)
-        self.cost_usd.labels(tier, label, "actual").inc(actual_usd)
-        self.cost_usd.labels(tier, label, "alone").inc(alone_usd)
+        label = self.model_label(model)  # first: client-chosen names must not grow the lookup below
+        pair = self._cost_series.get((tier, label))
+        if pair is None:  # looked up once per tier and model label, as `request_series` is
+            pair = self._cost_series[(tier, label)] = (self.cost_usd.labels(tier, label, "actual"),
+                                                       self.cost_usd.labels(tier, label, "alone"))
+        pair[0].inc(actual_usd)
+        pair[1].inc(alone_usd)
 
     def request_series(self, endpoint: str, tier: str, status: int) -> tuple[Any, Any]:
         """The `requests` counter and `request_latency` histogram children for these labels, looked up once

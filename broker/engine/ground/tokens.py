@@ -206,6 +206,17 @@ def prompt_token_ids(messages: Sequence[Mapping[str, Any]]) -> Sequence[int]:
     return ids
 
 
+def prompt_token_bound(messages: Sequence[Mapping[str, Any]]) -> int:
+    """At least the length of `prompt_token_ids(messages)`, without tokenizing: each token is at least one byte
+    of UTF-8 (a character is one byte in ASCII, at most four otherwise), and each stand-in chunk four characters."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        text = f"\x00{message.get('role') or ''}\x00" + (content if type(content) is str else _content_text(content))
+        total += len(text) if text.isascii() else 4 * len(text)
+    return total
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content

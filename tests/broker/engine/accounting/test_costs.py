@@ -58,6 +58,22 @@ def test_a_repeated_long_prefix_would_have_been_read_from_the_providers_cache_al
     assert costs.observe_alone("other-provider", "m4o", second) == 0
 
 
+def test_a_prompt_too_short_for_the_providers_cache_is_not_tokenized(monkeypatch) -> None:
+    """Most prompts are under the 1,024-token minimum: they read and record nothing, and cost no tokenization."""
+    from mergebroker.broker.engine.accounting import costs as costs_module
+
+    tokenized: list[object] = []
+    real = costs_module.prompt_token_ids
+    monkeypatch.setattr(costs_module, "prompt_token_ids", lambda messages: tokenized.append(messages) or real(messages))
+    costs = book()
+    short = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    assert costs.observe_alone("p", "m4o", short) == 0 and costs.observe_alone("p", "m4o", short) == 0
+    assert tokenized == []
+    long = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+    costs.observe_alone("p", "m4o", long)
+    assert costs.observe_alone("p", "m4o", long) >= 1024 and len(tokenized) == 2
+
+
 def test_a_reused_answer_costs_nothing_and_an_unpriced_model_gets_no_dollars() -> None:
     costs = book()
     actual, alone = costs.account(info(cache="hit", completion_tokens=40, alone_prompt_tokens=100), 200)

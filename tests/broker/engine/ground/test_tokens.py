@@ -99,3 +99,11 @@ def test_a_text_too_long_for_the_tokenizer_is_estimated_instead_of_failing(text:
     messages = [{"role": "user", "content": text}]
     assert tokens.estimate_prompt_tokens(messages) >= tokens.fallback_text_tokens(text)
     assert tokens.estimate_embedding_tokens([text, "short"]) == tokens.fallback_text_tokens(text) + truth("short")
+
+
+def test_the_prompt_token_bound_is_never_under_the_prompts_tokens() -> None:
+    """What lets a short prompt skip tokenization for the prompt-cache model: the bound never undercounts,
+    whatever the script (CJK, emoji and Arabic take several bytes, and often several tokens, a character)."""
+    for text in [*SAMPLES, "🚀" * 50, "\u0301" * 40, ""]:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+        assert tokens.prompt_token_bound(messages) >= len(tokens.prompt_token_ids(messages))
