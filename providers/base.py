@@ -70,6 +70,8 @@ class Pool(Protocol):
       (the caller is refused at once), else None.
     - `streams_merged(model)`: whether merged calls for `model` may be requested as streams (early
       release), i.e. every upstream that could take the call streams.
+    - `limits_tokens(model)`: whether some upstream of `model` declares a token rate, so that `tokens`
+      matters (0 is passed otherwise, and the caller need not count its prompt for the call).
     """
 
     def fast_fail_after(self, model: str) -> float | None: ...
@@ -77,6 +79,8 @@ class Pool(Protocol):
     def rpm_pressure(self, model: str) -> float: ...
 
     def streams_merged(self, model: str) -> bool: ...
+
+    def limits_tokens(self, model: str) -> bool: ...
 
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
                    tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]: ...

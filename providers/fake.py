@@ -103,6 +103,9 @@ class FakePool:
     def streams_merged(self, model: str) -> bool:
         return False  # merged replies come whole: tests shape them as one body
 
+    def limits_tokens(self, model: str) -> bool:
+        return False  # the fake has no token rate
+
     async def chat(self, model: str, body: dict[str, Any], *, deadline: float, priority: float = 0,
                    tokens: int = 0, tenant: str | None = None) -> tuple[dict[str, Any], str]:
         text = body["messages"][-1]["content"]

@@ -40,6 +40,11 @@ class UpstreamLimiter:
         return TokenBucket(max(1.0, per_minute * burst_s / 60.0), per_minute / 60.0, self._clock)
 
     @property
+    def limits_tokens(self) -> bool:
+        """Whether a token rate is declared: only then does a caller's token estimate matter."""
+        return self._tokens is not None
+
+    @property
     def waiting(self) -> int:
         """Callers currently queued (cancelled ones excluded)."""
         return sum(1 for entry in self._waiters if not entry[2].done())

@@ -98,6 +98,11 @@ class ProviderPools:
         """True when some upstream serves `model`."""
         return bool(self.for_model(model))
 
+    def limits_tokens(self, model: str) -> bool:
+        """True when some upstream of `model` declares a token rate: only then does a call's token estimate
+        matter to the pool (callers may skip counting it otherwise)."""
+        return any(u.limits_tokens for u in self.for_model(model))
+
     def streams_merged(self, model: str) -> bool:
         """True when every upstream of `model` takes merged calls as streams (so any failover target can)."""
         upstreams = self.for_model(model)

@@ -67,6 +67,11 @@ class Upstream:
         slot at once, and nothing can change between a breaker check before it and one after."""
         return self.limiter is not None or self._slots is not None
 
+    @property
+    def limits_tokens(self) -> bool:
+        """Whether `acquire` takes the tokens it is given from a declared token rate (else it ignores them)."""
+        return self.limiter is not None and self.limiter.limits_tokens
+
     async def acquire(self, tokens: int, priority: float, deadline: float, clock: Clock) -> int:
         """Take this upstream's rate budget and a concurrency slot, waiting at most until `deadline`; the tokens
         taken from its budget (the estimate, capped at one bucket). `release` gives the slot back."""

@@ -225,7 +225,7 @@ class ClusterQueue:
         return WireJob(correlation_id=uuid.uuid4().hex, reply_to=self._reply_stream, request_id=job.request_id,
                        caller=job.caller, body=job.body, merge_key=job.merge_key,
                        flight_key=flight_key(job.caller.tenant, job.tier, job.merge_key is not None, job.body),
-                       prompt_tokens=job.prompt_tokens, max_tokens=job.max_tokens,
+                       prompt_tokens=job.counted_prompt(), max_tokens=job.max_tokens,
                        deadline_ms=self._server_clock.to_server_ms(deadline),
                        enqueued_ms=self._server_clock.to_server_ms(job.enqueued_at),
                        traceparent=tracing.traceparent(job.trace_context))

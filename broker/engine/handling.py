@@ -16,7 +16,7 @@ from mergebroker.broker.engine.chat.service import CacheControl, ChatResult
 from mergebroker.broker.engine.container import Engine
 from mergebroker.broker.engine.embeddings.service import EmbeddingResponse
 from mergebroker.broker.engine.ground.schemas import BrokerOptions, ChatRequest, EmbeddingRequest
-from mergebroker.broker.engine.ground.tokens import count_text_tokens
+from mergebroker.broker.engine.ground.tokens import count_text_tokens, estimate_prompt_tokens
 from mergebroker.broker.engine.limits.admission import TIER_HEADER, Caller
 from mergebroker.broker.engine.streams import HandledStream, PassThrough, Relay
 from mergebroker.errors import NotFound
@@ -90,7 +90,10 @@ async def complete_chat(broker: Engine, info: RequestInfo, caller: Caller, parse
                                                                    outcome.batch_id, result.cache)
     note_usage(info, outcome.usage)
     info.usage_settles = outcome.settled_usage
-    info.alone_prompt_tokens = result.prompt_estimate
+    estimate = result.prompt_estimate
+    if estimate is None and (info.costs is not None or broker.ledger is not None):  # counted late: see
+        estimate = estimate_prompt_tokens(body.get("messages") or [])  # `ChatService._admit_counting_late`
+    info.alone_prompt_tokens = estimate or 0
     info.provider = outcome.provider
     if info.costs is not None and broker.chat.merges(info.tier):  # the alone estimate of its answer's tokens
         info.answer_tokens = count_text_tokens(_answer_text(outcome.body))

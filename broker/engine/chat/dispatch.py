@@ -141,7 +141,7 @@ class Dispatcher:
         try:
             with tracing.parent(job.trace_context):  # queued: its call belongs to its request's trace
                 body, provider = await self._pools.chat(job.model, job.body, deadline=deadline,
-                                                        priority=job.priority, tokens=job.reserved_tokens,
+                                                        priority=job.priority, tokens=self._upstream_tokens(job),
                                                         tenant=job.caller.tenant)
             job.resolve(ChatOutcome(body, provider, self._clock() - started, fallback=fallback))
         except BrokerError as exc:
@@ -150,6 +150,13 @@ class Dispatcher:
             log.exception("dispatch_failed", request_id=job.request_id)
             job.fail(UpstreamError(f"Internal error while dispatching: {type(exc).__name__}"))
 
+    def _upstream_tokens(self, job: ChatJob) -> int:
+        """What `job` takes from its upstream's token rate: its reserved tokens; 0 for a job whose prompt is not
+        counted yet where no upstream of its model declares a token rate (nothing would read them)."""
+        if job.prompt_tokens is None and not self._pools.limits_tokens(job.model):
+            return 0
+        return job.reserved_tokens
+
     async def _run_single_stream(self, job: ChatJob, deadline: float) -> None:
         """A streaming request that found no partner: its own upstream stream, relayed as it comes."""
         started = self._clock()
@@ -157,11 +164,11 @@ class Dispatcher:
             with tracing.parent(job.trace_context):
                 chunks, provider = await self._pools.stream_chat(job.model, with_usage_requested(job.body),
                                                                  deadline=deadline, priority=job.priority,
-                                                                 tokens=job.reserved_tokens)
+                                                                 tokens=self._upstream_tokens(job))
         except BrokerError as exc:
             job.fail(exc)
             return
-        metered = MeteredStream(chunks, relay_usage=caller_wants_usage(job.body), prompt_tokens=job.prompt_tokens)
+        metered = MeteredStream(chunks, relay_usage=caller_wants_usage(job.body), prompt_tokens=job.counted_prompt())
         job.resolve(ChatOutcome({}, provider, self._clock() - started, stream=metered, settled_usage=metered.usage))
         if job.future.cancelled():  # the caller left meanwhile: free the upstream slot now
             await metered.aclose()
@@ -324,14 +331,14 @@ class Dispatcher:
             with tracing.parent(job.trace_context):
                 chunks, _ = await self._pools.stream_chat(job.model, with_usage_requested(job.body),
                                                           deadline=job.deadline, priority=job.priority,
-                                                          tokens=job.reserved_tokens)
+                                                          tokens=self._upstream_tokens(job))
         except BrokerError as exc:
-            settle_future(usage, counted_usage(job.prompt_tokens, stream.released))
+            settle_future(usage, counted_usage(job.counted_prompt(), stream.released))
             stream.fail(exc)
             return
         resuming = stream.sent_text
         metered = MeteredStream(chunks, relay_usage=resuming or caller_wants_usage(job.body),
-                                prompt_tokens=job.prompt_tokens)
+                                prompt_tokens=job.counted_prompt())
         if stream.ended:  # its caller left while the call opened: nobody will read it
             await metered.aclose()
             settle_future(usage, await metered.usage)
@@ -373,7 +380,7 @@ class Dispatcher:
 
 
 def _call_member(job: ChatJob) -> CallMember:
-    return CallMember(job.body, job.shape, job.max_tokens, job.prompt_tokens)  # type: ignore[arg-type]
+    return CallMember(job.body, job.shape, job.max_tokens, job.counted_prompt())  # type: ignore[arg-type]
 
 
 MERGED_CALL_SHARE = 0.5

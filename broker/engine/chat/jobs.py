@@ -9,6 +9,7 @@ from typing import Any
 
 import structlog
 
+from mergebroker.broker.engine.ground.tokens import estimate_prompt_tokens
 from mergebroker.broker.engine.limits.admission import Caller
 from mergebroker.errors import BrokerError, Overloaded
 from mergebroker.frozen_init import direct_init
@@ -71,7 +72,7 @@ class ChatJob:
     priority: float  # rank at the upstream limiter: tier priority aged by queue time (aged_rank)
     shape: MergeShape | None
     merge_key: str | None
-    prompt_tokens: int
+    prompt_tokens: int | None  # the prompt's estimated tokens; None until something needs them (`counted_prompt`)
     max_tokens: int
     deadline: float  # only `extend_deadline` changes it, and only until `mark_sent`
     enqueued_at: float
@@ -85,10 +86,17 @@ class ChatJob:
     def tier(self) -> str:
         return self.caller.tier
 
+    def counted_prompt(self) -> int:
+        """The prompt's estimated tokens, counted the first time something needs them (merge planning, an
+        upstream's token limit, the cluster's wire, a stream whose upstream reports no usage)."""
+        if self.prompt_tokens is None:
+            self.prompt_tokens = estimate_prompt_tokens(self.body.get("messages") or [])
+        return self.prompt_tokens
+
     @property
     def reserved_tokens(self) -> int:
         """What the job may cost at most: its estimated prompt plus its output budget."""
-        return self.prompt_tokens + self.max_tokens
+        return self.counted_prompt() + self.max_tokens
 
     def extend_deadline(self, deadline: float) -> bool:
         """Let the job run until the later `deadline` (a coalesced follower's); False once it was sent."""

@@ -137,7 +137,7 @@ class BatchPlanner:
             if len(batch) < 2:
                 out.append(batch)
                 continue
-            candidates = [Candidate(j.prompt_tokens, max(0, j.prompt_tokens - shared), j.max_tokens) for j in batch]
+            candidates = [Candidate(j.counted_prompt(), max(0, j.counted_prompt() - shared), j.max_tokens) for j in batch]
             sizes = self._economy.split(model, system, candidates, rpm_pressure=self._rpm_pressure(model),
                                         tag_tokens=BLOCK_OVERHEAD_TOKENS)
             start = 0

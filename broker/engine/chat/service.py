@@ -46,7 +46,7 @@ class ChatResult:
     outcome: ChatOutcome
     cache: str  # "hit" | "coalesced" | "miss"
     limit_headers: dict[str, str]
-    prompt_estimate: int = 0  # estimated prompt tokens had it been sent alone
+    prompt_estimate: int | None = 0  # estimated prompt tokens had it been sent alone (None: not counted)
 
 
 @dataclass(frozen=True)
@@ -111,13 +111,30 @@ class ChatService:
         The prompt estimate is 0 when nothing would read it (see `prompt_estimate_needed`).
         """
         prompt_tokens = estimate_prompt_tokens(body.get("messages") or []) if self._estimate_prompts else 0
+        reservation, max_tokens = await self._reserve(caller, self.limit_specs(caller), body, prompt_tokens)
+        return reservation, prompt_tokens, max_tokens
+
+    async def _admit_counting_late(self, caller: Caller, body: dict[str, Any]) -> tuple[Reservation, int | None, int]:
+        """`admit`, counting the prompt now only where a token limit of the caller reserves it; else its estimate is
+        None: its job counts it where something reads it (`ChatJob.counted_prompt`). Counting is the largest
+        part of a lone request's own work (the tokenizer), and a request sent alone, where nothing limits or
+        prices tokens, never needs it."""
+        specs = self.limit_specs(caller)
+        prompt_tokens: int | None = 0
+        if self._estimate_prompts:
+            prompt_tokens = estimate_prompt_tokens(body.get("messages") or []) if any(s.tpm for s in specs) else None
+        reservation, max_tokens = await self._reserve(caller, specs, body, prompt_tokens or 0)
+        return reservation, prompt_tokens, max_tokens
+
+    async def _reserve(self, caller: Caller, specs: list[LimitSpec], body: dict[str, Any],
+                       prompt_tokens: int) -> tuple[Reservation, int]:
         max_tokens = self._units[caller.tier].budget(body)
         try:
-            reservation = await self._limiter.reserve(self.limit_specs(caller), prompt_tokens + max_tokens)
+            reservation = await self._limiter.reserve(specs, prompt_tokens + max_tokens)
         except Exception:
             self._metrics.rejected.labels(caller.tier, "rate_limited").inc()
             raise
-        return reservation, prompt_tokens, max_tokens
+        return reservation, max_tokens
 
     def check_fast_fail(self, model: str) -> None:
         retry_after = self._pools.fast_fail_after(model)
@@ -133,7 +150,7 @@ class ChatService:
         limit_s = tier.timeout_for(timeout_s)
         deadline = self._clock() + limit_s
         self.check_fast_fail(body["model"])
-        reservation, prompt_tokens, max_tokens = await self.admit(caller, body)
+        reservation, prompt_tokens, max_tokens = await self._admit_counting_late(caller, body)
         try:
             result = await self._answer(caller, tier, request_id, body, (deadline, limit_s), prompt_tokens,
                                         max_tokens, merge_opt_out, cache_control, reservation)
@@ -141,12 +158,12 @@ class ChatService:
             await reservation.settle(0)
             raise
         usage = result.outcome.usage
-        spent = 0 if result.cache == "hit" else (usage.total_tokens if usage else prompt_tokens + max_tokens)
+        spent = 0 if result.cache == "hit" else (usage.total_tokens if usage else (prompt_tokens or 0) + max_tokens)
         await reservation.settle(spent)
         return result
 
     async def _answer(self, caller: Caller, tier: TierSettings, request_id: str, body: dict[str, Any],
-                      time_limit: tuple[float, float], prompt_tokens: int, max_tokens: int, merge_opt_out: bool,
+                      time_limit: tuple[float, float], prompt_tokens: int | None, max_tokens: int, merge_opt_out: bool,
                       cache_control: CacheControl, reservation: Reservation) -> ChatResult:
         deadline, limit_s = time_limit
         scope = self._scope(caller, tier)
@@ -162,6 +179,7 @@ class ChatService:
 
         # A follower shares the leader's job: its tier (window, priority) and its merge opt-out must match.
         flight = f"{key}|{tier.name}|{'alone' if merge_opt_out else 'mergeable'}"
+        made: list[ChatJob] = []  # this caller's own job, whose prompt count (if one was made) it reports
 
         def submit() -> asyncio.Future[ChatOutcome] | Lead[ChatOutcome]:
             # Only the first of identical requests queues a job; SingleFlight cancels its future (the
@@ -170,6 +188,7 @@ class ChatService:
             # this caller leave mid-call while identical requests wait on it, it goes to the queue for them.
             job = self._job(caller, tier, scope, request_id, body, deadline, prompt_tokens, max_tokens,
                             merge_opt_out)
+            made.append(job)
             run = self._queue.run_now(job)
             future = job.future if run is not None else self._queue.submit(job)
             self._pending[flight] = (job, future)
@@ -190,7 +209,7 @@ class ChatService:
             self._metrics.upstream_calls_saved.inc()
         if cacheable and cache_control.write and cacheable_reply(outcome.body, body):
             await self._cache.set(key, jsonio.dumps(outcome.body))  # type: ignore[union-attr]
-        return ChatResult(outcome, cache, reservation.headers(), prompt_tokens)
+        return ChatResult(outcome, cache, reservation.headers(), made[0].prompt_tokens if made else prompt_tokens)
 
     async def _share(self, flight: str, submit: Callable[[], asyncio.Future[ChatOutcome] | Lead[ChatOutcome]],
                      deadline: float) -> tuple[ChatOutcome, bool]:
@@ -233,7 +252,7 @@ class ChatService:
         child.inc()
 
     def _job(self, caller: Caller, tier: TierSettings, scope: str, request_id: str, body: dict[str, Any],
-             deadline: float, prompt_tokens: int, max_tokens: int, merge_opt_out: bool, *,
+             deadline: float, prompt_tokens: int | None, max_tokens: int, merge_opt_out: bool, *,
              stream: bool = False) -> ChatJob:
         shape, merge_key = self._units[tier.name].identity(body, scope, mergeable=not merge_opt_out, stream=stream)
         now = self._clock()
