@@ -91,8 +91,8 @@ async def complete_chat(broker: Engine, info: RequestInfo, caller: Caller, parse
     note_usage(info, outcome.usage)
     info.usage_settles = outcome.settled_usage
     estimate = result.prompt_estimate
-    if estimate is None and (info.costs is not None or broker.ledger is not None):  # counted late: see
-        estimate = estimate_prompt_tokens(body.get("messages") or [])  # `ChatService._admit_counting_late`
+    if estimate is None and (info.costs is not None or broker.ledger is not None):  # counted late (see
+        estimate = estimate_prompt_tokens(body.get("messages") or [])  # `ChatService._admit`): read here
     info.alone_prompt_tokens = estimate or 0
     info.provider = outcome.provider
     if info.costs is not None and broker.chat.merges(info.tier):  # the alone estimate of its answer's tokens

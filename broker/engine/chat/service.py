@@ -110,31 +110,27 @@ class ChatService:
 
         The prompt estimate is 0 when nothing would read it (see `prompt_estimate_needed`).
         """
-        prompt_tokens = estimate_prompt_tokens(body.get("messages") or []) if self._estimate_prompts else 0
-        reservation, max_tokens = await self._reserve(caller, self.limit_specs(caller), body, prompt_tokens)
-        return reservation, prompt_tokens, max_tokens
+        reservation, prompt_tokens, max_tokens = await self._admit(caller, body, count_late=False)
+        return reservation, prompt_tokens or 0, max_tokens
 
-    async def _admit_counting_late(self, caller: Caller, body: dict[str, Any]) -> tuple[Reservation, int | None, int]:
-        """`admit`, counting the prompt now only where a token limit of the caller reserves it; else its estimate is
-        None: its job counts it where something reads it (`ChatJob.counted_prompt`). Counting is the largest
-        part of a lone request's own work (the tokenizer), and a request sent alone, where nothing limits or
-        prices tokens, never needs it."""
+    async def _admit(self, caller: Caller, body: dict[str, Any], *,
+                     count_late: bool) -> tuple[Reservation, int | None, int]:
+        """`admit`; `count_late`: count the prompt now only where a token limit of the caller reserves it, else
+        its estimate is None and its job counts it where something reads it (`ChatJob.counted_prompt`).
+        Counting is the largest part of a lone request's own work (the tokenizer), and a request sent alone,
+        where nothing limits or prices tokens, never needs it."""
         specs = self.limit_specs(caller)
         prompt_tokens: int | None = 0
         if self._estimate_prompts:
-            prompt_tokens = estimate_prompt_tokens(body.get("messages") or []) if any(s.tpm for s in specs) else None
-        reservation, max_tokens = await self._reserve(caller, specs, body, prompt_tokens or 0)
-        return reservation, prompt_tokens, max_tokens
-
-    async def _reserve(self, caller: Caller, specs: list[LimitSpec], body: dict[str, Any],
-                       prompt_tokens: int) -> tuple[Reservation, int]:
+            prompt_tokens = (estimate_prompt_tokens(body.get("messages") or [])
+                             if not count_late or any(s.tpm for s in specs) else None)
         max_tokens = self._units[caller.tier].budget(body)
         try:
-            reservation = await self._limiter.reserve(specs, prompt_tokens + max_tokens)
+            reservation = await self._limiter.reserve(specs, (prompt_tokens or 0) + max_tokens)
         except Exception:
             self._metrics.rejected.labels(caller.tier, "rate_limited").inc()
             raise
-        return reservation, max_tokens
+        return reservation, prompt_tokens, max_tokens
 
     def check_fast_fail(self, model: str) -> None:
         retry_after = self._pools.fast_fail_after(model)
@@ -150,7 +146,7 @@ class ChatService:
         limit_s = tier.timeout_for(timeout_s)
         deadline = self._clock() + limit_s
         self.check_fast_fail(body["model"])
-        reservation, prompt_tokens, max_tokens = await self._admit_counting_late(caller, body)
+        reservation, prompt_tokens, max_tokens = await self._admit(caller, body, count_late=True)
         try:
             result = await self._answer(caller, tier, request_id, body, (deadline, limit_s), prompt_tokens,
                                         max_tokens, merge_opt_out, cache_control, reservation)
