@@ -96,7 +96,8 @@ class ChatJob:
     @property
     def reserved_tokens(self) -> int:
         """What the job may cost at most: its estimated prompt plus its output budget."""
-        return self.counted_prompt() + self.max_tokens
+        prompt = self.prompt_tokens  # asked for every call: the count made already, without a call
+        return (self.counted_prompt() if prompt is None else prompt) + self.max_tokens
 
     def extend_deadline(self, deadline: float) -> bool:
         """Let the job run until the later `deadline` (a coalesced follower's); False once it was sent."""
