@@ -12,6 +12,12 @@ Every sample is clamped to [`low`, `high`] first, so that one odd call (images, 
 count) can neither set nor swing it far. Samples where either count is zero carry no information and are
 ignored. Until a (provider, model, direction) has a sample, `ratio` falls back to what other providers
 taught about the model (`learnt`), then to 1.0, and `samples` says so (the stats call that uncalibrated).
+
+A call sent alone for one request is that request's own alone bill: its counts only teach the ratio, and
+counting them costs the broker a tokenization of its prompt and its answer. `wants_sample` takes every such
+call of a (provider, model) until `warm_samples` were offered, then one in `sample_every`: the ratio keeps
+following the provider (at `alpha` 0.2 it rests on its last ten or so samples either way), and most lone
+requests are sent without being counted.
 """
 
 from __future__ import annotations
@@ -36,12 +42,22 @@ class CallTokens:
 class Calibration:
     """Per (provider, model, direction), the running ratio of the provider's token counts to the broker's."""
 
-    def __init__(self, *, alpha: float = 0.2, low: float = 0.5, high: float = 2.0) -> None:
-        if not 0 < alpha <= 1 or not 0 < low <= 1 <= high:
-            raise ValueError("need 0 < alpha <= 1 and 0 < low <= 1 <= high")
+    def __init__(self, *, alpha: float = 0.2, low: float = 0.5, high: float = 2.0, warm_samples: int = 64,
+                 sample_every: int = 8) -> None:
+        if not 0 < alpha <= 1 or not 0 < low <= 1 <= high or warm_samples < 0 or sample_every < 1:
+            raise ValueError("need 0 < alpha <= 1, 0 < low <= 1 <= high, warm_samples >= 0 and sample_every >= 1")
         self._alpha, self._low, self._high = alpha, low, high
+        self._warm, self._every = warm_samples, sample_every
         self._ratios: dict[tuple[str, str, Direction], float] = {}
         self._samples: dict[tuple[str, str, Direction], int] = {}
+        self._offered: dict[tuple[str, str], int] = {}  # lone calls offered as samples, by (provider, model)
+
+    def wants_sample(self, provider: str, model: str) -> bool:
+        """Whether to count this lone call of `provider` and `model` as a sample (see the module docstring)."""
+        key = (provider, model)
+        offered = self._offered.get(key, 0) + 1
+        self._offered[key] = offered
+        return offered <= self._warm or offered % self._every == 0
 
     def update(self, provider: str, model: str, reported: int, counted: int, direction: Direction = "prompt") -> float:
         """Fold in one sample: the provider reported `reported` tokens where the broker counted `counted`."""

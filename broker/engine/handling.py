@@ -90,12 +90,16 @@ async def complete_chat(broker: Engine, info: RequestInfo, caller: Caller, parse
                                                                    outcome.batch_id, result.cache)
     note_usage(info, outcome.usage)
     info.usage_settles = outcome.settled_usage
-    estimate = result.prompt_estimate
-    if estimate is None and (info.costs is not None or broker.ledger is not None):  # counted late (see
-        estimate = estimate_prompt_tokens(body.get("messages") or [])  # `ChatService._admit`): read here
-    info.alone_prompt_tokens = estimate or 0
     info.provider = outcome.provider
-    if info.costs is not None and broker.chat.merges(info.tier):  # the alone estimate of its answer's tokens
+    # A request sent alone is its own alone bill: its counts only teach the calibration, which samples them.
+    costs, sent_alone = info.costs, result.cache == "miss" and outcome.batch_size <= 1
+    priced = costs is not None and (not sent_alone or costs.calibration.wants_sample(outcome.provider or "",
+                                                                                      info.model or ""))
+    estimate = result.prompt_estimate
+    if estimate is None and (priced or broker.ledger is not None):  # counted late (`ChatService._admit`)
+        estimate = estimate_prompt_tokens(body.get("messages") or [])
+    info.alone_prompt_tokens = estimate or 0
+    if priced and broker.chat.merges(info.tier):  # the alone estimate of its answer's tokens
         info.answer_tokens = count_text_tokens(_answer_text(outcome.body))
     return result
 

@@ -101,3 +101,11 @@ async def test_merged_calls_teach_the_scale_and_the_alone_bill_matches_the_direc
     assert ratios["prompt"]["ratio"] == pytest.approx(other_tokenizer.config.token_scale, rel=0.05)
     assert cost["actual_usd"] == pytest.approx(through["usd"], rel=0.05)
     assert cost["alone_usd"] == pytest.approx(direct["usd"], rel=0.10)
+
+
+def test_lone_calls_are_all_samples_until_warm_then_one_in_sample_every() -> None:
+    """A lone call's counts only teach the ratio: once warm, most are sent without being counted."""
+    calibration = Calibration(warm_samples=3, sample_every=4)
+    taken = [calibration.wants_sample("p", "m") for _ in range(12)]
+    assert taken == [True, True, True, True, False, False, False, True, False, False, False, True]
+    assert calibration.wants_sample("other", "m")  # each provider and model warms on its own
