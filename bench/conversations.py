@@ -31,9 +31,9 @@ import aiohttp
 from bench.harness import (
     CpuWindow,
     Process,
+    cpu_vs_old,
     format_table,
     new_and_old,
-    paired_median,
     percentile,
     processes,
     publish,
@@ -107,7 +107,7 @@ async def run(agents: int, turns: int, rounds: int, old_checkout: Path | None) -
     rows = [{"target": name, "cpu_ms_per_turn": statistics.median(r["cpu_ms"] for r in runs),
              "p50_ms": statistics.median(r["p50_ms"] for r in runs), "errors": sum(r["errors"] for r in runs)}
             for name, runs in measured.items()]
-    ratios = paired_median(measured, "cpu_ms")
+    ratios = cpu_vs_old(measured)
     return {"agents": agents, "turns": turns, "rounds": rounds, "rows": rows, "ratios": ratios,
             "meta": run_meta(started)}
 

@@ -518,9 +518,10 @@ async def new_and_old(config: dict[str, Any], old_checkout: Path | None, warm: C
     return measured
 
 
-def paired_median(measured: dict[str, list[dict[str, Any]]], key: str) -> dict[str, float]:
-    """{"cpu_vs_old": the median over rounds of new / old `key`} where both ran, else {}."""
+def cpu_vs_old(measured: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """{"cpu_vs_old": the median over rounds of new / old "cpu_ms"} where both brokers ran (`new_and_old`), else
+    {}."""
     if "broker_old" not in measured:
         return {}
-    return {"cpu_vs_old": statistics.median(a[key] / b[key] for a, b in zip(measured["broker"],
-                                                                            measured["broker_old"]))}
+    return {"cpu_vs_old": statistics.median(a["cpu_ms"] / b["cpu_ms"] for a, b in zip(measured["broker"],
+                                                                                      measured["broker_old"]))}

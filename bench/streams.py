@@ -26,9 +26,9 @@ import aiohttp
 from bench.harness import (
     CpuWindow,
     Process,
+    cpu_vs_old,
     format_table,
     new_and_old,
-    paired_median,
     passthrough_config,
     percentile,
     processes,
@@ -81,7 +81,7 @@ async def run(requests: int, concurrency: int, rounds: int, old_checkout: Path |
              "first_event_p50_ms": statistics.median(r["first_event_p50_ms"] for r in runs),
              "events_per_stream": runs[0]["events_per_stream"], "errors": sum(r["errors"] for r in runs)}
             for name, runs in measured.items()]
-    ratios = paired_median(measured, "cpu_ms")
+    ratios = cpu_vs_old(measured)
     return {"requests": requests, "concurrency": concurrency, "rounds": rounds, "rows": rows, "ratios": ratios,
             "meta": run_meta(started)}
 

@@ -55,9 +55,6 @@ class TokenMemo:
                     self._chars -= len(dropped)
         return kept
 
-    def __len__(self) -> int:
-        return len(self._ids)
-
     @property
     def chars(self) -> int:
         """Characters of the texts remembered."""
